@@ -1,0 +1,1 @@
+"""What users call: argument checks, canonicalisation, and the bind of each primitive."""

@@ -1,0 +1,142 @@
+"""Differentiable linear algebra: ``svd`` and ``lstsq`` with numpy's conventions, batched.
+
+Both validate their arguments at trace time, canonicalise them, and bind a primitive
+(``jaxforge.primitives.linalg``) that carries its own JVP and batching rules, so ``jit``, ``grad``,
+``jvp``, ``vjp``, ``jacfwd``, ``jacrev``, ``hessian`` and ``vmap`` all apply.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxforge.primitives.linalg import lstsq_p, svd_p
+from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
+from jaxforge.primitives.linalg.lstsq import default_rcond
+
+__all__ = ["LstsqResult", "lstsq", "svd"]
+
+
+def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: float = 0.0):
+    r"""Singular value decomposition :math:`A = U \operatorname{diag}(s) V^H`, numpy's convention.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+      full_matrices: if True, ``u`` is ``(..., m, m)`` and ``vh`` is ``(..., n, n)``; otherwise
+        ``(..., m, k)`` and ``(..., k, n)`` with ``k = min(m, n)``. jaxforge's default is the thin
+        decomposition (numpy's is full).
+      compute_uv: if False, return only ``s``.
+      grad_eps: 0 (default) gives exact derivatives, which are infinite at repeated singular
+        values (and at zero ones for non-square or complex ``a``). ``grad_eps > 0`` replaces each
+        reciprocal ``1/x`` of the derivative by ``x / (x² + grad_eps)`` so gradients stay finite.
+
+    Returns:
+      ``(u, s, vh)``, or ``s`` when ``compute_uv`` is False; ``s`` is real and sorted descending.
+
+    Derivatives of the complementary columns of a full decomposition follow the convention
+    ``U⊥ᴴ dU⊥ = 0`` (see ``jaxforge.primitives.linalg.svd``); complex phases split the gauge
+    equally between ``u`` and ``v``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxforge as jf
+      >>> a = jnp.array([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
+      >>> jf.linalg.svd(a, compute_uv=False)
+      Array([4., 3.], dtype=float32)
+      >>> jax.grad(lambda a: jf.linalg.svd(a, compute_uv=False)[0])(a)[1, 1]
+      Array(1., dtype=float32)
+    """
+    a = jnp.asarray(a)
+    check_dtype("svd", "a", a.dtype)
+    check_matrix("svd", "a", a.shape)
+    grad_eps = _check_grad_eps(grad_eps)
+    out = svd_p.bind(a, full_matrices=bool(full_matrices), compute_uv=bool(compute_uv), grad_eps=grad_eps)
+    if not compute_uv:
+        return out[0]
+    s, u, vh = out
+    return u, s, vh
+
+
+class LstsqResult(NamedTuple):
+    """numpy's four results, batched over the leading dims of ``a``."""
+
+    solution: jax.Array
+    residuals: jax.Array
+    rank: jax.Array
+    singular_values: jax.Array
+
+
+def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
+    r"""Least-squares solution :math:`x = \arg\min_x \lVert b - A x\rVert_2` of minimum norm.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+      b: ``(..., m)`` (one right-hand side per matrix) or ``(..., m, k)``; its batch dims
+        broadcast against those of ``a``.
+      rcond: singular values ``<= rcond * s_max`` count as zero. ``None`` (default) means
+        ``eps * max(m, n)`` (numpy's default); a negative value means ``eps``.
+
+    Returns:
+      ``LstsqResult(solution, residuals, rank, singular_values)``: ``solution`` is ``(..., n)`` or
+      ``(..., n, k)``; ``residuals`` the squared 2-norm of each column of ``b - a @ x`` when
+      ``m > n`` (``(..., 1)`` for vector ``b``) and empty otherwise; ``rank`` int32; and
+      ``singular_values`` ``(..., min(m, n))``. Unlike numpy, ``residuals`` is reported also when
+      ``rank < n`` (a shape cannot depend on the data under ``jit``).
+
+    Full-rank problems are solved by Householder QR (of ``a``, or of ``aᴴ`` when ``m < n``), never
+    by an SVD; rank-deficient ones by the truncated SVD. The rank is decided on device.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxforge as jf
+      >>> a = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+      >>> jf.linalg.lstsq(a, jnp.array([1.0, 2.0, 3.0])).solution
+      Array([1., 2.], dtype=float32)
+    """
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    check_dtype("lstsq", "a", a.dtype)
+    check_dtype("lstsq", "b", b.dtype)
+    check_matrix("lstsq", "a", a.shape)
+    *a_batch, m, n = a.shape
+    vector_b = b.ndim == a.ndim - 1
+    if b.ndim not in (a.ndim - 1, a.ndim):
+        raise ValueError(
+            f"lstsq: `b` must have shape (..., m) or (..., m, k) for `a` of shape {a.shape}, "
+            f"i.e. rank {a.ndim - 1} or {a.ndim}; got `b` of shape {b.shape}"
+        )
+    if vector_b:
+        b = b[..., None]
+    if b.shape[-2] != m:
+        raise ValueError(
+            f"lstsq: `a` and `b` must have the same number of rows; got `a` of shape {a.shape} "
+            f"({m} rows) and `b` of shape {b.shape[:-1] if vector_b else b.shape} ({b.shape[-2]} rows)"
+        )
+    try:
+        batch = np.broadcast_shapes(tuple(a_batch), b.shape[:-2])
+    except ValueError:
+        raise ValueError(
+            f"lstsq: the batch dims of `a` {a.shape} and `b` {b.shape[:-1] if vector_b else b.shape} "
+            f"do not broadcast"
+        ) from None
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    a = jnp.broadcast_to(a.astype(dtype), (*batch, m, n))
+    b = jnp.broadcast_to(b.astype(dtype), (*batch, m, b.shape[-1]))
+    x, residuals, rank, s = lstsq_p.bind(a, b, rcond=_resolve_rcond(rcond, dtype, m, n))
+    if vector_b:
+        x = x[..., 0]
+    return LstsqResult(x, residuals, rank, s)
+
+
+def _resolve_rcond(rcond, dtype, m: int, n: int) -> float:
+    if rcond is None:
+        return default_rcond(dtype, m, n)
+    if not isinstance(rcond, (int, float, np.floating, np.integer)) or np.isnan(rcond):
+        raise TypeError(f"lstsq: `rcond` must be None or a real number; got {rcond!r}")
+    return float(np.finfo(dtype).eps) if rcond < 0 else float(rcond)
+
+
+def _check_grad_eps(grad_eps) -> float:
+    if not isinstance(grad_eps, (int, float, np.floating, np.integer)) or not grad_eps >= 0:
+        raise ValueError(f"svd: `grad_eps` must be a real number >= 0; got {grad_eps!r}")
+    return float(grad_eps)

@@ -1,0 +1,7 @@
+"""Every lowering of svd_p is registered here, and nowhere else."""
+
+from jaxforge.lowering.linalg.svd.xla import svd_xla
+from jaxforge.primitives import _core
+from jaxforge.primitives.linalg.svd import svd_p
+
+_core.register_lowering(svd_p, svd_xla)

@@ -1,0 +1,32 @@
+"""Default lowering of svd_p on every platform: LAPACK on CPU, cuSOLVER on GPU (via jax.lax.linalg)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxforge.primitives.linalg._checks import real_dtype
+
+
+def svd_xla(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
+    del grad_eps  # derivatives only
+    *batch, m, n = a.shape
+    if a.size == 0:
+        return _empty_svd(a, full_matrices=full_matrices, compute_uv=compute_uv)
+    if not compute_uv:
+        return (lax.linalg.svd(a, full_matrices=False, compute_uv=False),)
+    u, s, vh = lax.linalg.svd(a, full_matrices=full_matrices, compute_uv=True)
+    return s, u, vh
+
+
+def _empty_svd(a, *, full_matrices: bool, compute_uv: bool):
+    """numpy's answer for a zero-size matrix: no singular values, identity complements."""
+    *batch, m, n = a.shape
+    k = min(m, n)
+    s = jnp.zeros((*batch, k), real_dtype(a.dtype))
+    if not compute_uv:
+        return (s,)
+    cols_u, rows_v = (m, n) if full_matrices else (k, k)
+    u = jnp.broadcast_to(jnp.eye(m, cols_u, dtype=a.dtype), (*batch, m, cols_u))
+    vh = jnp.broadcast_to(jnp.eye(rows_v, n, dtype=a.dtype), (*batch, rows_v, n))
+    return s, u, vh

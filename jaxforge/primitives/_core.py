@@ -1,0 +1,122 @@
+"""The one helper that declares jaxforge primitives.
+
+Every primitive is written on its *core rank*: operands are ``(*batch, *core)`` with the same
+leading batch dims, so one batching rule serves them all — the vmapped axis is moved to the front
+and becomes one more batch dim (never a Python loop). A primitive brings three functions:
+
+* ``abstract_eval(*avals, **params) -> tuple[ShapedArray, ...]``: shapes and dtypes, raising a
+  clear error at trace time for bad input;
+* ``jvp(primals, tangents, **params) -> (primals_out, tangents_out)``: written with operations JAX
+  can transpose, so reverse mode comes from transposition;
+* a default implementation in jax operations, registered by ``lowering/`` with
+  :func:`register_lowering`, which runs on every platform.
+
+This module is the only one in jaxforge that touches ``jax.extend`` and ``jax.interpreters``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+__all__ = [
+    "PrimitiveSpec",
+    "define_primitive",
+    "instantiate_zeros",
+    "is_symbolic_zero",
+    "register_lowering",
+    "registered_primitives",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PrimitiveSpec:
+    """What the contract test needs to find every piece of one primitive."""
+
+    primitive: Primitive
+    reference: Callable  # the plain jax.numpy spec every lowering is tested against
+    example_args: Callable[[], tuple]  # small float64 operands, for the contract test
+    example_params: dict
+    test_module: str  # path relative to the repository root
+    bench_entry: str  # name in jaxforge.bench
+
+
+_REGISTRY: dict[str, PrimitiveSpec] = {}
+
+
+def define_primitive(
+    name: str,
+    *,
+    abstract_eval: Callable,
+    jvp: Callable,
+    reference: Callable,
+    example_args: Callable[[], tuple],
+    example_params: dict,
+    test_module: str,
+    bench_entry: str,
+) -> Primitive:
+    """Declares a multiple-results primitive with core-rank rules and leading batch dims."""
+    if name in _REGISTRY:
+        raise ValueError(f"primitive {name!r} is declared twice")
+    prim = Primitive(name)
+    prim.multiple_results = True
+    prim.def_abstract_eval(abstract_eval)
+    prim.def_impl(functools.partial(_impl_through_jit, prim))
+    ad.primitive_jvps[prim] = jvp
+    batching.primitive_batchers[prim] = functools.partial(_leading_batch_rule, prim)
+    _REGISTRY[name] = PrimitiveSpec(
+        primitive=prim,
+        reference=reference,
+        example_args=example_args,
+        example_params=dict(example_params),
+        test_module=test_module,
+        bench_entry=bench_entry,
+    )
+    return prim
+
+
+def registered_primitives() -> dict[str, PrimitiveSpec]:
+    """Every primitive declared so far, by name."""
+    return dict(_REGISTRY)
+
+
+def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None = None) -> None:
+    """Lowers ``prim`` by tracing ``impl`` (jax operations) into the enclosing computation.
+
+    ``platform=None`` registers the default lowering, used wherever no platform-specific one is.
+    """
+    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True), platform=platform)
+
+
+def is_symbolic_zero(tangent) -> bool:
+    return type(tangent) is ad.Zero
+
+
+def instantiate_zeros(tangent):
+    return ad.instantiate_zeros(tangent)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted_bind(prim: Primitive, params: tuple) -> Callable:
+    return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _impl_through_jit(prim: Primitive, *args, **params):
+    # Eager calls compile the primitive once per (params, shapes), like any jitted function.
+    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+
+
+def _leading_batch_rule(prim: Primitive, args: Sequence, dims: Sequence, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    moved = [
+        jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    outs = prim.bind(*moved, **params)
+    return outs, [0] * len(outs)

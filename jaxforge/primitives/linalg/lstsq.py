@@ -1,0 +1,203 @@
+r"""lstsq: the minimum-norm least-squares solution :math:`x = A^+ b` as a primitive.
+
+``lstsq_p`` binds ``a`` of shape ``(*batch, m, n)`` and ``b`` of shape ``(*batch, m, k)`` (the same
+batch dims and dtype) with the static cut-off ``rcond`` and returns ``(x, residuals, rank, s)``:
+
+* ``x`` ``(*batch, n, k)``: :math:`A_r^+ b`, where :math:`A_r` keeps the singular values
+  :math:`s_i > \mathrm{rcond}\cdot s_1` (numpy's rule);
+* ``residuals`` ``(*batch, k)``: :math:`\lVert b - A x\rVert^2` per column when ``m > n``, else
+  ``(*batch, 0)``. numpy returns an empty array also when ``rank < n``; a shape cannot depend on data
+  under ``jit``, so jaxforge returns the actual residuals there;
+* ``rank`` ``(*batch,)`` int32 and ``s`` ``(*batch, min(m, n))``, the singular values of ``a``.
+
+The rank is decided on device, without a host sync. Derivatives hold where the rank is locally
+constant (Golub & Pereyra); with :math:`r = b - Ax`:
+
+.. math::
+
+    dx = A^+(db - dA\,x) + A^+A^{+H} dA^H r + (I - A^+A)\, dA^H A^{+H} x
+
+Full column rank (:math:`m \ge n`, :math:`A = QR`) this is
+:math:`dx = R^{-1}[Q^H(db - dA\,x) + R^{-H} dA^H r]`; full row rank (:math:`m < n`,
+:math:`A^H = QR`, :math:`z = R^{-1}R^{-H} b`) it is
+:math:`dx = QR^{-H}(db - dA\,x) + (I - QQ^H)\, dA^H z`: matmuls and triangular solves, linear in
+``(da, db)``, so JAX transposes them for reverse mode and full-rank gradients never meet an SVD
+singularity. Rank-deficient inputs use the truncated pseudo-inverse from the SVD of ``R``; that
+branch runs only when some matrix in the batch is rank-deficient (``lax.cond`` on device). The
+residuals follow :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and
+the singular values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
+
+Where things live:
+    API        jaxforge/functional/linalg.py :: lstsq
+    lowering   jaxforge/lowering/linalg/lstsq/
+    tests      tests/primitives/linalg/test_lstsq.py
+    benchmark  jaxforge/bench/linalg.py (entry "lstsq")
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import core, lax
+
+from jaxforge.primitives import _core
+from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
+from jaxforge.primitives.linalg._ops import ct, diagonal, mm, solve_triangular
+from jaxforge.primitives.linalg.svd import svd_p
+
+__all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
+
+# Named shapes (batch, m, n, k) shared by tests and benchmarks; "bench_gpu" are ANCHORS.md shapes.
+SHAPES = {
+    "tiny_batch": ((8192, 64, 16, 1), ("bench_gpu", "bench_cpu")),
+    "small_batch": ((256, 512, 128, 4), ("bench_gpu", "bench_cpu")),
+    "tall_large": ((1, 16384, 1024, 16), ("bench_gpu", "bench_cpu")),
+    "square_large": ((1, 4096, 4096, 1), ("bench_gpu",)),
+    "square_cpu": ((1, 1024, 1024, 1), ("bench_cpu",)),
+    "odd_wide": ((7, 37, 61, 3), ("bench_cpu", "test")),
+    "odd_tall": ((5, 61, 37, 2), ("test",)),
+}
+
+
+def default_rcond(dtype, m: int, n: int) -> float:
+    """numpy's default cut-off: machine epsilon times max(m, n)."""
+    return float(np.finfo(real_dtype(dtype)).eps * max(m, n))
+
+
+def lstsq_reference(a, b, *, rcond: float):
+    """The spec: the truncated-SVD pseudo-inverse solution, in plain jax.numpy."""
+    m, n = a.shape[-2:]
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    keep = s > rcond * jnp.max(s, axis=-1, keepdims=True, initial=0)
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    x = mm(ct(vh), s_inv[..., :, None] * mm(ct(u), b))
+    return x, residuals(a, b, x), jnp.sum(keep, axis=-1, dtype=jnp.int32), s
+
+
+def residuals(a, b, x):
+    """Column sums of ``|b - A x|²`` when ``m > n``; an empty ``(*batch, 0)`` array otherwise."""
+    m, n = a.shape[-2:]
+    if m <= n:
+        return jnp.zeros((*b.shape[:-2], 0), real_dtype(b.dtype))
+    return jnp.sum(jnp.abs(b - mm(a, x)) ** 2, axis=-2)
+
+
+def _abstract_eval(a, b, *, rcond: float):
+    check_matrix("lstsq", "a", a.shape)
+    check_matrix("lstsq", "b", b.shape)
+    check_dtype("lstsq", "a", a.dtype)
+    check_dtype("lstsq", "b", b.dtype)
+    if a.dtype != b.dtype:
+        raise TypeError(f"lstsq: `a` and `b` must share a dtype; got {a.dtype} and {b.dtype}")
+    *batch, m, n = a.shape
+    if tuple(b.shape[:-1]) != (*batch, m):
+        raise ValueError(
+            f"lstsq: `b` must have shape (*batch, m, k) = ({', '.join(map(str, batch + [m]))}, k) "
+            f"to match `a` of shape {tuple(a.shape)}; got `b` of shape {tuple(b.shape)}"
+        )
+    k = b.shape[-1]
+    real = real_dtype(a.dtype)
+    return (
+        core.ShapedArray((*batch, n, k), a.dtype),
+        core.ShapedArray((*batch, k if m > n else 0), real),
+        core.ShapedArray(tuple(batch), np.dtype(np.int32)),
+        core.ShapedArray((*batch, min(m, n)), real),
+    )
+
+
+def _jvp(primals, tangents, *, rcond: float):
+    a, b = primals
+    x, residuals, rank, s = lstsq_p.bind(a, b, rcond=rcond)
+    da, db = (_core.instantiate_zeros(t) for t in tangents)
+    m, n = a.shape[-2:]
+    k = min(m, n)
+    if k == 0:
+        dx, ds = jnp.zeros_like(x), jnp.zeros_like(s)
+    else:
+        # The factors are recomputed with jax's differentiable QR, so that second derivatives
+        # flow through them; x and rank come from the primitive (the kernel on GPU).
+        q, r = lax.linalg.qr(a if m >= n else ct(a), full_matrices=False)
+        full = rank == k
+        dx = lax.cond(
+            jnp.all(full),
+            lambda: _full_rank_tangent(a, b, x, q, r, da, db),
+            lambda: _mixed_rank_tangent(a, b, x, q, r, rank, da, db),
+        )
+        ds = _singular_value_tangent(a, q, r, da)
+    dres = jnp.zeros_like(residuals)
+    if m > n:
+        dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
+    drank = np.zeros(rank.shape, jax.dtypes.float0)
+    return (x, residuals, rank, s), (dx, dres, drank, ds)
+
+
+def _full_rank_tangent(a, b, x, q, r, da, db):
+    m, n = a.shape[-2:]
+    if m >= n:  # A = QR: dx = R⁻¹[Qᴴ(db - dA x) + R⁻ᴴ dAᴴ (b - A x)]
+        res = b - mm(a, x)
+        return solve_triangular(
+            r, mm(ct(q), db - mm(da, x)) + solve_triangular(r, mm(ct(da), res), adjoint=True)
+        )
+    # Aᴴ = QR: dx = Q R⁻ᴴ(db - dA x) + (I - QQᴴ) dAᴴ z, z = R⁻¹R⁻ᴴ b
+    z = solve_triangular(r, solve_triangular(r, b, adjoint=True))
+    w = mm(ct(da), z)
+    return mm(q, solve_triangular(r, db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
+
+
+def _mixed_rank_tangent(a, b, x, q, r, rank, da, db):
+    """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere."""
+    k = r.shape[-1]
+    full = (rank == k)[..., None, None]
+    r_safe = jnp.where(full, r, jnp.eye(k, dtype=r.dtype))  # keeps the unselected branch finite
+    return jnp.where(
+        full,
+        _full_rank_tangent(a, b, x, q, r_safe, da, db),
+        _pinv_tangent(a, b, x, q, r, rank, da, db),
+    )
+
+
+def _pinv_tangent(a, b, x, q, r, rank, da, db):
+    """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ, from the SVD of R."""
+    m, n = a.shape[-2:]
+    s, ur, vhr = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    u, v = (mm(q, ur), ct(vhr)) if m >= n else (ct(vhr), mm(q, ur))
+    keep = jnp.arange(s.shape[-1]) < rank[..., None]
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)[..., :, None]
+    keep = keep.astype(a.dtype)[..., :, None]
+
+    def pinv(y):  # A⁺ y
+        return mm(v, s_inv * mm(ct(u), y))
+
+    def pinv_h(y):  # A⁺ᴴ y
+        return mm(u, s_inv * mm(ct(v), y))
+
+    res = b - mm(a, x)
+    w = mm(ct(da), pinv_h(x))
+    return pinv(db - mm(da, x)) + pinv(pinv_h(mm(ct(da), res))) + w - mm(v, keep * mm(ct(v), w))
+
+
+def _singular_value_tangent(a, q, r, da):
+    """ds = Re diag(Uᴴ dA V), with U, V of A from the SVD of its triangular factor."""
+    m, n = a.shape[-2:]
+    _, ur, vhr = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    if m >= n:  # A = (Q U_R) S V_Rᴴ
+        return jnp.real(diagonal(mm(mm(ct(mm(q, ur)), da), ct(vhr))))
+    return jnp.real(diagonal(mm(mm(vhr, da), mm(q, ur))))  # A = V_R S (Q U_R)ᴴ
+
+
+def _example_args():
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 6, 2))
+
+
+lstsq_p = _core.define_primitive(
+    "jaxforge_lstsq",
+    abstract_eval=_abstract_eval,
+    jvp=_jvp,
+    reference=lstsq_reference,
+    example_args=_example_args,
+    example_params=dict(rcond=default_rcond(np.float64, 6, 3)),
+    test_module="tests/primitives/linalg/test_lstsq.py",
+    bench_entry="lstsq",
+)
