@@ -73,8 +73,8 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
 
     Args:
       a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
-      b: ``(..., m)`` (one right-hand side per matrix) or ``(..., m, k)``; its batch dims
-        broadcast against those of ``a``.
+      b: ``(..., m, k)``, its batch dims broadcasting against those of ``a``; or a vector right-hand
+        side per matrix: ``(m,)``, or exactly ``a.shape[:-1]``.
       rcond: singular values ``<= rcond * s_max`` count as zero. ``None`` (default) means
         ``eps * max(m, n)`` (numpy's default); a negative value means ``eps``.
 
@@ -99,12 +99,10 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
     check_dtype("lstsq", "b", b.dtype)
     check_matrix("lstsq", "a", a.shape)
     *a_batch, m, n = a.shape
-    vector_b = b.ndim == a.ndim - 1
-    if b.ndim not in (a.ndim - 1, a.ndim):
-        raise ValueError(
-            f"lstsq: `b` must have shape (..., m) or (..., m, k) for `a` of shape {a.shape}, "
-            f"i.e. rank {a.ndim - 1} or {a.ndim}; got `b` of shape {b.shape}"
-        )
+    # torch's rule: b is a (batch of) vector(s) iff it is 1-D or has exactly a's shape minus n.
+    vector_b = b.ndim == 1 or b.shape == a.shape[:-1]
+    if b.ndim < 2 and not vector_b:
+        raise ValueError(f"lstsq: `b` must have shape (..., m) or (..., m, k); got a scalar `b` for `a` of shape {a.shape}")
     if vector_b:
         b = b[..., None]
     if b.shape[-2] != m:

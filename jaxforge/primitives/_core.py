@@ -22,11 +22,14 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import core
 from jax.extend.core import Primitive
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "PrimitiveSpec",
+    "batch_sharded_avals",
     "define_primitive",
     "instantiate_zeros",
     "is_symbolic_zero",
@@ -44,7 +47,7 @@ class PrimitiveSpec:
     example_args: Callable[[], tuple]  # small float64 operands, for the contract test
     example_params: dict
     test_module: str  # path relative to the repository root
-    bench_entry: str  # name in jaxforge.bench
+    bench_entry: str  # "<family>/<op>": jaxforge.bench.<family>.OPS[<op>]
 
 
 _REGISTRY: dict[str, PrimitiveSpec] = {}
@@ -92,6 +95,38 @@ def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None =
     ``platform=None`` registers the default lowering, used wherever no platform-specific one is.
     """
     mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True), platform=platform)
+
+
+def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple]) -> tuple:
+    """Output avals ``(shape, dtype)`` whose batch dims are sharded like the operands'.
+
+    Under explicit sharding, avals carry a sharding: a primitive partitions along its batch dims
+    only, so the operands' core dims must be replicated and their batch dims sharded alike. Errors
+    name the operand and its spec.
+    """
+    specs = {}
+    for name, aval in operands.items():
+        spec = tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
+        if any(p is not None for p in spec[batch_ndim:]):
+            raise ValueError(
+                f"{fn}: `{name}` is sharded along its core (matrix) dims, spec {PartitionSpec(*spec)}; "
+                f"only the leading {batch_ndim} batch dim(s) may be sharded: reshard it first"
+            )
+        specs[name] = spec[:batch_ndim]
+    (first, batch_spec), *rest = specs.items()
+    for name, spec in rest:
+        if spec != batch_spec:
+            raise ValueError(
+                f"{fn}: the batch dims of `{first}` and `{name}` are sharded differently, "
+                f"{PartitionSpec(*batch_spec)} and {PartitionSpec(*spec)}"
+            )
+    mesh = next(iter(operands.values())).sharding.mesh
+    return tuple(
+        core.ShapedArray(
+            shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*batch_spec, *[None] * (len(shape) - batch_ndim)))
+        )
+        for shape, dtype in outputs
+    )
 
 
 def is_symbolic_zero(tangent) -> bool:

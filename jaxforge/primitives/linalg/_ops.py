@@ -35,3 +35,16 @@ def solve_triangular(r, y, *, adjoint: bool = False):
     return lax.linalg.triangular_solve(
         r, y, left_side=True, lower=False, transpose_a=adjoint, conjugate_a=adjoint
     )
+
+
+def after(x, dep):
+    """``x``, with a data dependency on ``dep`` (same leading batch dims) so that it is computed later.
+
+    jaxlib 0.10's CPU LAPACK kernels wait on the XLA thread pool for their batch tasks; two of them
+    running side by side can block every worker of a small pool for good (seen on 2 cores). Rules
+    and lowerings chain their LAPACK calls through this tie so that none of them run concurrently.
+    It adds ``0 * f(dep)`` with ``f`` finite, which XLA cannot fold away (0·x is not 0 for NaN).
+    """
+    d = jnp.abs(dep[..., :1, :1]).astype(jnp.finfo(x.dtype).dtype)
+    tie = 0 * jnp.where(jnp.isnan(d), 0, jnp.minimum(d, 1))
+    return x + tie.astype(x.dtype)

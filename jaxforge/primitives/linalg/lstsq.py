@@ -24,7 +24,7 @@ Full column rank (:math:`m \ge n`, :math:`A = QR`) this is
 ``(da, db)``, so JAX transposes them for reverse mode and full-rank gradients never meet an SVD
 singularity. Rank-deficient inputs use the truncated pseudo-inverse from the SVD of ``R``; that
 branch runs only when some matrix in the batch is rank-deficient (``lax.cond`` on device). The
-residuals follow :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and
+singular vectors of ``A`` come from the SVD of the small factor ``R``. The residuals follow :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and
 the singular values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
 
 Where things live:
@@ -39,11 +39,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import core, lax
+from jax import lax
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
-from jaxforge.primitives.linalg._ops import ct, diagonal, mm, solve_triangular
+from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular
 from jaxforge.primitives.linalg.svd import svd_p
 
 __all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
@@ -98,12 +98,13 @@ def _abstract_eval(a, b, *, rcond: float):
         )
     k = b.shape[-1]
     real = real_dtype(a.dtype)
-    return (
-        core.ShapedArray((*batch, n, k), a.dtype),
-        core.ShapedArray((*batch, k if m > n else 0), real),
-        core.ShapedArray(tuple(batch), np.dtype(np.int32)),
-        core.ShapedArray((*batch, min(m, n)), real),
-    )
+    outputs = [
+        ((*batch, n, k), a.dtype),
+        ((*batch, k if m > n else 0), real),
+        (tuple(batch), np.dtype(np.int32)),
+        ((*batch, min(m, n)), real),
+    ]
+    return _core.batch_sharded_avals("lstsq", {"a": a, "b": b}, len(batch), outputs)
 
 
 def _jvp(primals, tangents, *, rcond: float):
@@ -115,16 +116,19 @@ def _jvp(primals, tangents, *, rcond: float):
     if k == 0:
         dx, ds = jnp.zeros_like(x), jnp.zeros_like(s)
     else:
-        # The factors are recomputed with jax's differentiable QR, so that second derivatives
-        # flow through them; x and rank come from the primitive (the kernel on GPU).
-        q, r = lax.linalg.qr(a if m >= n else ct(a), full_matrices=False)
-        full = rank == k
+        # The factors are recomputed with jax's differentiable QR so that second derivatives flow
+        # through them; x and rank come from the primitive (the kernel on GPU). Every LAPACK call
+        # is chained after the previous one (see _ops.after).
+        q, r = lax.linalg.qr(after(a if m >= n else ct(a), x), full_matrices=False)
+        _, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+        u, v = (mm(q, u_r), ct(vh_r)) if m >= n else (ct(vh_r), mm(q, u_r))  # thin SVD of A
+        r = after(r, u_r)
+        ds = jnp.real(diagonal(mm(mm(ct(u), da), v)))
         dx = lax.cond(
-            jnp.all(full),
+            jnp.all(rank == k),
             lambda: _full_rank_tangent(a, b, x, q, r, da, db),
-            lambda: _mixed_rank_tangent(a, b, x, q, r, rank, da, db),
+            lambda: _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db),
         )
-        ds = _singular_value_tangent(a, q, r, da)
     dres = jnp.zeros_like(residuals)
     if m > n:
         dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
@@ -145,7 +149,7 @@ def _full_rank_tangent(a, b, x, q, r, da, db):
     return mm(q, solve_triangular(r, db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
 
 
-def _mixed_rank_tangent(a, b, x, q, r, rank, da, db):
+def _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db):
     """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere."""
     k = r.shape[-1]
     full = (rank == k)[..., None, None]
@@ -153,15 +157,12 @@ def _mixed_rank_tangent(a, b, x, q, r, rank, da, db):
     return jnp.where(
         full,
         _full_rank_tangent(a, b, x, q, r_safe, da, db),
-        _pinv_tangent(a, b, x, q, r, rank, da, db),
+        _pinv_tangent(a, b, x, u, s, v, rank, da, db),
     )
 
 
-def _pinv_tangent(a, b, x, q, r, rank, da, db):
-    """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ, from the SVD of R."""
-    m, n = a.shape[-2:]
-    s, ur, vhr = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    u, v = (mm(q, ur), ct(vhr)) if m >= n else (ct(vhr), mm(q, ur))
+def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
+    """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
     keep = jnp.arange(s.shape[-1]) < rank[..., None]
     s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)[..., :, None]
     keep = keep.astype(a.dtype)[..., :, None]
@@ -177,15 +178,6 @@ def _pinv_tangent(a, b, x, q, r, rank, da, db):
     return pinv(db - mm(da, x)) + pinv(pinv_h(mm(ct(da), res))) + w - mm(v, keep * mm(ct(v), w))
 
 
-def _singular_value_tangent(a, q, r, da):
-    """ds = Re diag(Uᴴ dA V), with U, V of A from the SVD of its triangular factor."""
-    m, n = a.shape[-2:]
-    _, ur, vhr = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    if m >= n:  # A = (Q U_R) S V_Rᴴ
-        return jnp.real(diagonal(mm(mm(ct(mm(q, ur)), da), ct(vhr))))
-    return jnp.real(diagonal(mm(mm(vhr, da), mm(q, ur))))  # A = V_R S (Q U_R)ᴴ
-
-
 def _example_args():
     rng = np.random.default_rng(0)
     return rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 6, 2))
@@ -199,5 +191,5 @@ lstsq_p = _core.define_primitive(
     example_args=_example_args,
     example_params=dict(rcond=default_rcond(np.float64, 6, 3)),
     test_module="tests/primitives/linalg/test_lstsq.py",
-    bench_entry="lstsq",
+    bench_entry="linalg/lstsq",
 )

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax import core
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
@@ -82,12 +81,11 @@ def _abstract_eval(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float)
     check_dtype("svd", "a", a.dtype)
     *batch, m, n = a.shape
     k = min(m, n)
-    s = core.ShapedArray((*batch, k), real_dtype(a.dtype))
-    if not compute_uv:
-        return (s,)
-    u = core.ShapedArray((*batch, m, m if full_matrices else k), a.dtype)
-    vh = core.ShapedArray((*batch, n if full_matrices else k, n), a.dtype)
-    return s, u, vh
+    outputs = [((*batch, k), real_dtype(a.dtype))]
+    if compute_uv:
+        outputs.append(((*batch, m, m if full_matrices else k), a.dtype))
+        outputs.append(((*batch, n if full_matrices else k, n), a.dtype))
+    return _core.batch_sharded_avals("svd", {"a": a}, len(batch), outputs)
 
 
 def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
@@ -150,5 +148,5 @@ svd_p = _core.define_primitive(
     example_args=_example_args,
     example_params=dict(full_matrices=False, compute_uv=True, grad_eps=0.0),
     test_module="tests/primitives/linalg/test_svd.py",
-    bench_entry="svd",
+    bench_entry="linalg/svd",
 )

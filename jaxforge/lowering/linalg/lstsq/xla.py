@@ -1,8 +1,15 @@
 """Default lowering of lstsq_p on every platform: Householder QR (LAPACK/cuSOLVER via jax.lax.linalg).
 
-Full rank: x = R⁻¹Qᴴb (m >= n, A = QR) or x = QR⁻ᴴb (m < n, Aᴴ = QR, the minimum-norm solution).
-The rank is read off the singular values of R (those of A), so it matches numpy; the truncated-SVD
-branch runs only when some matrix in the batch is rank-deficient, chosen on device by lax.cond.
+* m >= n: one QR of the augmented ``[A | b]`` gives ``R`` and ``c = Qᴴb`` without forming ``Q``;
+  full rank: ``x = R⁻¹c``.
+* m < n: ``Aᴴ = QR``; full rank: the minimum-norm ``x = QR⁻ᴴb``.
+* Rank. numpy's rank counts ``s_i > rcond·s_1``. A cheap certificate settles it for most inputs:
+  ``‖R‖_F·‖R⁻¹‖_F >= s_1/s_k``, so ``‖R‖_F·‖R⁻¹‖_F < 1/rcond`` proves full rank. Only when some
+  matrix of the batch lacks the certificate does a ``lax.cond`` (decided on device) run the SVD of
+  ``R`` for the exact rank and the truncated-SVD solution of the rank-deficient ones.
+* ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
+  apart from it, so XLA drops them when the caller does not use them. They are tied to ``x`` so
+  that no two LAPACK calls run side by side (see ``_ops.after``).
 """
 
 from __future__ import annotations
@@ -10,8 +17,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
-from jaxforge.primitives.linalg._ops import ct, mm, solve_triangular
+from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 
@@ -21,28 +29,41 @@ def lstsq_xla(a, b, *, rcond: float):
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
-    tall = m >= n
-    q, r = lax.linalg.qr(a if tall else ct(a), full_matrices=False)
-    s = lax.linalg.svd(r, compute_uv=False)
-    rank = jnp.sum(s > rcond * s[..., :1], axis=-1, dtype=jnp.int32)
-    full = rank == k
+    if m >= n:
+        r_aug = jnp.linalg.qr(jnp.concatenate([a, b], axis=-1), mode="r")
+        r, c = r_aug[..., :n, :n], r_aug[..., :n, n:]
+        solve = lambda r: solve_triangular(r, c)  # noqa: E731
+        factors = lambda ur, vhr: (ur, ct(vhr))  # A = Q·(U_R S V_Rᴴ)  # noqa: E731
+        rhs = c
+    else:
+        q, r = lax.linalg.qr(ct(a), full_matrices=False)
+        solve = lambda r: mm(q, solve_triangular(r, b, adjoint=True))  # noqa: E731
+        factors = lambda ur, vhr: (ct(vhr), mm(q, ur))  # A = V_R S (Q U_R)ᴴ  # noqa: E731
+        rhs = b
 
-    def full_rank_solution(r):
-        if tall:
-            return solve_triangular(r, mm(ct(q), b))
-        return mm(q, solve_triangular(r, b, adjoint=True))
+    def certified():
+        return jnp.full(batch, k, jnp.int32), solve(r)
 
-    def mixed_rank_solution():
-        r_safe = jnp.where(full[..., None, None], r, jnp.eye(k, dtype=r.dtype))
-        return jnp.where(full[..., None, None], full_rank_solution(r_safe), _truncated_solution())
-
-    def _truncated_solution():
-        ur, s_, vhr = lax.linalg.svd(r, full_matrices=False)
+    def exact():
+        u_r, s_r, vh_r = lax.linalg.svd(r, full_matrices=False)
+        rank = jnp.sum(s_r > rcond * s_r[..., :1], axis=-1, dtype=jnp.int32)
+        full = (rank == k)[..., None, None]
+        u_small, v = factors(u_r, vh_r)  # thin SVD of A, with U given in the basis of rhs
         keep = jnp.arange(k) < rank[..., None]
-        s_inv = jnp.where(keep, 1 / jnp.where(keep, s_, 1), 0).astype(a.dtype)[..., :, None]
-        if tall:  # A = (Q U_R) S V_Rᴴ
-            return mm(ct(vhr), s_inv * mm(ct(mm(q, ur)), b))
-        return mm(mm(q, ur), s_inv * mm(vhr, b))  # A = V_R S (Q U_R)ᴴ
+        s_inv = jnp.where(keep, 1 / jnp.where(keep, s_r, 1), 0).astype(a.dtype)[..., :, None]
+        truncated = mm(v, s_inv * mm(ct(u_small), rhs))
+        full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
+        return rank, jnp.where(full, full_rank, truncated)
 
-    x = lax.cond(jnp.all(full), lambda: full_rank_solution(r), mixed_rank_solution)
-    return x, lstsq_residuals(a, b, x), rank, s
+    rank, x = lax.cond(jnp.all(_full_rank_certificate(r, rcond)), certified, exact)
+    s = lax.linalg.svd(after(r, x), compute_uv=False)
+    bad_a = ~jnp.all(jnp.isfinite(s), axis=-1)
+    x = poison(bad_a | nonfinite_matrices(x), x)
+    return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
+
+
+def _full_rank_certificate(r, rcond: float):
+    """``‖R‖_F ‖R⁻¹‖_F < 1/rcond``, which implies ``s_k > rcond·s_1``; False for NaN or singular R."""
+    eye = jnp.zeros_like(r) + jnp.eye(r.shape[-1], dtype=r.dtype)  # keeps r's batch sharding
+    norm = lambda x: jnp.sqrt(jnp.sum(jnp.abs(x) ** 2, axis=(-2, -1)))  # noqa: E731
+    return norm(r) * norm(solve_triangular(r, eye)) * rcond < 1

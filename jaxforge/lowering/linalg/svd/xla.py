@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jaxforge.lowering.linalg._nonfinite import poison
 from jaxforge.primitives.linalg._checks import real_dtype
 
 
@@ -16,7 +17,8 @@ def svd_xla(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     if not compute_uv:
         return (lax.linalg.svd(a, full_matrices=False, compute_uv=False),)
     u, s, vh = lax.linalg.svd(a, full_matrices=full_matrices, compute_uv=True)
-    return s, u, vh
+    bad = ~jnp.all(jnp.isfinite(s), axis=-1)  # LAPACK leaves s non-finite for NaN/Inf input
+    return tuple(poison(bad, x) for x in (s, u, vh))
 
 
 def _empty_svd(a, *, full_matrices: bool, compute_uv: bool):

@@ -1,0 +1,309 @@
+"""The linear-algebra benchmark: ``jf.linalg.svd`` and ``jf.linalg.lstsq`` against their anchors.
+
+Anchors (shared/ANCHORS.md): jnp's own functions, a jnp QR + triangular-solve least squares,
+numpy (when running on CPU) and torch (on GPU, where importable), all timed in this process on
+the default device. Inputs are float32 ``U diag(s) Vᵀ`` with random orthonormal factors and
+singular values spread geometrically over ``[1/COND, 1]``; the shapes are the ``SHAPES`` tables of
+``jaxforge.primitives.linalg`` tagged ``bench_cpu`` or ``bench_gpu``. Accuracy is computed in
+float64 numpy from each implementation's float32 results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxforge as jf
+from jaxforge.bench._timing import median_time, timed_call
+from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES
+from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
+
+__all__ = ["COND", "OPS", "QUICK_SHAPES", "measure"]
+
+COND = 100.0  # condition number of every input: well-conditioned, so accuracy tells methods apart
+SKIP_SECONDS = 20.0  # an anchor slower than this per call is recorded as skipped, not timed
+
+# Tiny shapes for smoke tests, tagged "quick": (batch, m, n) for svd, (batch, m, n, k) for lstsq.
+QUICK_SHAPES = {
+    "svd": {"quick_tall": ((4, 16, 8), ("quick",)), "quick_wide": ((2, 8, 12), ("quick",))},
+    "lstsq": {"quick_tall": ((4, 16, 8, 2), ("quick",)), "quick_wide": ((2, 8, 12, 1), ("quick",))},
+}
+_REPEATS = {  # keyed by `quick`
+    False: dict(min_repeats=3, max_repeats=30, max_seconds=2.0),
+    True: dict(min_repeats=2, max_repeats=2, max_seconds=1.0),
+}
+
+
+def _unchanged(*xs):
+    return xs
+
+
+def _to_host(*xs):
+    return tuple(np.asarray(x) for x in xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One contender: ``fn(*prepare(*inputs))`` returns a tuple of outputs, ready on return."""
+
+    name: str
+    fn: Callable[..., Sequence]
+    prepare: Callable[..., tuple] = _unchanged  # moves the inputs where fn wants them, untimed
+    fetch: Callable[[Any], np.ndarray] = np.asarray  # one output back to a host array
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    name: str
+    shapes: dict  # name -> (shape, tags), the primitive's SHAPES and the quick ones
+    make_inputs: Callable[[tuple[int, ...]], tuple[jax.Array, ...]]
+    implementations: Callable[[str], list[Implementation]]  # backend -> contenders, jaxforge first
+    accuracy: Callable[[tuple[np.ndarray, ...], list[np.ndarray]], dict[str, float]]
+
+
+def measure(*, shapes: Sequence[str] | None = None, quick: bool = False, progress=None) -> list[dict]:
+    """Times every implementation of svd and lstsq on each selected shape; one record per triple.
+
+    ``shapes`` names entries of the ``SHAPES`` tables or of ``QUICK_SHAPES``; the default is every
+    shape tagged for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere).
+    ``progress(done, total, label)`` is called before each measurement and once at the end.
+    """
+    backend = jax.default_backend()
+    on_cpu = backend == "cpu"  # where every implementation loops over the batch, one matrix at a time
+    if shapes is not None:
+        known = {name for op in OPS.values() for name in op.shapes}
+        unknown = sorted(set(shapes) - known)
+        if unknown:
+            raise ValueError(f"unknown shape name(s) {unknown}; known: {sorted(known)}")
+    tag = "quick" if quick else "bench_gpu" if backend == "gpu" else "bench_cpu"
+    plan = [
+        (op, name, shape, op.implementations(backend))
+        for op in OPS.values()
+        for name, shape in _select_shapes(op, shapes, tag).items()
+    ]
+    total = sum(len(impls) for *_, impls in plan)
+    records: list[dict] = []
+    for op, name, shape, impls in plan:
+        inputs = op.make_inputs(shape)
+        host64 = tuple(np.asarray(x, np.float64) for x in inputs)
+        for impl in impls:
+            if progress:
+                progress(len(records), total, f"{op.name} {name} {impl.name}")
+            record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl.name)
+            record.update(_measure(op, impl, inputs, host64, _REPEATS[quick], batch_is_a_loop=on_cpu))
+            records.append(record)
+        _add_ratios(records[-len(impls):])
+    if progress:
+        progress(total, total, "done")
+    return records
+
+
+def _select_shapes(op: _Op, names, tag: str) -> dict[str, tuple[int, ...]]:
+    if names is None:
+        return {name: shape for name, (shape, tags) in op.shapes.items() if tag in tags}
+    return {name: op.shapes[name][0] for name in names if name in op.shapes}
+
+
+def _measure(
+    op: _Op, impl: Implementation, inputs, host64, repeats: dict, *, batch_is_a_loop: bool
+) -> dict:
+    """Timing and accuracy of one implementation; an anchor that fails or is too slow is skipped.
+
+    ``batch_is_a_loop``: a call costs its batch size times one matrix's call, so an anchor's cost
+    is estimated from one matrix before the whole batch is run.
+    """
+    if impl.name == "jaxforge":  # the subject: always timed, and its errors surface
+        return _time_and_check(op, impl, impl.prepare(*inputs), host64, repeats)
+    try:
+        args = impl.prepare(*inputs)
+        batch = inputs[0].shape[0]
+        if batch_is_a_loop and batch > 1:
+            one_matrix = tuple(x[:1] for x in args)
+            impl.fn(*one_matrix)  # compiles, so that the estimate is of a warm call
+            estimate = timed_call(impl.fn, *one_matrix)[0] * batch
+            if estimate > SKIP_SECONDS:
+                return _not_timed("skipped", f"estimated {estimate:.0f} s per call from one matrix")
+        return _time_and_check(op, impl, args, host64, repeats, skip_seconds=SKIP_SECONDS)
+    except Exception as e:  # an anchor's limits (e.g. a driver refusing a shape) are data
+        return _not_timed("error", f"{type(e).__name__}: {str(e)[:200]}")
+
+
+def _time_and_check(op: _Op, impl: Implementation, args, host64, repeats: dict, skip_seconds=None) -> dict:
+    first_s, outputs = timed_call(impl.fn, *args)  # compiles, and gives the outputs to check
+    if skip_seconds is not None and first_s > skip_seconds:
+        return _not_timed("skipped", f"first call took {first_s:.0f} s", first_call_ms=_ms(first_s))
+    if first_s > repeats["max_seconds"]:  # a slow implementation is timed once, to keep the run short
+        repeats = dict(repeats, min_repeats=1)
+    timing = median_time(impl.fn, *args, **repeats)
+    accuracy = op.accuracy(host64, [impl.fetch(x).astype(np.float64) for x in outputs])
+    return dict(
+        status="ok",
+        reason=None,
+        first_call_ms=_ms(first_s),
+        times_ms=[_ms(t) for t in timing.times],
+        median_ms=_ms(timing.median),
+        ratio=None,
+        accuracy=accuracy,
+    )
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 4)  # 0.1 µs: finer digits are noise
+
+
+def _not_timed(status: str, reason: str, first_call_ms: float | None = None) -> dict:
+    return dict(
+        status=status,
+        reason=reason,
+        first_call_ms=first_call_ms,
+        times_ms=[],
+        median_ms=None,
+        ratio=None,
+        accuracy=None,
+    )
+
+
+def _add_ratios(records: list[dict]) -> None:
+    """ratio = anchor time / jaxforge time on the same shape: > 1 means jaxforge is faster."""
+    ours = next(r["median_ms"] for r in records if r["implementation"] == "jaxforge")
+    for r in records:
+        if r["status"] == "ok":
+            r["ratio"] = round(r["median_ms"] / ours, 4)
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _well_conditioned(key, shape: tuple[int, ...]):
+    """float32 matrices ``U diag(s) Vᵀ``: random orthonormal U, V; s geometric from 1 to 1/COND."""
+    *batch, m, n = shape
+    k = min(m, n)
+    key_u, key_v = jax.random.split(key)
+    u, _ = jnp.linalg.qr(jax.random.normal(key_u, (*batch, m, k), jnp.float32))
+    v, _ = jnp.linalg.qr(jax.random.normal(key_v, (*batch, n, k), jnp.float32))
+    s = jnp.geomspace(1.0, 1.0 / COND, k, dtype=jnp.float32)
+    return _matmul(u * s, jnp.swapaxes(v, -1, -2))
+
+
+def _svd_inputs(shape):
+    return (_well_conditioned(jax.random.key(0), shape),)
+
+
+def _lstsq_inputs(shape):
+    batch, m, n, k = shape
+    a = _well_conditioned(jax.random.key(0), (batch, m, n))
+    b = jax.random.normal(jax.random.key(1), (batch, m, k), jnp.float32)
+    return a, b
+
+
+# ---------------------------------------------------------------- implementations
+
+
+def _matmul(x, y):
+    # Full float32 products: a GPU's default TF32 passes would cost the anchors accuracy.
+    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+
+
+def _svd_implementations(backend: str) -> list[Implementation]:
+    impls = [
+        Implementation("jaxforge", jax.jit(jf.linalg.svd)),
+        Implementation("jnp", jax.jit(functools.partial(jnp.linalg.svd, full_matrices=False))),
+    ]
+    if backend == "cpu":
+        numpy_svd = functools.partial(np.linalg.svd, full_matrices=False)
+        impls.append(Implementation("numpy", numpy_svd, prepare=_to_host))
+    torch = _cuda_torch() if backend == "gpu" else None
+    if torch is not None:
+        impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
+    return impls
+
+
+def _qr_lstsq(a, b):
+    """jnp QR + triangular solve: ``R⁻¹Qᵀb`` (m >= n, A = QR) or ``QR⁻ᵀb`` (m < n, Aᵀ = QR)."""
+    m, n = a.shape[-2:]
+    if m >= n:
+        q, r = jnp.linalg.qr(a)
+        return jax.scipy.linalg.solve_triangular(r, _matmul(jnp.swapaxes(q, -1, -2), b))
+    q, r = jnp.linalg.qr(jnp.swapaxes(a, -1, -2))  # minimum-norm solution of a wide system
+    return _matmul(q, jax.scipy.linalg.solve_triangular(r, b, trans="T"))
+
+
+def _numpy_lstsq(a, b):
+    return (np.stack([np.linalg.lstsq(a_i, b_i, rcond=None)[0] for a_i, b_i in zip(a, b)]),)
+
+
+def _lstsq_implementations(backend: str) -> list[Implementation]:
+    jnp_lstsq = jax.vmap(lambda a, b: jnp.linalg.lstsq(a, b)[0])  # 2-D only; an SVD inside
+    impls = [
+        Implementation("jaxforge", jax.jit(lambda a, b: (jf.linalg.lstsq(a, b).solution,))),
+        Implementation("jnp", jax.jit(lambda a, b: (jnp_lstsq(a, b),))),
+        Implementation("jnp-qr", jax.jit(lambda a, b: (_qr_lstsq(a, b),))),
+    ]
+    if backend == "cpu":
+        impls.append(Implementation("numpy", _numpy_lstsq, prepare=_to_host))
+    torch = _cuda_torch() if backend == "gpu" else None
+    if torch is not None:
+        impls.append(_torch_implementation(torch, lambda a, b: (torch.linalg.lstsq(a, b).solution,)))
+    return impls
+
+
+def _cuda_torch():
+    """torch, when it is installed and sees a GPU; None otherwise (torch is an optional anchor)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def _torch_implementation(torch, call: Callable) -> Implementation:
+    def synchronised(*args):
+        out = tuple(call(*args))
+        torch.cuda.synchronize()  # the host timer must see torch's kernels finish
+        return out
+
+    def to_cuda(*xs):
+        return tuple(torch.as_tensor(np.asarray(x), device="cuda") for x in xs)
+
+    return Implementation("torch", synchronised, prepare=to_cuda, fetch=lambda t: t.cpu().numpy())
+
+
+# ---------------------------------------------------------------- accuracy (float64, host)
+
+
+def _frobenius(x):
+    return np.linalg.norm(x, axis=(-2, -1))
+
+
+def _svd_accuracy(inputs, outputs) -> dict[str, float]:
+    """Max over the batch of ‖A − U S Vᵀ‖/‖A‖ and of max(‖UᵀU − I‖, ‖VᵀV − I‖), Frobenius norms."""
+    (a,), (u, s, vh) = inputs, outputs
+    eye = np.eye(s.shape[-1])
+    reconstruction = _frobenius(a - (u * s[..., None, :]) @ vh) / _frobenius(a)
+    orthogonality = np.maximum(
+        _frobenius(np.swapaxes(u, -1, -2) @ u - eye), _frobenius(vh @ np.swapaxes(vh, -1, -2) - eye)
+    )
+    return dict(reconstruction=float(reconstruction.max()), orthogonality=float(orthogonality.max()))
+
+
+def _lstsq_accuracy(inputs, outputs) -> dict[str, float]:
+    """Max over the batch of the normal-equation residual ‖Aᵀ(Ax − b)‖/‖Aᵀb‖."""
+    (a, b), (x,) = inputs, outputs
+    at = np.swapaxes(a, -1, -2)
+    return dict(normal_residual=float((_frobenius(at @ (a @ x - b)) / _frobenius(at @ b)).max()))
+
+
+# The benchmark entries, by the `bench_entry` name their primitive declares.
+OPS = {
+    "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
+    "lstsq": _Op(
+        "lstsq", {**LSTSQ_SHAPES, **QUICK_SHAPES["lstsq"]}, _lstsq_inputs, _lstsq_implementations, _lstsq_accuracy
+    ),
+}

@@ -1,0 +1,77 @@
+"""Bad input to jf.linalg: clear errors at trace time that name the argument and what is accepted."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float16, jnp.bfloat16, np.bool_])
+def test_svd_rejects_dtype(dtype):
+    with pytest.raises(TypeError, match=r"svd: `a` has dtype \w+; accepted dtypes are float32, float64, complex64, complex128"):
+        jf.linalg.svd(jnp.ones((3, 3), dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float16])
+def test_lstsq_rejects_dtype_of_either_argument(dtype):
+    with pytest.raises(TypeError, match=r"lstsq: `a` has dtype"):
+        jf.linalg.lstsq(jnp.ones((3, 2), dtype), jnp.ones(3))
+    with pytest.raises(TypeError, match=r"lstsq: `b` has dtype"):
+        jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3, dtype))
+
+
+@pytest.mark.parametrize("shape", [(), (4,)])
+def test_rank_below_two_is_rejected(shape):
+    with pytest.raises(ValueError, match=r"svd: `a` must have rank >= 2, shape \(\.\.\., m, n\); got shape"):
+        jf.linalg.svd(jnp.ones(shape))
+    with pytest.raises(ValueError, match=r"lstsq: `a` must have rank >= 2"):
+        jf.linalg.lstsq(jnp.ones(shape), jnp.ones(4))
+
+
+def test_row_mismatch_names_both_shapes():
+    with pytest.raises(ValueError, match=r"same number of rows; got `a` of shape \(5, 3\) \(5 rows\) and `b` of shape \(4,\) \(4 rows\)"):
+        jf.linalg.lstsq(jnp.ones((5, 3)), jnp.ones(4))
+    with pytest.raises(ValueError, match=r"`a` of shape \(2, 5, 3\).*`b` of shape \(2, 4, 1\)"):
+        jf.linalg.lstsq(jnp.ones((2, 5, 3)), jnp.ones((2, 4, 1)))
+
+
+def test_batch_dims_that_do_not_broadcast():
+    with pytest.raises(ValueError, match=r"batch dims .* do not broadcast"):
+        jf.linalg.lstsq(jnp.ones((3, 5, 2)), jnp.ones((4, 5, 1)))
+
+
+def test_errors_are_raised_at_trace_time():
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        jax.jit(jf.linalg.svd).lower(jax.ShapeDtypeStruct((3, 3), jnp.int32))
+    with pytest.raises(ValueError, match="same number of rows"):
+        jax.eval_shape(jf.linalg.lstsq, jax.ShapeDtypeStruct((5, 3), jnp.float32), jax.ShapeDtypeStruct((4,), jnp.float32))
+
+
+def test_direct_bind_checks_too():
+    from jaxforge.primitives.linalg import lstsq_p, svd_p
+
+    with pytest.raises(TypeError, match="svd: `a` has dtype int32"):
+        svd_p.bind(jnp.ones((2, 2), jnp.int32), full_matrices=False, compute_uv=True, grad_eps=0.0)
+    with pytest.raises(TypeError, match="must share a dtype"):
+        lstsq_p.bind(jnp.ones((3, 2), jnp.float32), jnp.ones((3, 1), jnp.float64), rcond=1e-6)
+
+
+@pytest.mark.parametrize("grad_eps", [-1.0, float("nan"), "small", None])
+def test_bad_grad_eps(grad_eps):
+    with pytest.raises(ValueError, match=r"svd: `grad_eps` must be a real number >= 0"):
+        jf.linalg.svd(jnp.ones((2, 2)), grad_eps=grad_eps)
+
+
+@pytest.mark.parametrize("rcond", ["1e-3", float("nan"), [1e-3]])
+def test_bad_rcond(rcond):
+    with pytest.raises(TypeError, match=r"lstsq: `rcond` must be None or a real number"):
+        jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3), rcond=rcond)
+
+
+def test_mixed_dtypes_promote():
+    x = jf.linalg.lstsq(jnp.eye(3, dtype=jnp.float32), jnp.ones(3, jnp.complex64)).solution
+    assert x.dtype == jnp.complex64
