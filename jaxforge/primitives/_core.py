@@ -32,7 +32,6 @@ __all__ = [
     "batch_sharded_avals",
     "define_primitive",
     "instantiate_zeros",
-    "is_symbolic_zero",
     "register_lowering",
     "registered_primitives",
 ]
@@ -129,11 +128,8 @@ def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Seque
     )
 
 
-def is_symbolic_zero(tangent) -> bool:
-    return type(tangent) is ad.Zero
-
-
 def instantiate_zeros(tangent):
+    """A symbolic-zero tangent as an array of zeros; any other tangent unchanged."""
     return ad.instantiate_zeros(tangent)
 
 

@@ -48,3 +48,8 @@ def after(x, dep):
     d = jnp.abs(dep[..., :1, :1]).astype(jnp.finfo(x.dtype).dtype)
     tie = 0 * jnp.where(jnp.isnan(d), 0, jnp.minimum(d, 1))
     return x + tie.astype(x.dtype)
+
+
+def truncated_reciprocal(s, keep):
+    """``1/s`` where ``keep``, else 0 (and no inf anywhere, for the sake of derivatives)."""
+    return jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)

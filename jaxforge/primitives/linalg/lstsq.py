@@ -43,7 +43,7 @@ from jax import lax
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular
+from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular, truncated_reciprocal
 from jaxforge.primitives.linalg.svd import svd_p
 
 __all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
@@ -70,7 +70,7 @@ def lstsq_reference(a, b, *, rcond: float):
     m, n = a.shape[-2:]
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     keep = s > rcond * jnp.max(s, axis=-1, keepdims=True, initial=0)
-    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    s_inv = truncated_reciprocal(s, keep).astype(a.dtype)
     x = mm(ct(vh), s_inv[..., :, None] * mm(ct(u), b))
     return x, residuals(a, b, x), jnp.sum(keep, axis=-1, dtype=jnp.int32), s
 
@@ -164,7 +164,7 @@ def _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db):
 def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
     """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
     keep = jnp.arange(s.shape[-1]) < rank[..., None]
-    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)[..., :, None]
+    s_inv = truncated_reciprocal(s, keep).astype(a.dtype)[..., :, None]
     keep = keep.astype(a.dtype)[..., :, None]
 
     def pinv(y):  # A⁺ y

@@ -269,3 +269,23 @@ def test_named_shapes(name):
     rng = np.random.default_rng(14)
     a, b = random(rng, (batch, m, n)), random(rng, (batch, m, k))
     np.testing.assert_allclose(solution(a, b), numpy_lstsq(a, b)[0], atol=1e-11)
+
+
+@pytest.mark.timeout(120)
+def test_large_batches_do_not_deadlock_the_cpu_thread_pool():
+    """jaxlib's CPU LAPACK kernels share the XLA pool; our chained calls never run side by side."""
+    rng = np.random.default_rng(15)
+    a, b = random(rng, (1024, 24, 8)).astype(np.float32), random(rng, (1024, 24, 1)).astype(np.float32)
+    f = jax.jit(lambda a, b: jf.linalg.lstsq(a, b))
+    g = jax.jit(jax.grad(lambda a, b: jnp.sum(jf.linalg.lstsq(a, b).solution ** 2), argnums=(0, 1)))
+    for _ in range(5):
+        jax.block_until_ready((f(a, b), g(a, b)))
+    np.testing.assert_allclose(f(a, b).solution[7], np.linalg.lstsq(a[7], b[7])[0], rtol=1e-4, atol=1e-5)
+
+
+def test_batch_sharded_differently_is_a_clear_error():
+    mesh = jax.make_mesh((8,), ("batch",))
+    a = jax.device_put(np.zeros((8, 5, 3)), NamedSharding(mesh, PartitionSpec("batch")))
+    b = jax.device_put(np.zeros((8, 5, 1)), NamedSharding(mesh, PartitionSpec()))
+    with pytest.raises(ValueError, match=r"lstsq: the batch dims of `a` and `b` are sharded differently"):
+        jax.jit(jf.linalg.lstsq)(a, b)

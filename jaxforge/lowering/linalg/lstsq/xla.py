@@ -4,7 +4,8 @@
   full rank: ``x = R⁻¹c``.
 * m < n: ``Aᴴ = QR``; full rank: the minimum-norm ``x = QR⁻ᴴb``.
 * Rank. numpy's rank counts ``s_i > rcond·s_1``. A cheap certificate settles it for most inputs:
-  ``‖R‖_F·‖R⁻¹‖_F >= s_1/s_k``, so ``‖R‖_F·‖R⁻¹‖_F < 1/rcond`` proves full rank. Only when some
+  upper bounds ``β`` of the 2-norms give ``β(R)·β(R⁻¹) >= s_1/s_k``, so ``β(R)·β(R⁻¹) < 1/rcond``
+  proves full rank. Only when some
   matrix of the batch lacks the certificate does a ``lax.cond`` (decided on device) run the SVD of
   ``R`` for the exact rank and the truncated-SVD solution of the rank-deficient ones.
 * ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
@@ -19,7 +20,7 @@ from jax import lax
 
 from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular
+from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, truncated_reciprocal
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 
@@ -50,20 +51,30 @@ def lstsq_xla(a, b, *, rcond: float):
         full = (rank == k)[..., None, None]
         u_small, v = factors(u_r, vh_r)  # thin SVD of A, with U given in the basis of rhs
         keep = jnp.arange(k) < rank[..., None]
-        s_inv = jnp.where(keep, 1 / jnp.where(keep, s_r, 1), 0).astype(a.dtype)[..., :, None]
+        s_inv = truncated_reciprocal(s_r, keep).astype(a.dtype)[..., :, None]
         truncated = mm(v, s_inv * mm(ct(u_small), rhs))
         full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
         return rank, jnp.where(full, full_rank, truncated)
 
     rank, x = lax.cond(jnp.all(_full_rank_certificate(r, rcond)), certified, exact)
     s = lax.linalg.svd(after(r, x), compute_uv=False)
-    bad_a = ~jnp.all(jnp.isfinite(s), axis=-1)
+    bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)
     return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
 
 
 def _full_rank_certificate(r, rcond: float):
-    """``‖R‖_F ‖R⁻¹‖_F < 1/rcond``, which implies ``s_k > rcond·s_1``; False for NaN or singular R."""
+    """``β(R)·β(R⁻¹) < 1/rcond``, which implies ``s_k > rcond·s_1``; False for NaN or singular R.
+
+    ``β(X) = ‖X‖_F ‖YᴴY‖_F^½`` with ``Y = X/‖X‖_F`` bounds ``‖X‖₂`` from above, within a factor
+    ``k^¼`` (``‖X‖_F`` alone is within ``k^½``, too loose to certify a well-conditioned 1024²).
+    """
     eye = jnp.zeros_like(r) + jnp.eye(r.shape[-1], dtype=r.dtype)  # keeps r's batch sharding
-    norm = lambda x: jnp.sqrt(jnp.sum(jnp.abs(x) ** 2, axis=(-2, -1)))  # noqa: E731
-    return norm(r) * norm(solve_triangular(r, eye)) * rcond < 1
+    return _two_norm_bound(r) * _two_norm_bound(solve_triangular(r, eye)) * rcond < 1
+
+
+def _two_norm_bound(x):
+    frobenius = lambda y: jnp.sqrt(jnp.sum(jnp.abs(y) ** 2, axis=(-2, -1)))  # noqa: E731
+    scale = frobenius(x)
+    y = x / scale[..., None, None]
+    return scale * jnp.sqrt(frobenius(mm(ct(y), y)))
