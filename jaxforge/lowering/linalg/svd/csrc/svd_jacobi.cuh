@@ -1,0 +1,318 @@
+// Batched thin SVD of small matrices (m, n <= 32) by one-sided (Hestenes) Jacobi, one warp per
+// matrix. Framework-free: raw device pointers and a CUDA stream.
+//
+// Layout contract (row-major, last dim contiguous, matrices packed back to back), k = min(m, n):
+//   a    (batch, m, n)  input
+//   s    (batch, k)     singular values, descending, >= 0
+//   u    (batch, m, k)  left singular vectors as columns
+//   vt   (batch, k, n)  right singular vectors as rows;   a = u @ diag(s) @ vt
+//   info (batch)        sweeps used (>= 1, the last one applied no rotation), or -1 if the matrix
+//                       held NaN/Inf or did not converge within the sweep cap; s, u and vt of that
+//                       matrix are then all NaN.
+// Zero singular values: the factor built by normalising the work matrix (u when m >= n, vt when
+// m < n) gets a zero vector wherever the corresponding column's squared norm is exactly 0 (all of
+// it for a zero matrix); completing an orthonormal basis is not worth its cost in a warp. The other
+// factor is always orthonormal, being a product of rotations.
+//
+// Work matrix W = A (m >= n) or A^T (m < n), R = max(m, n) rows by C = min(m, n) columns. Lane i
+// owns row i of W and of the C x C rotation accumulator V, stored in a per-warp slice of shared
+// memory rather than in registers: the pair loop indexes columns p and q at runtime, which would
+// demote register arrays to local memory, and unrolling all 496 pairs at compile time would make
+// the sweep far larger than the instruction cache. Shared memory also lets the global loads and
+// stores run coalesced over the row-major layout while W is transposed on the fly.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+namespace jaxforge::svd_jacobi {
+
+constexpr int kMaxDim = 32;           // rows of the work matrix live in the 32 lanes of a warp
+constexpr int kMaxWarpsPerBlock = 8;  // one matrix per warp
+constexpr int kSmemBudget = 48 * 1024;  // per block; stays below the default dynamic-smem limit
+constexpr unsigned kFullMask = 0xffffffffu;
+// Loops with runtime bounds carry `#pragma unroll 1`: the Jacobi loops are latency-bound chains
+// of shuffles that unrolling cannot overlap, and unrolled index loops (integer division per
+// element) double the register count, which caps occupancy for small matrices, where shared memory
+// does not.
+
+template <typename T>
+struct Real;
+
+template <>
+struct Real<float> {
+  static constexpr float kEps = FLT_EPSILON;
+  static constexpr float kMax = FLT_MAX;
+  static constexpr int kMaxSweeps = 30;
+  static __device__ float nan() { return __int_as_float(0x7fc00000); }
+  static __device__ float sqrt(float x) { return sqrtf(x); }
+  static __device__ float hypot(float x, float y) { return hypotf(x, y); }
+  static __device__ float ldexp(float x, int e) { return ldexpf(x, e); }
+  static __device__ float frexp(float x, int* e) { return frexpf(x, e); }
+  // Explicitly rounded ops keep nvcc from contracting the warp reductions into FMAs whose
+  // rounding would differ per lane (see warp_sum).
+  static __device__ float mul_rn(float x, float y) { return __fmul_rn(x, y); }
+  static __device__ float add_rn(float x, float y) { return __fadd_rn(x, y); }
+};
+
+template <>
+struct Real<double> {
+  static constexpr double kEps = DBL_EPSILON;
+  static constexpr double kMax = DBL_MAX;
+  static constexpr int kMaxSweeps = 40;
+  static __device__ double nan() { return __longlong_as_double(0x7ff8000000000000ll); }
+  static __device__ double sqrt(double x) { return ::sqrt(x); }
+  static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
+  static __device__ double ldexp(double x, int e) { return ::ldexp(x, e); }
+  static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
+  static __device__ double mul_rn(double x, double y) { return __dmul_rn(x, y); }
+  static __device__ double add_rn(double x, double y) { return __dadd_rn(x, y); }
+};
+
+// Per-warp slice of dynamic shared memory. W (R x C work matrix) and V (C x C) are column-major so
+// that lane i's element of column p sits at p*ld + i: a column access is stride-1 across lanes.
+// Odd leading dimensions spread the row-major global loads/stores, which walk a row of W or V,
+// across banks instead of hitting one bank 32 times.
+struct WarpLayout {
+  int ldw, ldv;   // leading dims of W and V
+  int v_off;      // V, in elements of T from the slice start (W is at 0)
+  int s_off;      // C column norms, in elements of T
+  int perm_byte;  // C ints: perm[r] = column holding the r-th largest norm
+  int bytes;      // slice size, a multiple of 16
+};
+
+template <typename T>
+__host__ __device__ inline WarpLayout warp_layout(int rows, int cols) {
+  WarpLayout l;
+  l.ldw = rows | 1;
+  l.ldv = cols | 1;
+  l.v_off = l.ldw * cols;
+  l.s_off = l.v_off + l.ldv * cols;
+  l.perm_byte = (l.s_off + cols) * static_cast<int>(sizeof(T));
+  l.bytes = (l.perm_byte + cols * static_cast<int>(sizeof(int)) + 15) & ~15;
+  return l;
+}
+
+// Butterfly sum: every lane ends with the same bits because IEEE addition is commutative and each
+// pair of partners adds the same two values; the Jacobi control flow relies on this uniformity.
+template <typename T>
+__device__ __forceinline__ void warp_sum3(T& x, T& y, T& z) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const T xo = __shfl_xor_sync(kFullMask, x, off);
+    const T yo = __shfl_xor_sync(kFullMask, y, off);
+    const T zo = __shfl_xor_sync(kFullMask, z, off);
+    x = Real<T>::add_rn(x, xo);
+    y = Real<T>::add_rn(y, yo);
+    z = Real<T>::add_rn(z, zo);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = Real<T>::add_rn(x, __shfl_xor_sync(kFullMask, x, off));
+  return x;
+}
+
+template <typename T>
+__device__ __forceinline__ T warp_max(T x) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(kFullMask, x, off));
+  return x;
+}
+
+// Cyclic-by-rows one-sided Jacobi on W (R x C, R >= C), accumulating the rotations into V.
+// Lane i touches only row i of W and V, so no __syncwarp is needed inside. Returns the sweeps used,
+// or -1 at the cap.
+//
+// A pair (p, q) is skipped when |gamma| <= tol * ||a_p|| * ||a_q|| with tol = 2 R eps: the rounding
+// error of the butterfly dot product is at most (log2(R) + 1) eps ||a_p|| ||a_q|| <= 2 R eps, so
+// noise alone cannot keep a sweep rotating. Stopping at tol leaves relative errors in the singular
+// values of order tol times the condition number of A with unit-norm columns (Demmel-Veselic).
+// A column whose squared norm underflows to 0 is treated as zero: no rotation involves it.
+template <typename T>
+__device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
+  const bool in_w = lane < rows;
+  const bool in_v = lane < cols;
+  const T tol = T(2 * rows) * Real<T>::kEps;
+#pragma unroll 1
+  for (int sweep = 1; sweep <= Real<T>::kMaxSweeps; ++sweep) {
+    bool rotated = false;
+#pragma unroll 1
+    for (int p = 0; p < cols - 1; ++p) {
+      // Column p stays in registers for the whole q loop.
+      T ap = in_w ? W[p * ldw + lane] : T(0);
+      T vp = in_v ? V[p * ldv + lane] : T(0);
+#pragma unroll 1
+      for (int q = p + 1; q < cols; ++q) {
+        const T aq = in_w ? W[q * ldw + lane] : T(0);
+        T alpha = Real<T>::mul_rn(ap, ap);
+        T beta = Real<T>::mul_rn(aq, aq);
+        T gamma = Real<T>::mul_rn(ap, aq);
+        warp_sum3(alpha, beta, gamma);
+        if (alpha == T(0) || beta == T(0) ||
+            fabs(gamma) <= tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta)) {
+          continue;
+        }
+        rotated = true;
+        // Rutishauser: t is the smaller root of t^2 + 2 zeta t - 1 = 0, |t| <= 1, so the rotation
+        // angle is at most pi/4. hypot keeps zeta^2 from overflowing for very unequal norms.
+        const T zeta = (beta - alpha) / (T(2) * gamma);
+        const T t = (zeta < T(0) ? T(-1) : T(1)) / (fabs(zeta) + Real<T>::hypot(T(1), zeta));
+        const T c = T(1) / Real<T>::sqrt(T(1) + t * t);
+        const T s = c * t;
+        const T ap_new = c * ap - s * aq;
+        if (in_w) W[q * ldw + lane] = s * ap + c * aq;
+        ap = ap_new;
+        if (in_v) {
+          const T vq = V[q * ldv + lane];
+          V[q * ldv + lane] = s * vp + c * vq;
+          vp = c * vp - s * vq;
+        }
+      }
+      if (in_w) W[p * ldw + lane] = ap;
+      if (in_v) V[p * ldv + lane] = vp;
+    }
+    if (!rotated) return sweep;
+  }
+  return -1;
+}
+
+// dst holds k vectors of length len, the r-th being column perm[r] of src (column-major, leading
+// dim ld), divided by its norm sv[perm[r]] when `normalize` (0 where that norm is 0). The vectors
+// are the columns of dst (len x k) or, with `as_rows`, its rows (k x len). The loop runs over dst's
+// linear index so that global stores coalesce.
+template <typename T>
+__device__ void store_vectors(T* dst, int len, int k, bool as_rows, const T* src, int ld,
+                              const T* sv, bool normalize, const int* perm, int lane) {
+#pragma unroll 1
+  for (int idx = lane; idx < len * k; idx += 32) {
+    const int r = as_rows ? idx / len : idx % k;
+    const int i = as_rows ? idx % len : idx / k;
+    const int j = perm[r];
+    T x = src[j * ld + i];
+    if (normalize) x = sv[j] > T(0) ? x / sv[j] : T(0);
+    dst[idx] = x;
+  }
+}
+
+template <typename T>
+__device__ void fill(T* dst, int count, T value, int lane) {
+#pragma unroll 1
+  for (int idx = lane; idx < count; idx += 32) dst[idx] = value;
+}
+
+// One matrix, executed by a whole warp (all control flow is warp-uniform).
+// m >= n: W = A (m x n) and A = (W / s) diag(s) V^T, so u = W / s and vt = V^T.
+// m <  n: W = A^T (n x m) and A = V diag(s) (W / s)^T, so u = V and vt = (W / s)^T.
+template <typename T>
+__device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
+                        const WarpLayout& l, T* W, T* V, T* sv, int* perm, int lane) {
+  const bool transposed = m < n;
+  const int rows = transposed ? n : m;
+  const int cols = transposed ? m : n;
+  const int k = cols;
+
+  // Scale by a power of two (exact) so that max |a_ij| lies in [0.5, 1): squared norms, at most
+  // 32, can then neither overflow nor lose the large entries to underflow.
+  T amax = T(0);
+  bool finite = true;
+#pragma unroll 1
+  for (int idx = lane; idx < m * n; idx += 32) {
+    const T x = fabs(a[idx]);
+    finite = finite && x <= Real<T>::kMax;  // false for NaN and Inf
+    amax = fmax(amax, x);
+  }
+  int sweeps = -1;
+  int e = 0;
+  if (__all_sync(kFullMask, finite)) {
+    Real<T>::frexp(warp_max(amax), &e);
+#pragma unroll 1
+    for (int idx = lane; idx < m * n; idx += 32) {
+      const int i = idx / n;
+      const int j = idx % n;
+      W[transposed ? i * l.ldw + j : j * l.ldw + i] = Real<T>::ldexp(a[idx], -e);
+    }
+    if (lane < cols) {
+#pragma unroll 1
+      for (int j = 0; j < cols; ++j) V[j * l.ldv + lane] = T(j == lane);
+    }
+    __syncwarp();  // the load above wrote other lanes' rows of W
+    sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
+  }
+  if (lane == 0) *info = sweeps;
+  if (sweeps < 0) {
+    fill(s, k, Real<T>::nan(), lane);
+    fill(u, m * k, Real<T>::nan(), lane);
+    fill(vt, k * n, Real<T>::nan(), lane);
+    return;
+  }
+
+#pragma unroll 1
+  for (int j = 0; j < cols; ++j) {
+    const T aj = lane < rows ? W[j * l.ldw + lane] : T(0);
+    const T norm = Real<T>::sqrt(warp_sum(Real<T>::mul_rn(aj, aj)));
+    if (lane == j) sv[j] = norm;
+  }
+  __syncwarp();
+  // Descending order by rank counting; ties keep column order, so ranks are a permutation.
+  if (lane < cols) {
+    const T mine = sv[lane];
+    int rank = 0;
+#pragma unroll 1
+    for (int i = 0; i < cols; ++i) rank += (sv[i] > mine) || (sv[i] == mine && i < lane);
+    perm[rank] = lane;
+  }
+  __syncwarp();
+
+  if (lane < k) s[lane] = Real<T>::ldexp(sv[perm[lane]], e);
+  store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
+                perm, lane);
+  store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
+                perm, lane);
+}
+
+// Grid-stride over matrices, one per warp; the dynamic shared memory is blockDim.x / 32 slices of
+// warp_layout<T>(max(m, n), min(m, n)).bytes. The explicit minimum of 1 block per SM matters: with
+// the thread bound alone, ptxas 13.0 squeezed the f64 kernel to 48 registers and spilled on sm_90a.
+template <typename T>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
+    svd_jacobi_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
+                      T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m, int n) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warps = blockDim.x >> 5;
+  const int k = min(m, n);
+  const WarpLayout l = warp_layout<T>(max(m, n), k);
+  unsigned char* slice = smem + warp * l.bytes;
+  T* W = reinterpret_cast<T*>(slice);
+  int* perm = reinterpret_cast<int*>(slice + l.perm_byte);
+  for (int64_t b = blockIdx.x * int64_t{warps} + warp; b < batch; b += int64_t{gridDim.x} * warps) {
+    svd_one(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, W,
+            W + l.v_off, W + l.s_off, perm, lane);
+    __syncwarp();  // the next matrix overwrites shared memory other lanes may still be reading
+  }
+}
+
+// Enqueues the batched SVD on `stream`. Requires 0 <= m, n <= kMaxDim. Empty problems launch no
+// kernel; with batch > 0 and k == 0 info is set to 0 (nothing to do) by a memset.
+// Returns the launch (or memset) error, cudaSuccess otherwise.
+template <typename T>
+cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
+                   int64_t batch, int m, int n) {
+  if (batch == 0) return cudaSuccess;
+  if (m == 0 || n == 0) return cudaMemsetAsync(info, 0, batch * sizeof(int32_t), stream);
+  const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
+  const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);
+  const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);
+  svd_jacobi_kernel<T><<<static_cast<unsigned>(blocks), warps * 32, warps * l.bytes, stream>>>(
+      a, s, u, vt, info, batch, m, n);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxforge::svd_jacobi

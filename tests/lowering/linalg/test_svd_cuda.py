@@ -1,0 +1,82 @@
+"""The CUDA Jacobi svd kernel against float64 numpy on the GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+from tests.linalg_inputs import random, with_singular_values
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")  # see lowering/linalg/svd/config.py
+
+
+def on_gpu(x):
+    return jax.device_put(x, jax.devices("gpu")[0])
+
+
+def gpu_svd(a):
+    f = jax.jit(jf.linalg.svd)
+    return f, f(on_gpu(a))
+
+
+def check_against_numpy(a, u, s, vh, *, tol_factor=50):
+    a64 = a.astype(np.float64)
+    eps = np.finfo(a.dtype).eps
+    m, n = a.shape[-2:]
+    bound = tol_factor * eps * np.sqrt(max(m, n))
+    s_np = np.linalg.svd(a64, compute_uv=False)
+    np.testing.assert_allclose(s, s_np, atol=bound * s_np[..., :1])
+    recon = (np.asarray(u, np.float64) * np.asarray(s, np.float64)[..., None, :]) @ np.asarray(vh, np.float64)
+    err = np.linalg.norm(recon - a64, axis=(-2, -1)) / np.linalg.norm(a64, axis=(-2, -1))
+    assert err.max() <= bound, err.max()
+    for q in (u, np.swapaxes(vh, -1, -2)):
+        q = np.asarray(q, np.float64)
+        gram = np.swapaxes(q, -1, -2) @ q
+        assert np.abs(gram - np.eye(q.shape[-1])).max() <= bound
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1), (64, 20, 20)])
+def test_kernel_is_used_and_matches_numpy(dtype, shape):
+    a = random(np.random.default_rng(0), shape, dtype)
+    f, (u, s, vh) = gpu_svd(a)
+    assert "jaxforge_svd_jacobi" in f.lower(on_gpu(a)).as_text()
+    check_against_numpy(a, u, s, vh)
+
+
+def test_ill_conditioned_and_rank_deficient():
+    rng = np.random.default_rng(1)
+    ill = with_singular_values(rng, (64,), 32, 24, np.logspace(0, -6, 24)).astype(np.float32)
+    _, (u, s, vh) = gpu_svd(ill)
+    check_against_numpy(ill, u, s, vh)
+    deficient = with_singular_values(rng, (64,), 20, 20, np.r_[np.linspace(2, 1, 10), np.zeros(10)]).astype(np.float32)
+    _, (u, s, vh) = gpu_svd(deficient)
+    np.testing.assert_allclose(s[:, 10:], 0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(u[:, :, :10]) * np.asarray(s[:, None, :10]) @ np.asarray(vh[:, :10]), deficient, atol=1e-5)
+
+
+def test_nan_inf_and_empty():
+    a = random(np.random.default_rng(2), (8, 16, 12), np.float32)
+    a[3, 0, 0], a[5, 2, 2] = np.nan, np.inf
+    _, (u, s, vh) = gpu_svd(a)
+    for i in (3, 5):
+        assert np.all(np.isnan(s[i])) and np.all(np.isnan(u[i])) and np.all(np.isnan(vh[i]))
+    check_against_numpy(np.delete(a, [3, 5], 0), *(np.delete(x, [3, 5], 0) for x in (u, s, vh)))
+    for shape in [(0, 8, 8), (4, 0, 3)]:
+        _, (u, s, vh) = gpu_svd(np.zeros(shape, np.float32))
+        assert s.shape == shape[:-2] + (min(shape[-2:]),)
+
+
+def test_gradients_through_the_kernel():
+    a = with_singular_values(np.random.default_rng(3), (16,), 12, 8, np.linspace(2, 1, 8))
+    loss = lambda a: jnp.sum(jf.linalg.svd(a, compute_uv=False) ** 2)  # = ‖A‖_F², gradient 2A
+    grad = jax.jit(jax.grad(loss))(on_gpu(a))
+    np.testing.assert_allclose(grad, 2 * a, rtol=1e-10, atol=1e-10)
