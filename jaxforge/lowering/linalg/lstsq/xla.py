@@ -24,14 +24,20 @@ from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, tru
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 
-def lstsq_xla(a, b, *, rcond: float):
+def qr_r_lapack(x):
+    """The triangular factor of ``x = QR`` (LAPACK geqrf, Q never formed)."""
+    return jnp.linalg.qr(x, mode="r")
+
+
+def lstsq_xla(a, b, *, rcond: float, qr_r=qr_r_lapack):
+    """The algorithm above; ``qr_r`` factors the augmented ``[A | b]`` (a kernel may replace it)."""
     *batch, m, n = a.shape
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
     if m >= n:
-        r_aug = jnp.linalg.qr(jnp.concatenate([a, b], axis=-1), mode="r")
+        r_aug = qr_r(jnp.concatenate([a, b], axis=-1))
         r, c = r_aug[..., :n, :n], r_aug[..., :n, n:]
         solve = lambda r: solve_triangular(r, c)  # noqa: E731
         factors = lambda ur, vhr: (ur, ct(vhr))  # A = Q·(U_R S V_Rᴴ)  # noqa: E731

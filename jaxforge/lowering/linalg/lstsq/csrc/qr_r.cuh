@@ -1,0 +1,314 @@
+// Batched Householder QR of small tall matrices returning only the triangular factor R (Q is never
+// formed), one thread block per matrix held in shared memory. Framework-free: raw device pointers
+// and a CUDA stream.
+//
+// Layout contract (row-major, last dim contiguous, matrices packed back to back):
+//   x (batch, m, c)  input, 1 <= c <= kMaxCols, m >= c, m * c * sizeof(T) <= kMaxMatrixBytes
+//   r (batch, c, c)  upper-triangular R with x = Q R, exact zeros below the diagonal
+//
+// Math (LAPACK dgeqr2 / dlarfg): for column j, with alpha = A[j,j] and x = A[j+1:m, j],
+//   xnorm = ||x||_2;  xnorm == 0: tau = 0, beta = alpha, no reflection (a zero column divides by
+//   nothing);  otherwise beta = -sign(alpha) hypot(alpha, xnorm), tau = (beta - alpha) / beta,
+//   v = [1; x / (alpha - beta)], and H = I - tau v v^T maps A[j:m, j] to beta e_1. H is applied to
+//   the trailing columns as A[j:m, k] -= tau (v^T A[j:m, k]) v. R[j,j] = beta, R[j,k>j] = A[j,k]
+//   after the updates. Sign convention as dgeqrf: R's diagonal may be negative; for a full-rank x,
+//   R is unique up to the signs of its rows. NaN/Inf propagate through the arithmetic (no
+//   data-dependent loops).
+//
+// Norm: one block reduction of (max |x_i|, plain sum of squares in T). Accurate whenever
+// max |x_i| lies in [kSafeLo, kSafeHi] = [2^-56, 2^56] (float), [2^-504, 2^504] (double): at most
+// m < 2^14 squares of entries <= kSafeHi cannot overflow, and what underflow loses (< 2^14 half
+// ulps of the smallest subnormal in all) stays below one unit roundoff of the largest square.
+// Outside that range (and finite), a second reduction sums the squares scaled by 2^-e, e the
+// exponent of the maximum, as dnrm2 would.
+//
+// Shared memory: A column-major with leading dimension ld = m | 1. Column accesses (reductions,
+// rank-1 update) are stride-1 across lanes; the odd ld makes the row-major global loads and stores,
+// which walk a row of A, hit distinct banks (also for 8-byte elements, served per half-warp).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+
+namespace jaxforge::qr_r {
+
+constexpr int kMaxCols = 64;
+constexpr int kMaxMatrixBytes = 40960;  // leaves room for scratch below the default 48 KiB
+constexpr int kMaxWarps = 8;
+constexpr int kElemsPerWarp = 256;  // block size heuristic: about 8 matrix elements per thread
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+struct Real;
+
+template <>
+struct Real<float> {
+  static constexpr float kMax = FLT_MAX;
+  static constexpr float kSafeLo = 0x1p-56f;  // see the header comment
+  static constexpr float kSafeHi = 0x1p56f;
+  static __device__ float sqrt(float x) { return sqrtf(x); }
+  static __device__ float hypot(float x, float y) { return hypotf(x, y); }
+  static __device__ float ldexp(float x, int e) { return ldexpf(x, e); }
+  static __device__ float frexp(float x, int* e) { return frexpf(x, e); }
+};
+
+template <>
+struct Real<double> {
+  static constexpr double kMax = DBL_MAX;
+  static constexpr double kSafeLo = 0x1p-504;
+  static constexpr double kSafeHi = 0x1p504;
+  static __device__ double sqrt(double x) { return ::sqrt(x); }
+  static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
+  static __device__ double ldexp(double x, int e) { return ::ldexp(x, e); }
+  static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
+};
+
+template <typename T>
+inline bool supported(int64_t m, int64_t c) {
+  return c >= 1 && c <= kMaxCols && m >= c &&
+         m * c * static_cast<int64_t>(sizeof(T)) <= kMaxMatrixBytes;
+}
+
+// Dynamic shared memory of one block, offsets in elements of T.
+struct Layout {
+  int ld;        // leading dimension of the column-major matrix A (at 0)
+  int part_off;  // warps x c partial dot products v^T A[:, k], one row per row slice
+  int red_off;   // 2 slots x warps x (max |x|, sum of squares) norm partials
+  int diag_off;  // c entries: beta_j, kept apart so that A[j,j] = alpha stays readable
+  int bytes;
+};
+
+template <typename T>
+__host__ __device__ inline Layout layout(int m, int c, int warps) {
+  Layout l;
+  l.ld = m | 1;
+  l.part_off = l.ld * c;
+  l.red_off = l.part_off + warps * c;
+  l.diag_off = l.red_off + 4 * warps;
+  l.bytes = ((l.diag_off + c) * static_cast<int>(sizeof(T)) + 15) & ~15;
+  return l;
+}
+
+// Calls f(idx, i, j) for the row-major elements idx = i * c + j of a rows x c matrix owned by this
+// thread (stride blockDim.x), stepping (i, j) without an integer division per element.
+template <typename F>
+__device__ __forceinline__ void for_each_row_major(int rows, int c, F f) {
+  const int n = blockDim.x;
+  const int di = n / c;
+  const int dj = n - di * c;
+  int i = threadIdx.x / c;
+  int j = threadIdx.x - i * c;
+  for (int idx = threadIdx.x; idx < rows * c; idx += n) {
+    f(idx, i, j);
+    i += di;
+    j += dj;
+    if (j >= c) {
+      j -= c;
+      ++i;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void accumulate(T a, T& amax, T& ssq) {
+  amax = fmax(amax, fabs(a));  // fmax drops NaN, but ssq carries it
+  ssq += a * a;
+}
+
+// This thread's share of the norm partials of col[first:m].
+template <typename T>
+__device__ __forceinline__ void column_partials(const T* col, int first, int m, T& amax, T& ssq) {
+#pragma unroll 1
+  for (int i = first + static_cast<int>(threadIdx.x); i < m; i += blockDim.x) {
+    accumulate(col[i], amax, ssq);
+  }
+}
+
+// Reduces each warp's partials and posts one pair per warp; every thread must call it.
+template <typename T>
+__device__ __forceinline__ void post_partials(T amax, T ssq, T* red) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    amax = fmax(amax, __shfl_xor_sync(kFullMask, amax, off));
+    ssq += __shfl_xor_sync(kFullMask, ssq, off);
+  }
+  if ((threadIdx.x & 31) == 0) {
+    red[2 * (threadIdx.x >> 5)] = amax;
+    red[2 * (threadIdx.x >> 5) + 1] = ssq;
+  }
+}
+
+// After a barrier: every thread combines the posted pairs in the same order, so all threads hold
+// the same bits and the control flow derived from them is block-uniform.
+template <typename T>
+__device__ __forceinline__ void read_partials(const T* red, int warps, T& amax, T& ssq) {
+  amax = T(0);
+  ssq = T(0);
+#pragma unroll 1
+  for (int w = 0; w < warps; ++w) {
+    amax = fmax(amax, red[2 * w]);
+    ssq += red[2 * w + 1];
+  }
+}
+
+// Sum over aligned groups of g lanes (g a power of two <= 32); all 32 lanes must call it.
+template <typename T>
+__device__ __forceinline__ T group_sum(T x, int g) {
+#pragma unroll 1
+  for (int off = g >> 1; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  return x;
+}
+
+// R of one matrix, executed by the whole block. A column step costs at most three barriers: norm
+// partials posted, v scaled, dot products posted; the next column's norm partials are taken
+// during the rank-1 update, which already holds its updated entries in registers.
+template <typename T>
+__device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c, const Layout& l,
+                       T* A) {
+  T* part = A + l.part_off;
+  T* red = A + l.red_off;
+  T* diag = A + l.diag_off;
+  const int ld = l.ld;
+  const int tid = threadIdx.x;
+  const int nthreads = blockDim.x;
+  const int warps = nthreads >> 5;
+
+  for_each_row_major(m, c, [&](int idx, int i, int j) { A[j * ld + i] = x[idx]; });
+  __syncthreads();
+  {
+    T amax = T(0), ssq = T(0);
+    column_partials(A, 1, m, amax, ssq);
+    post_partials(amax, ssq, red);
+  }
+
+#pragma unroll 1
+  for (int j = 0; j < c; ++j) {
+    T* const Aj = A + j * ld;
+    __syncthreads();  // norm partials of column j posted; its entries final
+    T amax, ssq;
+    read_partials(red, warps, amax, ssq);
+    T xnorm = Real<T>::sqrt(ssq);
+    const bool unsafe = amax < Real<T>::kSafeLo || amax > Real<T>::kSafeHi;
+    if (amax > T(0) && amax <= Real<T>::kMax && unsafe) {  // finite, nonzero, out of range
+      int e;
+      Real<T>::frexp(amax, &e);
+      T scaled = T(0);
+#pragma unroll 1
+      for (int i = j + 1 + tid; i < m; i += nthreads) {
+        const T y = Real<T>::ldexp(Aj[i], -e);  // 2^-e itself may not be representable
+        scaled += y * y;
+      }
+      post_partials(T(0), scaled, red + 2 * warps);  // second slot: others may still read the first
+      __syncthreads();
+      T unused;
+      read_partials(red + 2 * warps, warps, unused, scaled);
+      xnorm = Real<T>::ldexp(Real<T>::sqrt(scaled), e);
+    }
+    const T alpha = Aj[j];
+    T beta = alpha;
+    T tau = T(0);
+    if (xnorm != T(0)) {  // true for NaN, which then spreads through tau
+      const T h = Real<T>::hypot(alpha, xnorm);
+      beta = signbit(alpha) ? h : -h;
+      tau = (beta - alpha) / beta;
+    }
+    if (tid == 0) diag[j] = beta;
+    const int nt = c - 1 - j;  // trailing columns
+    if (nt == 0) break;
+    const bool reflect = tau != T(0);
+    if (reflect) {
+      // |x_i| <= xnorm <= |alpha - beta|: dividing cannot overflow where a reciprocal could.
+      const T delta = alpha - beta;
+#pragma unroll 1
+      for (int i = j + 1 + tid; i < m; i += nthreads) Aj[i] /= delta;
+    }
+    __syncthreads();  // v complete; everyone is done reading red, which is posted to again below
+
+    T amax_next = T(0), ssq_next = T(0);
+    if (!reflect) {
+      column_partials(Aj + ld, j + 2, m, amax_next, ssq_next);
+    } else {
+      // Work items are (trailing column k, row slice s), each owned by a group of g lanes that
+      // strides over the slice's rows: g shrinks with the active rows so that short columns keep
+      // the lanes busy, and S slices per column keep all warps busy when few columns remain.
+      const int rows = m - j;
+      const int g = rows >= 32 ? 32 : 1 << (32 - __clz(rows - 1));
+      const int groups = nthreads / g;
+      const int slices = max(1, min(groups / nt, (rows + g - 1) / g));
+      const int items = nt * slices;
+      const int gid = tid / g;
+      const int lig = tid & (g - 1);
+      const int stride = slices * g;
+#pragma unroll 1
+      for (int base = 0; base < items; base += groups) {  // block-uniform count: group_sum shuffles
+        const int item = base + gid;
+        const int k = j + 1 + item / slices;
+        const int s = item - (k - j - 1) * slices;
+        T dot = T(0);
+        if (item < items) {
+          const T* Ak = A + k * ld;
+#pragma unroll 1
+          for (int i = j + s * g + lig; i < m; i += stride) dot += (i == j ? T(1) : Aj[i]) * Ak[i];
+        }
+        dot = group_sum(dot, g);
+        if (item < items && lig == 0) part[s * c + k] = dot;
+      }
+      __syncthreads();  // all partial dot products posted
+#pragma unroll 1
+      for (int base = 0; base < items; base += groups) {
+        const int item = base + gid;
+        if (item >= items) break;
+        const int k = j + 1 + item / slices;
+        const int s = item - (k - j - 1) * slices;
+        T w = T(0);
+#pragma unroll 1
+        for (int t = 0; t < slices; ++t) w += part[t * c + k];
+        const T coef = tau * w;
+        T* Ak = A + k * ld;
+#pragma unroll 1
+        for (int i = j + s * g + lig; i < m; i += stride) {
+          const T a = Ak[i] - coef * (i == j ? T(1) : Aj[i]);
+          Ak[i] = a;
+          if (k == j + 1 && i > j + 1) accumulate(a, amax_next, ssq_next);
+        }
+      }
+    }
+    post_partials(amax_next, ssq_next, red);
+  }
+  __syncthreads();  // R complete in A and diag
+
+  for_each_row_major(c, c, [&](int idx, int i, int j) {
+    r[idx] = j > i ? A[j * ld + i] : (j == i ? diag[i] : T(0));
+  });
+}
+
+// Grid-stride over matrices, one per block; the dynamic shared memory is layout<T>(m, c, warps).
+template <typename T>
+__global__ void __launch_bounds__(kMaxWarps * 32)
+    qr_r_kernel(const T* __restrict__ x, T* __restrict__ r, int64_t batch, int m, int c) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* A = reinterpret_cast<T*>(smem);
+  const Layout l = layout<T>(m, c, blockDim.x >> 5);
+  for (int64_t b = blockIdx.x; b < batch; b += gridDim.x) {
+    qr_one(x + b * m * c, r + b * c * c, m, c, l, A);
+    __syncthreads();  // the next matrix overwrites shared memory the store may still read
+  }
+}
+
+// Enqueues the batched R factor on `stream`. Requires supported<T>(m, c). Returns the launch
+// error, cudaSuccess otherwise (also for batch == 0, which launches nothing).
+template <typename T>
+cudaError_t launch(cudaStream_t stream, const T* x, T* r, int64_t batch, int m, int c) {
+  if (batch == 0) return cudaSuccess;
+  const int warps = std::clamp((m * c + kElemsPerWarp - 1) / kElemsPerWarp, 1, kMaxWarps);
+  const Layout l = layout<T>(m, c, warps);
+  const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
+  qr_r_kernel<T><<<static_cast<unsigned>(blocks), warps * 32, l.bytes, stream>>>(x, r, batch, m,
+                                                                                  c);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxforge::qr_r

@@ -1,0 +1,76 @@
+"""lstsq on the GPU with the block QR kernel against float64 numpy (skipped without a GPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+from tests.linalg_inputs import random, well_conditioned, with_singular_values
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")  # see lowering/linalg/lstsq/config.py
+
+
+def on_gpu(*xs):
+    return [jax.device_put(x, jax.devices("gpu")[0]) for x in xs]
+
+
+def normal_residual(a, b, x):
+    a, b, x = (np.asarray(v, np.float64) for v in (a, b, x))
+    at = np.swapaxes(a, -1, -2)
+    return np.max(np.linalg.norm(at @ (a @ x - b), axis=(-2, -1)) / np.linalg.norm(at @ b, axis=(-2, -1)))
+
+
+CASES = [  # (batch, m, n, k), dtype, whether [A | b] fits the kernel (≤ 64 columns, ≤ 40 KiB)
+    ((8192, 64, 16, 1), np.float32, True),
+    ((8192, 64, 16, 1), np.float64, True),
+    ((64, 200, 30, 2), np.float32, True),
+    ((64, 200, 30, 2), np.float64, False),
+    ((16, 512, 128, 4), np.float32, False),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,uses_kernel", CASES)
+def test_matches_numpy(shape, dtype, uses_kernel):
+    batch, m, n, k = shape
+    rng = np.random.default_rng(0)
+    a, b = random(rng, (batch, m, n), dtype), random(rng, (batch, m, k), dtype)
+    f = jax.jit(jf.linalg.lstsq)
+    assert ("jaxforge_qr_r" in f.lower(*on_gpu(a, b)).as_text()) == uses_kernel
+    x, res, rank, s = f(*on_gpu(a, b))
+    eps = np.finfo(dtype).eps
+    sample = range(min(batch, 32))
+    x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64))[0] for i in sample])
+    np.testing.assert_allclose(np.asarray(x)[: len(sample)], x_np, rtol=1e4 * eps, atol=1e4 * eps)
+    assert normal_residual(a, b, x) <= 1e3 * eps
+    np.testing.assert_array_equal(rank, n)
+
+
+def test_rank_deficient_and_nan():
+    rng = np.random.default_rng(1)
+    a = with_singular_values(rng, (32,), 40, 12, np.r_[np.linspace(2, 1, 8), np.zeros(4)]).astype(np.float32)
+    b = random(rng, (32, 40, 1), np.float32)
+    a[5, 0, 0] = np.nan
+    x, res, rank, s = jax.jit(jf.linalg.lstsq)(*on_gpu(a, b))
+    assert np.all(np.isnan(x[5])) and int(rank[5]) == 0
+    keep = [i for i in range(32) if i != 5]
+    np.testing.assert_array_equal(np.asarray(rank)[keep], 8)
+    x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64))[0] for i in keep])
+    np.testing.assert_allclose(np.asarray(x)[keep], x_np, atol=1e-4)
+
+
+def test_gradient_through_the_kernel():
+    rng = np.random.default_rng(2)
+    a, b = well_conditioned(rng, (64,), 30, 6), random(rng, (64, 30, 1))
+    loss = lambda a, b: jnp.sum(jf.linalg.lstsq(a, b).solution ** 2)
+    g_gpu = jax.jit(jax.grad(loss))(*on_gpu(a, b))
+    cpu = jax.devices("cpu")[0]
+    g_cpu = jax.grad(loss)(jax.device_put(a, cpu), jax.device_put(b, cpu))
+    np.testing.assert_allclose(g_gpu, g_cpu, rtol=1e-9, atol=1e-9)
