@@ -55,7 +55,7 @@ class Kernel:
 
     name: str
     sources: tuple[str, ...]  # .cu files, relative to jaxforge/lowering/ (or absolute)
-    headers: tuple[str, ...]  # .cuh files they include, likewise
+    headers: tuple[str, ...]  # headers they include (csrc/xla_ffi.h among them), likewise
     targets: dict[str, str] = dataclasses.field(hash=False)
 
     def files(self) -> dict[str, pathlib.Path]:
@@ -136,7 +136,7 @@ def _gencode(arch: str) -> list[str]:
 def compile_kernel(kernel: Kernel, arch: str, out: pathlib.Path, *, nvcc: str) -> None:
     """Compiles ``kernel`` for ``arch`` into the shared library ``out`` (not atomic; see ensure_built)."""
     command = [
-        nvcc, *NVCC_FLAGS, *_gencode(arch), f"-I{jax.ffi.include_dir()}",
+        nvcc, *NVCC_FLAGS, *_gencode(arch), f"-I{jax.ffi.include_dir()}", f"-I{PACKAGE_LOWERING}",
         *(str(PACKAGE_LOWERING / s) for s in kernel.sources), "-o", str(out),
     ]
     result = subprocess.run(command, capture_output=True, text=True)

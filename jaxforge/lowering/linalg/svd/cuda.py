@@ -17,7 +17,7 @@ KERNEL = build.declare(
     build.Kernel(
         name="svd_jacobi",
         sources=("linalg/svd/csrc/svd_jacobi_ffi.cu",),
-        headers=("linalg/svd/csrc/svd_jacobi.cuh",),
+        headers=("linalg/svd/csrc/svd_jacobi.cuh", "csrc/xla_ffi.h"),
         targets={"jaxforge_svd_jacobi_f32": "JaxforgeSvdJacobiF32", "jaxforge_svd_jacobi_f64": "JaxforgeSvdJacobiF64"},
     )
 )

@@ -7,31 +7,15 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <string>
 
+#include "csrc/xla_ffi.h"
 #include "qr_r.cuh"
 
-// nvcc's front end flags benign patterns in the XLA headers (missing return after an exhaustive
-// switch, always_inline on templates), and so does the host compiler; keep them out of this
-// build's warnings.
-#pragma nv_diagnostic push
-#pragma nv_diag_suppress 940, 2473
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wreturn-type"
-#include "xla/ffi/api/ffi.h"
-#pragma GCC diagnostic pop
-#pragma nv_diagnostic pop
-
 namespace ffi = xla::ffi;
+using jaxforge::ShapeString;
 namespace qr = jaxforge::qr_r;
 
 namespace {
-
-std::string ShapeString(ffi::Span<const int64_t> dims) {
-  std::string out = "(";
-  for (size_t i = 0; i < dims.size(); ++i) out += (i ? ", " : "") + std::to_string(dims[i]);
-  return out + ")";
-}
 
 template <ffi::DataType DT>
 ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT> r) {
