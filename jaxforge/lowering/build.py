@@ -34,7 +34,7 @@ import warnings
 import jax
 import jaxlib
 
-__all__ = ["BuildError", "CacheError", "Kernel", "cache_dir", "compile_kernel", "ensure_loaded", "main"]
+__all__ = ["BuildError", "CacheError", "Kernel", "cache_dir", "compile_kernel", "enabled", "ensure_loaded", "main"]
 
 PACKAGE_LOWERING = pathlib.Path(__file__).resolve().parent
 SUPPORTED_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90a")
@@ -58,11 +58,28 @@ class Kernel:
     headers: tuple[str, ...]  # headers they include (csrc/xla_ffi.h among them), likewise
     targets: dict[str, str] = dataclasses.field(hash=False)
 
+    def target(self, dtype) -> str:
+        """The FFI target serving ``dtype``: the one whose literal name ends in ``_f32``, ``_f64``…"""
+        suffix = {"float32": "_f32", "float64": "_f64", "complex64": "_c64", "complex128": "_c128"}[dtype.name]
+        names = [t for t in self.targets if t.endswith(suffix)]
+        if len(names) != 1:
+            raise ValueError(f"kernel {self.name!r} has no single FFI target for {dtype.name}: {sorted(self.targets)}")
+        return names[0]
+
     def files(self) -> dict[str, pathlib.Path]:
         return {p: PACKAGE_LOWERING / p for p in (*self.sources, *self.headers)}
 
 
 _KERNELS: dict[str, Kernel] = {}
+
+
+def enabled(validated: bool) -> bool:
+    """Whether a kernel may run: once validated on a GPU, or on request for the `gpu` tests.
+
+    A kernel that has only been compiled (no GPU in that session) stays off unless
+    ``JAXFORGE_UNVALIDATED_KERNELS=1``; its op's ``config.py`` flips ``validated`` after the tests pass.
+    """
+    return validated or os.environ.get("JAXFORGE_UNVALIDATED_KERNELS") == "1"
 
 
 def declare(kernel: Kernel) -> Kernel:

@@ -50,6 +50,10 @@ def after(x, dep):
     return x + tie.astype(x.dtype)
 
 
-def truncated_reciprocal(s, keep):
-    """``1/s`` where ``keep``, else 0 (and no inf anywhere, for the sake of derivatives)."""
-    return jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
+def truncated_pinv(u, s, v, keep, y):
+    """``V diag(1/s) Uᴴ y`` over the kept triplets: the truncated pseudo-inverse of ``U diag(s) Vᴴ``.
+
+    Dropped singular values never meet a division, so no inf reaches derivatives.
+    """
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(y.dtype)[..., :, None]
+    return mm(v, s_inv * mm(ct(u), y))

@@ -43,7 +43,7 @@ from jax import lax
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular, truncated_reciprocal
+from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.svd import svd_p
 
 __all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
@@ -70,8 +70,7 @@ def lstsq_reference(a, b, *, rcond: float):
     m, n = a.shape[-2:]
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     keep = s > rcond * jnp.max(s, axis=-1, keepdims=True, initial=0)
-    s_inv = truncated_reciprocal(s, keep).astype(a.dtype)
-    x = mm(ct(vh), s_inv[..., :, None] * mm(ct(u), b))
+    x = truncated_pinv(u, s, ct(vh), keep, b)
     return x, residuals(a, b, x), jnp.sum(keep, axis=-1, dtype=jnp.int32), s
 
 
@@ -164,18 +163,17 @@ def _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db):
 def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
     """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
     keep = jnp.arange(s.shape[-1]) < rank[..., None]
-    s_inv = truncated_reciprocal(s, keep).astype(a.dtype)[..., :, None]
-    keep = keep.astype(a.dtype)[..., :, None]
 
     def pinv(y):  # A⁺ y
-        return mm(v, s_inv * mm(ct(u), y))
+        return truncated_pinv(u, s, v, keep, y)
 
     def pinv_h(y):  # A⁺ᴴ y
-        return mm(u, s_inv * mm(ct(v), y))
+        return truncated_pinv(v, s, u, keep, y)
 
+    kept = keep.astype(a.dtype)[..., :, None]  # A⁺A = V diag(kept) Vᴴ
     res = b - mm(a, x)
     w = mm(ct(da), pinv_h(x))
-    return pinv(db - mm(da, x)) + pinv(pinv_h(mm(ct(da), res))) + w - mm(v, keep * mm(ct(v), w))
+    return pinv(db - mm(da, x)) + pinv(pinv_h(mm(ct(da), res))) + w - mm(v, kept * mm(ct(v), w))
 
 
 def _example_args():

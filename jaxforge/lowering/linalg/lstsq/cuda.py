@@ -7,7 +7,6 @@ fits (config.py); elsewhere, or where it cannot be built, cuSOLVER's geqrf runs 
 from __future__ import annotations
 
 import jax
-import numpy as np
 
 from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config
@@ -21,14 +20,13 @@ KERNEL = build.declare(
         targets={"jaxforge_qr_r_f32": "JaxforgeQrRF32", "jaxforge_qr_r_f64": "JaxforgeQrRF64"},
     )
 )
-_TARGET = {np.dtype(np.float32): "jaxforge_qr_r_f32", np.dtype(np.float64): "jaxforge_qr_r_f64"}
 
 
 def qr_r_cuda(x):
     *batch, m, cols = x.shape
     if not (config.use_qr_r_block(m, cols, x.dtype) and build.ensure_loaded(KERNEL)):
         return qr_r_lapack(x)
-    return jax.ffi.ffi_call(_TARGET[x.dtype], jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
+    return jax.ffi.ffi_call(KERNEL.target(x.dtype), jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
 
 
 def lstsq_cuda(a, b, *, rcond: float):

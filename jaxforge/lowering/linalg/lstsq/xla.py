@@ -20,7 +20,7 @@ from jax import lax
 
 from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, truncated_reciprocal
+from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 
@@ -57,8 +57,7 @@ def lstsq_xla(a, b, *, rcond: float, qr_r=qr_r_lapack):
         full = (rank == k)[..., None, None]
         u_small, v = factors(u_r, vh_r)  # thin SVD of A, with U given in the basis of rhs
         keep = jnp.arange(k) < rank[..., None]
-        s_inv = truncated_reciprocal(s_r, keep).astype(a.dtype)[..., :, None]
-        truncated = mm(v, s_inv * mm(ct(u_small), rhs))
+        truncated = truncated_pinv(u_small, s_r, v, keep, rhs)
         full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
         return rank, jnp.where(full, full_rank, truncated)
 

@@ -5,16 +5,13 @@ The one-warp Jacobi kernel holds a matrix's rows in the 32 lanes of a warp, so b
 QR-preconditioned kernels land; the thresholds are to be measured on the H200, not guessed.
 """
 
-import os
+from jaxforge.lowering import build
 
 JACOBI_WARP_MAX_DIM = 32
-# False until the kernel has passed the `gpu` tests on a GPU (benchmarks/gpu_check.sh); until then it
-# runs only where JAXFORGE_UNVALIDATED_KERNELS=1 (the gpu tests and the GPU check set it).
-JACOBI_WARP_VALIDATED = False
+JACOBI_WARP_VALIDATED = False  # not yet run on a GPU: see build.enabled
 
 
 def use_jacobi_warp(m: int, n: int, dtype, full_matrices: bool) -> bool:
-    enabled = JACOBI_WARP_VALIDATED or os.environ.get("JAXFORGE_UNVALIDATED_KERNELS") == "1"
     fits = 0 < m <= JACOBI_WARP_MAX_DIM and 0 < n <= JACOBI_WARP_MAX_DIM
     thin = m == n or not full_matrices  # the kernel computes thin factors only
-    return enabled and fits and thin and dtype.name in ("float32", "float64")
+    return build.enabled(JACOBI_WARP_VALIDATED) and fits and thin and dtype.name in ("float32", "float64")

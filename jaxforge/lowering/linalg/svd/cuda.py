@@ -21,7 +21,6 @@ KERNEL = build.declare(
         targets={"jaxforge_svd_jacobi_f32": "JaxforgeSvdJacobiF32", "jaxforge_svd_jacobi_f64": "JaxforgeSvdJacobiF64"},
     )
 )
-_TARGET = {np.dtype(np.float32): "jaxforge_svd_jacobi_f32", np.dtype(np.float64): "jaxforge_svd_jacobi_f64"}
 
 
 def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
@@ -35,5 +34,5 @@ def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
         jax.ShapeDtypeStruct((*batch, k, n), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), np.int32),  # sweeps used, -1 where the result is NaN
     )
-    s, u, vh, _ = jax.ffi.ffi_call(_TARGET[a.dtype], result_types)(a)
+    s, u, vh, _ = jax.ffi.ffi_call(KERNEL.target(a.dtype), result_types)(a)
     return (s, u, vh) if compute_uv else (s,)
