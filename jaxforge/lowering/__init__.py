@@ -4,4 +4,4 @@ Layout: ``lowering/<family>/<op>/__init__.py`` registers every lowering of that 
 default lowering (jax operations, LAPACK on CPU), which runs on every platform.
 """
 
-from jaxforge.lowering import linalg  # noqa: F401  (importing registers)
+from jaxforge.lowering import attention, linalg  # noqa: F401  (importing registers)

@@ -23,17 +23,21 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import core
-from jax.extend.core import Primitive
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
 
 __all__ = [
     "PrimitiveSpec",
+    "StaticFunction",
     "batch_sharded_avals",
     "define_primitive",
     "instantiate_zeros",
+    "is_linear_input",
+    "is_zero",
     "register_lowering",
     "registered_primitives",
+    "trace_function",
 ]
 
 
@@ -62,8 +66,16 @@ def define_primitive(
     example_params: dict,
     test_module: str,
     bench_entry: str,
+    transpose: Callable | None = None,
+    batch: Callable | None = None,
 ) -> Primitive:
-    """Declares a multiple-results primitive with core-rank rules and leading batch dims."""
+    """Declares a multiple-results primitive with core-rank rules and leading batch dims.
+
+    ``transpose(cotangents, *operands, **params)`` makes the primitive linear in the operands that
+    arrive as linear inputs (:func:`is_linear_input`); it returns one cotangent (or None) per
+    operand. ``batch(prim, args, dims, **params) -> (outs, out_dims)`` replaces the default rule,
+    which moves the vmapped axis in front as one more batch dim.
+    """
     if name in _REGISTRY:
         raise ValueError(f"primitive {name!r} is declared twice")
     prim = Primitive(name)
@@ -71,7 +83,9 @@ def define_primitive(
     prim.def_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(_impl_through_jit, prim))
     ad.primitive_jvps[prim] = jvp
-    batching.primitive_batchers[prim] = functools.partial(_leading_batch_rule, prim)
+    if transpose is not None:
+        ad.primitive_transposes[prim] = transpose
+    batching.primitive_batchers[prim] = functools.partial(batch or _leading_batch_rule, prim)
     _REGISTRY[name] = PrimitiveSpec(
         primitive=prim,
         reference=reference,
@@ -131,6 +145,56 @@ def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Seque
 def instantiate_zeros(tangent):
     """A symbolic-zero tangent as an array of zeros; any other tangent unchanged."""
     return ad.instantiate_zeros(tangent)
+
+
+def is_zero(tangent) -> bool:
+    """Whether a tangent or cotangent is JAX's symbolic zero."""
+    return type(tangent) is ad.Zero
+
+
+def is_linear_input(operand) -> bool:
+    """Whether a transpose rule received ``operand`` as a linear input (its cotangent is wanted)."""
+    return isinstance(operand, ad.UndefinedPrimal)
+
+
+class StaticFunction:
+    """A traced function with every array it closed over hoisted into explicit arguments.
+
+    Calling it takes the traced arguments followed by the hoisted constants, so a primitive can
+    carry the function as a (hashable) parameter and the constants as operands: their tangents,
+    cotangents and batch dims then flow like any operand's. Two functions with the same program
+    compare equal, so eager calls with a fresh closure each time reuse one compilation.
+    """
+
+    def __init__(self, closed: ClosedJaxpr, num_consts: int):
+        self._jaxpr = closed.jaxpr
+        self.num_consts = num_consts
+        self.out_avals = tuple(closed.out_avals)
+        self._key = str(closed.jaxpr)
+
+    def __call__(self, *args):
+        split = len(args) - self.num_consts
+        args, consts = args[:split], args[split:]
+        return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, list(consts)))(*args)
+
+    def __eq__(self, other):
+        return isinstance(other, StaticFunction) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+    def __repr__(self):
+        return f"StaticFunction({self.num_consts} consts, {self.out_avals})"
+
+
+def trace_function(fn: Callable, *avals) -> tuple[StaticFunction, list]:
+    """Traces ``fn`` at ``avals`` (``jax.ShapeDtypeStruct``s) and hoists what it closes over.
+
+    Returns ``(static_fn, consts)`` with ``static_fn(*args, *consts) == fn(*args)``. Closed-over
+    tracers of enclosing transforms (a bias under ``grad``) become consts too.
+    """
+    closed = jax.make_jaxpr(fn)(*avals)
+    return StaticFunction(closed, len(closed.consts)), list(closed.consts)
 
 
 @functools.lru_cache(maxsize=None)

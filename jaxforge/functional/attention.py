@@ -1,0 +1,143 @@
+"""``jf.attention``: flex-style attention with masks, score mods, GQA and forward-mode AD."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxforge.functional.masks import Mask, as_mask
+from jaxforge.primitives import _core
+from jaxforge.primitives.attention.attention import (
+    IMPLEMENTATION_NAMES,
+    Implementation,
+    accumulation_dtype,
+    attention_fwd_p,
+    check_operands,
+)
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["Implementation", "attention"]
+
+_INT = jax.ShapeDtypeStruct((), jnp.int32)
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    mask: Mask | Callable | None = None,
+    score_mod: Callable | None = None,
+    scale: float | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    implementation: str | Implementation | None = None,
+):
+    r"""Scaled dot-product attention, :math:`\operatorname{softmax}(f(\text{scale}\; q k^T) + \text{mask})\, v`.
+
+    Args:
+      q: ``(..., Sq, Hq, D)`` queries.
+      k: ``(..., Skv, Hkv, D)`` keys; ``Hq`` must be a multiple of ``Hkv`` (GQA/MQA).
+      v: ``(..., Skv, Hkv, Dv)`` values; ``Dv`` may differ from ``D``. Leading dims broadcast.
+      mask: a :mod:`jf.masks <jaxforge.functional.masks>` mask, or ``mask_mod(b, h, q_idx, kv_idx)
+        -> bool`` on scalars (True: visible). ``b`` indexes the flattened leading dims, ``h`` the
+        query head.
+      score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on scalars (ALiBi, relative
+        bias, ...). Arrays it closes over get gradients and tangents like any input.
+      scale: multiplies ``q·k``; default ``1/sqrt(D)``.
+      softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.
+      return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
+        for float64 input); ``-inf`` for a fully masked row, whose output is 0.
+      implementation: None (the platform's best), "xla" or "pallas_triton", or an
+        :class:`Implementation` with tile sizes.
+
+    Returns:
+      ``out`` of shape ``(..., Sq, Hq, Dv)``, or ``(out, lse)``.
+
+    Differentiable in every mode (jvp, grad, vmap, and their compositions): forward-mode runs a
+    fused tangent kernel, reverse-mode the FlashAttention backward.
+    """
+    q, k, v = (jnp.asarray(x) for x in (q, k, v))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 3:
+            raise ValueError(f"attention: `{name}` must have rank >= 3 (..., seq, heads, head_dim), got shape {x.shape}")
+    try:
+        batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    except ValueError:
+        raise ValueError(
+            f"attention: the leading dims of q {q.shape}, k {k.shape} and v {v.shape} do not broadcast"
+        ) from None
+    q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
+    check_operands("attention", q, k, v)
+    sq, skv, d = q.shape[-3], k.shape[-3], q.shape[-1]
+
+    if scale is None:
+        scale = 1 / math.sqrt(d) if d else 1.0
+    scale = _positive_float("scale", scale)
+    softcap = None if softcap is None else _positive_float("softcap", softcap)
+    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype))
+    out, lse = attention_fwd_p.bind(
+        q, k, v, *consts, mods=mods, scale=scale, implementation=_implementation(implementation)
+    )
+    return (out, lse) if return_lse else out
+
+
+def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
+    mask_fn, mask_consts, span = None, [], Mods().span
+    if mask is not None:
+        mask = as_mask(mask)
+        mask_fn, mask_consts = _core.trace_function(mask.bind(batch, sq, skv), _INT, _INT, _INT, _INT)
+        _check_output("mask", mask_fn, np.bool_, "a boolean")
+        span = mask.span()
+    score_fn, score_consts = None, []
+    if score_mod is not None:
+        if not callable(score_mod):
+            raise TypeError(f"attention: `score_mod` must be a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
+        score = jax.ShapeDtypeStruct((), score_dtype)
+        score_fn, score_consts = _core.trace_function(score_mod, score, _INT, _INT, _INT, _INT)
+        _check_output("score_mod", score_fn, None, "a floating-point")
+    mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap)
+    return mods, [*mask_consts, *score_consts]
+
+
+def _check_output(name, fn, dtype, what):
+    outs = fn.out_avals
+    ok = len(outs) == 1 and outs[0].shape == () and (
+        outs[0].dtype == dtype if dtype is not None else jnp.issubdtype(outs[0].dtype, jnp.floating)
+    )
+    if not ok:
+        got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
+        raise TypeError(
+            f"attention: `{name}` must return {what} scalar for scalar (b, h, q_idx, kv_idx) indices "
+            f"(it is applied elementwise, like torch's flex_attention), got {got}"
+        )
+
+
+def _positive_float(name, value) -> float:
+    if isinstance(value, jax.core.Tracer) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"attention: `{name}` must be a Python float (static), got {type(value).__name__}")
+    value = float(value)
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"attention: `{name}` must be a positive finite float, got {value}")
+    return value
+
+
+def _implementation(impl) -> Implementation:
+    if impl is None:
+        return Implementation()
+    if isinstance(impl, str):
+        impl = Implementation(impl)
+    if not isinstance(impl, Implementation) or impl.name not in (None, *IMPLEMENTATION_NAMES):
+        raise ValueError(
+            f"attention: `implementation` must be None, one of {IMPLEMENTATION_NAMES} or an "
+            f"Implementation, got {impl!r}"
+        )
+    for name in ("block_q", "block_kv"):
+        size = getattr(impl, name)
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise ValueError(f"attention: Implementation.{name} must be a positive int, got {size!r}")
+    return impl

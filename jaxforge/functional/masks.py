@@ -1,0 +1,284 @@
+"""Attention masks: ``mask_mod(b, h, q_idx, kv_idx) -> bool`` functions that know their structure.
+
+True means "query ``q_idx`` may attend to key ``kv_idx``". Masks combine with ``&``, ``|`` and
+``~``. Each carries a *span* — which keys a block of queries can possibly see — that the kernels
+use to skip tiles: ``causal()`` halves the work, ``sliding_window(w)`` makes it O(S·w).
+``b`` indexes the flattened leading (batch) dims of ``q``, ``h`` the query head.
+
+>>> mask = jf.masks.causal() & jf.masks.document(segment_ids)   # packed causal training
+>>> out = jf.attention(q, k, v, mask=mask)
+
+Any ``mask_mod`` written on scalars works too (``mask=lambda b, h, q, kv: ...``) but without a
+span it visits every tile; wrap it in :func:`from_mask_mod` to combine it with the masks here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxforge.primitives.attention.mods import Band, ChunkSpan, FullSpan, Hull, Intersect, PrefixSpan, Span
+
+__all__ = [
+    "Mask",
+    "causal",
+    "chunked",
+    "document",
+    "from_mask_mod",
+    "full",
+    "prefix_lm",
+    "sliding_window",
+]
+
+
+class Mask:
+    """A mask_mod with a span. Subclasses implement :meth:`mask_mod` and :meth:`span`."""
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        raise NotImplementedError
+
+    def span(self) -> Span:
+        return FullSpan()
+
+    def bind(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> Callable:
+        """The scalar ``mask_mod`` for a call with q ``(*batch_shape, sq, ...)`` and ``skv`` keys."""
+        return self.mask_mod
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        return self.mask_mod(b, h, q_idx, kv_idx)
+
+    def __and__(self, other) -> Mask:
+        return _And(self, as_mask(other))
+
+    def __or__(self, other) -> Mask:
+        return _Or(self, as_mask(other))
+
+    def __invert__(self) -> Mask:
+        return _Not(self)
+
+    __rand__ = lambda self, other: _And(as_mask(other), self)  # noqa: E731
+    __ror__ = lambda self, other: _Or(as_mask(other), self)  # noqa: E731
+
+
+def as_mask(mask) -> Mask:
+    """A :class:`Mask` from a Mask or a plain ``mask_mod`` callable; anything else is an error."""
+    if isinstance(mask, Mask):
+        return mask
+    if callable(mask):
+        return from_mask_mod(mask)
+    raise TypeError(
+        f"mask: expected a jf.masks.Mask or a callable mask_mod(b, h, q_idx, kv_idx) -> bool, got {type(mask).__name__}"
+    )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Causal(Mask):
+    offset: int
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx + self.offset
+
+    def span(self):
+        return Band(None, self.offset)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Window(Mask):
+    window: int
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return jnp.abs(q_idx - kv_idx) < self.window
+
+    def span(self):
+        return Band(1 - self.window, self.window - 1)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Chunked(Mask):
+    chunk: int
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return q_idx // self.chunk == kv_idx // self.chunk
+
+    def span(self):
+        return ChunkSpan(self.chunk)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _PrefixLM(Mask):
+    prefix: int | jnp.ndarray  # static, or one length per batch item
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (kv_idx < self.prefix) | (kv_idx <= q_idx)
+
+    def bind(self, batch_shape, sq, skv):
+        if isinstance(self.prefix, int):
+            return self.mask_mod
+        prefix = _per_batch(self.prefix, batch_shape, "prefix_lm", "prefix_len", trailing=0)
+        return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (kv_idx <= q_idx)
+
+    def span(self):
+        return PrefixSpan(self.prefix) if isinstance(self.prefix, int) else FullSpan()
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Document(Mask):
+    q_segments: jnp.ndarray
+    kv_segments: jnp.ndarray
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.q_segments[..., q_idx] == self.kv_segments[..., kv_idx]
+
+    def bind(self, batch_shape, sq, skv):
+        for name, ids, length in (("segment_ids", self.q_segments, sq), ("kv_segment_ids", self.kv_segments, skv)):
+            if ids.shape[-1] != length:
+                raise ValueError(
+                    f"document: `{name}` has shape {ids.shape}; its last dim must be the sequence length {length}"
+                )
+        q_seg = _per_batch(self.q_segments, batch_shape, "document", "segment_ids", trailing=1)
+        kv_seg = _per_batch(self.kv_segments, batch_shape, "document", "kv_segment_ids", trailing=1)
+        return lambda b, h, q_idx, kv_idx: q_seg[b, q_idx] == kv_seg[b, kv_idx]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FromFunction(Mask):
+    fn: Callable
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Full(Mask):
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return jnp.bool_(True)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _And(Mask):
+    a: Mask
+    b: Mask
+
+    def bind(self, batch_shape, sq, skv):
+        fa, fb = self.a.bind(batch_shape, sq, skv), self.b.bind(batch_shape, sq, skv)
+        return lambda *idx: jnp.logical_and(fa(*idx), fb(*idx))
+
+    def mask_mod(self, *idx):
+        return jnp.logical_and(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
+
+    def span(self):
+        return Intersect(self.a.span(), self.b.span())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Or(Mask):
+    a: Mask
+    b: Mask
+
+    def bind(self, batch_shape, sq, skv):
+        fa, fb = self.a.bind(batch_shape, sq, skv), self.b.bind(batch_shape, sq, skv)
+        return lambda *idx: jnp.logical_or(fa(*idx), fb(*idx))
+
+    def mask_mod(self, *idx):
+        return jnp.logical_or(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
+
+    def span(self):
+        return Hull(self.a.span(), self.b.span())
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Not(Mask):
+    a: Mask
+
+    def bind(self, batch_shape, sq, skv):
+        fa = self.a.bind(batch_shape, sq, skv)
+        return lambda *idx: jnp.logical_not(fa(*idx))
+
+    def mask_mod(self, *idx):
+        return jnp.logical_not(self.a.mask_mod(*idx))
+
+
+def causal(offset: int = 0) -> Mask:
+    """``kv_idx <= q_idx + offset``: top-left aligned; ``offset = Skv - Sq`` aligns bottom-right."""
+    return _Causal(_static_int("causal", "offset", offset))
+
+
+def sliding_window(window: int) -> Mask:
+    """``|q_idx - kv_idx| < window``; ``causal() & sliding_window(w)`` sees the last ``w`` keys."""
+    return _Window(_static_int("sliding_window", "window", window, minimum=1))
+
+
+def chunked(chunk: int) -> Mask:
+    """``q_idx // chunk == kv_idx // chunk``: attention within fixed chunks (Llama 4 style)."""
+    return _Chunked(_static_int("chunked", "chunk", chunk, minimum=1))
+
+
+def prefix_lm(prefix_len) -> Mask:
+    """``kv_idx < prefix_len or kv_idx <= q_idx``: a bidirectional prefix, causal after it.
+
+    ``prefix_len`` is a Python int, or an integer array with one length per batch item (shape
+    ``batch`` of q, or broadcastable to it).
+    """
+    if isinstance(prefix_len, (int, np.integer)):
+        return _PrefixLM(_static_int("prefix_lm", "prefix_len", int(prefix_len), minimum=0))
+    prefix_len = jnp.asarray(prefix_len)
+    if not jnp.issubdtype(prefix_len.dtype, jnp.integer):
+        raise TypeError(f"prefix_lm: `prefix_len` must be an int or an integer array, got dtype {prefix_len.dtype}")
+    return _PrefixLM(prefix_len)
+
+
+def document(segment_ids, kv_segment_ids=None) -> Mask:
+    """``segment_ids[q_idx] == kv_segment_ids[kv_idx]``: packed documents attend only within themselves.
+
+    ``segment_ids`` is an integer array ``(Sq,)`` or ``(*batch, Sq)`` (runtime data: it may be
+    traced); ``kv_segment_ids`` defaults to it (self-attention). Combine with ``causal()``.
+    """
+    q_seg = _segments(segment_ids, "segment_ids")
+    kv_seg = q_seg if kv_segment_ids is None else _segments(kv_segment_ids, "kv_segment_ids")
+    return _Document(q_seg, kv_seg)
+
+
+def from_mask_mod(mask_mod: Callable) -> Mask:
+    """Wraps a plain ``mask_mod(b, h, q_idx, kv_idx) -> bool`` so it combines with other masks."""
+    if not callable(mask_mod):
+        raise TypeError(f"from_mask_mod: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
+    return _FromFunction(mask_mod)
+
+
+def full() -> Mask:
+    """Every key visible (the identity of ``&``)."""
+    return _Full()
+
+
+def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _segments(ids, name: str):
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+        raise TypeError(f"document: `{name}` must be an integer array, got dtype {ids.dtype}")
+    if ids.ndim < 1:
+        raise ValueError(f"document: `{name}` must have shape (seq,) or (*batch, seq), got shape {ids.shape}")
+    return ids
+
+
+def _per_batch(x, batch_shape, fn: str, name: str, trailing: int):
+    """``x`` of shape ``(*batch', *trailing)`` as ``(prod(batch), *trailing)``; ``batch'`` broadcasts."""
+    core = x.shape[x.ndim - trailing :] if trailing else ()
+    lead = x.shape[: x.ndim - trailing]
+    try:
+        x = jnp.broadcast_to(x, (*batch_shape, *core))
+    except ValueError:
+        raise ValueError(
+            f"{fn}: `{name}` has leading dims {lead}, which do not broadcast to the batch dims {batch_shape} of q"
+        ) from None
+    return x.reshape(math.prod(batch_shape), *core)

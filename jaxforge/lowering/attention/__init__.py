@@ -1,0 +1,3 @@
+"""Lowerings of the attention primitives, one package per op."""
+
+from jaxforge.lowering.attention import attention  # noqa: F401  (importing registers)

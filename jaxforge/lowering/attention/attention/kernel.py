@@ -1,0 +1,196 @@
+"""The attention algorithms on tiles, written once for every driver.
+
+Each function computes the rows of one query tile (or the columns of one key tile) of one batch
+item and head, reading the other operand tile by tile through a ``load`` callback. The XLA driver
+(``xla.py``) vmaps them over batch and heads and scans over tiles; the Pallas driver
+(``pallas_triton.py``) calls them from a kernel body with ``load`` slicing a ref. The loops only
+visit the tiles that ``Mods.span`` says can be visible, so causal and windowed masks skip work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["Geometry", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static sizes of one call: sequence lengths, tile sizes, GQA group, scale, precision."""
+
+    sq: int
+    skv: int
+    block_q: int
+    block_kv: int
+    group: int  # query heads per key/value head
+    scale: float
+    acc_dtype: jnp.dtype  # scores, sums and accumulators
+    precision: str | None  # of the dot products ("highest" for f32/f64 on CPU)
+
+    @property
+    def num_q_tiles(self) -> int:
+        return -(-self.sq // self.block_q)
+
+    @property
+    def num_kv_tiles(self) -> int:
+        return -(-self.skv // self.block_kv)
+
+    def kv_tiles(self, mods: Mods, i):
+        """Key tiles ``[lo, hi)`` that query tile ``i`` may see."""
+        q_lo = i * self.block_q
+        lo, hi = mods.span.kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv)
+        return lo // self.block_kv, (hi + self.block_kv - 1) // self.block_kv
+
+    def q_tiles(self, mods: Mods, j):
+        """Query tiles ``[lo, hi)`` that may see key tile ``j``."""
+        kv_lo = j * self.block_kv
+        lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq)
+        return lo // self.block_q, (hi + self.block_q - 1) // self.block_q
+
+
+def _dot(geo: Geometry, a, b, contract=((1,), (0,))):
+    if a.dtype != b.dtype:  # probabilities meet bf16/f16 values: round p like FlashAttention
+        a = a.astype(b.dtype)
+    return lax.dot_general(a, b, (contract, ((), ())), precision=geo.precision, preferred_element_type=geo.acc_dtype)
+
+
+def _dot_t(geo, a, b):  # a @ b.T
+    return _dot(geo, a, b, ((1,), (1,)))
+
+
+def _t_dot(geo, a, b):  # a.T @ b
+    return _dot(geo, a, b, ((0,), (0,)))
+
+
+def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask_c):
+    """Query and key indices of tile (i, j) and the mask: user mask and sequence bounds."""
+    q_idx = i * geo.block_q + lax.broadcasted_iota(jnp.int32, (geo.block_q, 1), 0)
+    kv_idx = j * geo.block_kv + lax.broadcasted_iota(jnp.int32, (1, geo.block_kv), 1)
+    visible = (q_idx < geo.sq) & (kv_idx < geo.skv)
+    user = mods.allowed(b, h, q_idx, kv_idx, mask_c)
+    if user is not None:
+        visible = visible & user
+    return q_idx, kv_idx, visible
+
+
+def _with_floats(score_c, floats):
+    """The score consts with their float entries replaced, in order, by ``floats``."""
+    it = iter(floats)
+    return [next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in score_c]
+
+
+def _floats(score_c):
+    return [c for c in score_c if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+
+def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
+    """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles)."""
+    rows = q.shape[0]
+    dv = load_kv(0)[1].shape[-1]
+
+    def body(j, carry):
+        m, l, acc = carry
+        k, v = load_kv(j)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+        s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h, q_idx, kv_idx, score_c)
+        s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        shift = jnp.where(m_new == -jnp.inf, 0, m_new)  # all -inf so far: keep exp() finite
+        alpha = jnp.exp(m - shift)
+        p = jnp.exp(s - shift[:, None])
+        return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(geo, p, v)
+
+    init = (
+        jnp.full((rows,), -jnp.inf, geo.acc_dtype),
+        jnp.zeros((rows,), geo.acc_dtype),
+        jnp.zeros((rows, dv), geo.acc_dtype),
+    )
+    m, l, acc = lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+    seen = l > 0
+    out = acc / jnp.where(seen, l, 1)[:, None]
+    lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
+    return out, lse
+
+
+def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask_c, score_c, dscore):
+    """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
+    floats = _floats(score_c)
+
+    def body(j, carry):
+        r, acc = carry
+        k, v, dk, dv = load(j)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+        raw = _dot_t(geo, q, k) * geo.scale
+        draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
+        modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+        s, ds = jax.jvp(modify, (raw, floats), (draw, list(dscore)))
+        p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
+        p_ds = p * jnp.where(visible, ds, 0)
+        return r + jnp.sum(p_ds, axis=1), acc + _dot(geo, p, dv) + _dot(geo, p_ds, v)
+
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
+    r, acc = lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+    return acc - r[:, None] * out.astype(geo.acc_dtype), r
+
+
+def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask_c, score_c, const_grads=()):
+    """``gq`` of query tile ``i``, and the cotangents of the float score consts flagged in ``const_grads``.
+
+    ``delta = rowsum(g_out * out) - g_lse``.
+    """
+    floats = _floats(score_c)
+    wanted = [bool(w) for w in const_grads] + [False] * (len(floats) - len(const_grads))
+
+    def body(j, carry):
+        gq, g_consts = carry
+        k, v = load_kv(j)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+        raw = _dot_t(geo, q, k) * geo.scale
+        modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+        if any(wanted):
+            s, vjp = jax.vjp(modify, raw, floats)
+        else:
+            s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
+            vjp = lambda g: (*vjp_raw(g), [])
+        p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
+        g_s = p * (_dot_t(geo, g_out, v) - delta[:, None])
+        g_raw, g_floats = vjp(g_s)
+        g_floats = [g for g, w in zip(g_floats, wanted) if w]
+        return gq + _dot(geo, g_raw, k) * geo.scale, [a + g for a, g in zip(g_consts, g_floats)]
+
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
+    init = (jnp.zeros(q.shape, geo.acc_dtype), [jnp.zeros(c.shape, c.dtype) for c, w in zip(floats, wanted) if w])
+    return lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+
+
+def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c):
+    """``(gk, gv)`` of key tile ``j`` of key/value head ``hk``, over the ``group`` query heads.
+
+    ``load_q(g, i) -> (q, g_out, lse, delta)`` for query head ``hk * group + g``, tile ``i``.
+    """
+
+    def head(g, carry):
+        h = hk * geo.group + g
+
+        def body(i, carry):
+            gk, gv = carry
+            q, g_out, lse, delta = load_q(g, i)
+            raw = _dot_t(geo, q, k) * geo.scale
+            q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+            s, vjp = jax.vjp(lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, score_c), raw)
+            p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[:, None]), 0)
+            g_s = p * (_dot_t(geo, g_out, v) - delta[:, None])
+            (g_raw,) = vjp(g_s)
+            return gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
+
+        return lax.fori_loop(*geo.q_tiles(mods, j), body, carry)
+
+    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype))
+    return lax.fori_loop(0, geo.group, head, init)

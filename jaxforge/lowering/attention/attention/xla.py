@@ -1,0 +1,183 @@
+"""Default lowering of the attention primitives: the tile algorithms of kernel.py in XLA.
+
+Batch items and heads are vmapped, query (or key) tiles are scanned, and the inner loop visits only
+the tiles the mask's span allows, so memory is O(S · tile) per head and causal masks skip half the
+work. Runs on every platform; it is also the GPU fallback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxforge.lowering.attention.attention import config
+from jaxforge.lowering.attention.attention.kernel import (
+    Geometry,
+    bwd_dkv_cols,
+    bwd_dq_rows,
+    fwd_rows,
+    tangent_rows,
+)
+from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["attention_bwd_xla", "attention_fwd_xla", "attention_tangent_xla", "geometry", "heads_first", "seq_last"]
+
+
+def geometry(name: str, q, k, scale: float, impl: Implementation) -> Geometry:
+    sq, hq, _ = q.shape[-3:]
+    skv, hkv, _ = k.shape[-3:]
+    block_q, block_kv = config.tiles(name, sq, skv, impl)
+    acc = accumulation_dtype(q.dtype)
+    return Geometry(sq, skv, block_q, block_kv, hq // hkv, scale, acc, "highest" if acc.itemsize >= 4 else None)
+
+
+def heads_first(x, padded: int, group: int | None = None):
+    """``(*batch, S, H, D)`` -> ``(B, H, padded, D)``, or ``(B, H/group, group, padded, D)``."""
+    s, h, d = x.shape[-3:]
+    x = x.reshape(-1, s, h, d)
+    x = jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+    x = jnp.swapaxes(x, 1, 2)
+    return x if group is None else x.reshape(x.shape[0], h // group, group, padded, d)
+
+
+def seq_last(x, padded: int, group: int | None = None):
+    """``(*batch, S, H)`` rows (lse, delta) -> ``(B, H, padded)`` or ``(B, H/group, group, padded)``."""
+    s, h = x.shape[-2:]
+    x = jnp.swapaxes(x.reshape(-1, s, h), 1, 2)
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, padded - s)))
+    return x if group is None else x.reshape(x.shape[0], h // group, group, padded)
+
+
+def _back(x, batch, s: int):
+    """``(B, Hkv, G, tiles, tile, *rest)`` -> ``(*batch, s, Hq, *rest)``."""
+    bsz, hkv, group, tiles, tile, *rest = x.shape
+    x = x.reshape(bsz, hkv * group, tiles * tile, *rest)[:, :, :s]
+    return jnp.swapaxes(x, 1, 2).reshape(*batch, s, hkv * group, *rest)
+
+
+def _slice(x, i, size):
+    return lax.dynamic_slice_in_dim(x, i * size, size, axis=0)
+
+
+def _split(consts, mods: Mods):
+    n = mods.num_mask_consts
+    return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
+
+
+def _over_heads(fn, geo: Geometry, bsz: int, hkv: int, head_args, kv_args):
+    """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped."""
+    per_g = jax.vmap(fn, in_axes=(None, 0) + (0,) * len(head_args) + (None,) * len(kv_args))
+    per_hk = jax.vmap(per_g, in_axes=(None, 0) + (0,) * len(head_args) + (0,) * len(kv_args))
+    per_b = jax.vmap(per_hk, in_axes=(0, None) + (0,) * len(head_args) + (0,) * len(kv_args))
+    heads = jnp.arange(hkv * geo.group, dtype=jnp.int32).reshape(hkv, geo.group)
+    return per_b(jnp.arange(bsz, dtype=jnp.int32), heads, *head_args, *kv_args)
+
+
+def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation):
+    geo = geometry("xla", q, k, scale, implementation)
+    mask_c, score_c = _split(consts, mods)
+    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+
+    def one_head(b, h, q_h, k_h, v_h):
+        load_kv = lambda j: (_slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv))
+        tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask_c, score_c)
+        return lax.map(tile, jnp.arange(geo.num_q_tiles))
+
+    out, lse = _over_heads(
+        one_head,
+        geo,
+        bsz,
+        hkv,
+        [heads_first(q, sq_pad, geo.group)],
+        [heads_first(k, skv_pad), heads_first(v, skv_pad)],
+    )
+    return _back(out, batch, geo.sq).astype(q.dtype), _back(lse, batch, geo.sq)
+
+
+def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation):
+    geo = geometry("xla", q, k, scale, implementation)
+    n_consts = mods.num_mask_consts + mods.num_score_consts
+    mask_c, score_c = _split(operands[:n_consts], mods)
+    dq, dk, dv, *dscore = operands[n_consts:]
+    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+
+    def one_head(b, h, q_h, dq_h, out_h, lse_h, k_h, v_h, dk_h, dv_h):
+        load = lambda j: tuple(_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h))
+
+        def tile(i):
+            rows = [_slice(x, i, geo.block_q) for x in (q_h, dq_h, out_h, lse_h)]
+            return tangent_rows(geo, mods, *rows, load, b, h, i, mask_c, score_c, dscore)
+
+        return lax.map(tile, jnp.arange(geo.num_q_tiles))
+
+    dout, dlse = _over_heads(
+        one_head,
+        geo,
+        bsz,
+        hkv,
+        [heads_first(x, sq_pad, geo.group) for x in (q, dq, out)] + [seq_last(lse, sq_pad, geo.group)],
+        [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
+    )
+    return _back(dout, batch, geo.sq).astype(out.dtype), _back(dlse, batch, geo.sq)
+
+
+def bwd_delta(out, g_out, g_lse, acc_dtype):
+    """``Δ = rowsum(g_out · out) - g_lse``, the row term of the softmax backward."""
+    return jnp.sum(g_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1) - g_lse.astype(acc_dtype)
+
+
+def attention_bwd_xla(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation
+):
+    geo = geometry("xla", q, k, scale, implementation)
+    *consts, g_out, g_lse = operands
+    mask_c, score_c = _split(consts, mods)
+    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
+    q_rows = [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [
+        seq_last(x, sq_pad, geo.group) for x in (lse, delta)
+    ]
+    kv_cols = [heads_first(x, skv_pad) for x in (k, v)]
+
+    def dq_head(b, h, q_h, g_out_h, lse_h, delta_h, k_h, v_h):
+        load_kv = lambda j: (_slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv))
+
+        def tile(g_consts, i):
+            rows = [_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h)]
+            gq, g = bwd_dq_rows(geo, mods, *rows, load_kv, b, h, i, mask_c, score_c, const_grads)
+            return [a + b for a, b in zip(g_consts, g)], gq
+
+        init = [jnp.zeros(c.shape, c.dtype) for c, w in zip(_floats(score_c), const_grads) if w]
+        g_consts, gq = lax.scan(tile, init, jnp.arange(geo.num_q_tiles))
+        return gq, g_consts
+
+    gq, g_consts = _over_heads(dq_head, geo, bsz, hkv, q_rows, kv_cols)
+    g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
+
+    def dkv_head(b, hk, q_g, g_out_g, lse_g, delta_g, k_h, v_h):
+        def load_q(g, i):
+            return tuple(_slice(x[g], i, geo.block_q) for x in (q_g, g_out_g, lse_g, delta_g))
+
+        def tile(j):
+            k_t, v_t = _slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv)
+            return bwd_dkv_cols(geo, mods, k_t, v_t, load_q, b, hk, j, mask_c, score_c)
+
+        return lax.map(tile, jnp.arange(geo.num_kv_tiles))
+
+    per_hk = jax.vmap(dkv_head, in_axes=(None, 0, 0, 0, 0, 0, 0, 0))
+    gk, gv = jax.vmap(per_hk, in_axes=(0, None, 0, 0, 0, 0, 0, 0))(
+        jnp.arange(bsz, dtype=jnp.int32), jnp.arange(hkv, dtype=jnp.int32), *q_rows, *kv_cols
+    )
+    gk, gv = (_back(x[:, :, None], batch, geo.skv) for x in (gk, gv))
+    return (_back(gq, batch, geo.sq).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
+
+
+def _floats(consts):
+    return [c for c in consts if jnp.issubdtype(c.dtype, jnp.inexact)]

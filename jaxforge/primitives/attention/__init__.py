@@ -1,0 +1,1 @@
+"""The attention primitives: forward, its tangent map, and the backward (the tangent's transpose)."""

@@ -1,0 +1,430 @@
+r"""attention: flex-style scaled dot-product attention as three primitives with their own rules.
+
+For query ``i`` and key ``j`` of one batch item and head (GQA: query head ``h`` reads key/value
+head ``h // (Hq / Hkv)``), with :math:`m_{ij}` the mask and :math:`f` softcap then ``score_mod``:
+
+.. math::
+
+    s_{ij} = f(\text{scale}\; q_i \cdot k_j) \text{ where } m_{ij},\ -\infty \text{ elsewhere};\quad
+    \text{lse}_i = \log \textstyle\sum_j e^{s_{ij}};\quad
+    p_{ij} = e^{s_{ij} - \text{lse}_i};\quad o_i = \textstyle\sum_j p_{ij} v_j .
+
+A fully masked row has :math:`o_i = 0`, :math:`\text{lse}_i = -\infty` and zero derivatives.
+
+* ``attention_fwd_p(q, k, v, *mask_consts, *score_consts) -> (out, lse)``.
+* ``attention_tangent_p(q, k, v, out, lse, *consts, dq, dk, dv, *dscore_consts) -> (dout, dlse)``,
+  linear in the tangents (the JVP of fwd). With :math:`ds_{ij} = f'\,\text{scale}(dq_i\cdot k_j +
+  q_i\cdot dk_j) + \partial_c f\, dc`:
+
+  .. math::  d\text{lse}_i = \textstyle\sum_j p_{ij}\, ds_{ij},\qquad
+             do_i = \textstyle\sum_j p_{ij}\,(ds_{ij}\, v_j + dv_j) - d\text{lse}_i\, o_i .
+
+* ``attention_bwd_p(q, k, v, out, lse, *consts, g_out, g_lse) -> (gq, gk, gv, *gscore_consts)``,
+  the transpose of the tangent map (the FlashAttention backward, with an lse cotangent):
+
+  .. math::  g_{s,ij} = p_{ij}\,(g_{o,i}\cdot v_j - \Delta_i),\quad
+             \Delta_i = g_{o,i}\cdot o_i - g_{\text{lse},i},\quad
+             g_q = \text{scale}\, (f' g_s)\, k,\ g_k = \text{scale}\,(f' g_s)^T q,\ g_v = p^T g_o .
+
+fwd's JVP binds tangent; tangent's transpose binds bwd; bwd's transpose binds tangent. So jvp, grad,
+jacfwd, jacrev and hessian-vector products all come from these three. Derivatives of tangent and
+bwd themselves (second order) differentiate the dense reference: correct, not fast.
+
+Operands are ``q (*batch, Sq, Hq, D)``, ``k (*batch, Skv, Hkv, D)``, ``v (*batch, Skv, Hkv, Dv)``,
+``out (*batch, Sq, Hq, Dv)``, ``lse (*batch, Sq, Hq)`` (float32, float64 for float64 input).
+
+Where things live:
+    API        jaxforge/functional/attention.py :: attention, jaxforge/functional/masks.py
+    lowering   jaxforge/lowering/attention/attention/
+    tests      tests/primitives/attention/test_attention.py
+    benchmark  jaxforge/bench/attention.py (entry "attention")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxforge.primitives import _core
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = [
+    "ACCEPTED_DTYPES",
+    "IMPLEMENTATION_NAMES",
+    "Implementation",
+    "SHAPES",
+    "attention_bwd_p",
+    "attention_fwd_p",
+    "attention_reference",
+    "attention_tangent_p",
+    "lse_dtype",
+]
+
+ACCEPTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
+IMPLEMENTATION_NAMES = ("xla", "pallas_triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """Which lowering runs a call (the ``implementation`` parameter), optionally with tile sizes.
+
+    ``name=None`` picks the platform's best: "pallas_triton" on GPU, "xla" elsewhere. On CPU,
+    "pallas_triton" runs the kernels in Pallas interpret mode (slow: for testing kernel logic).
+    """
+
+    name: str | None = None
+    block_q: int | None = None
+    block_kv: int | None = None
+
+# Named cases shared by tests and benchmarks: (batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags.
+# "bench_gpu" are ANCHORS.md cases (bf16 on the H200).
+SHAPES = {
+    "long_d128": ((2, 8192, 8192, 16, 16, 128, 128), None, ("bench_gpu",)),
+    "long_d128_causal": ((2, 8192, 8192, 16, 16, 128, 128), "causal", ("bench_gpu",)),
+    "short_d64": ((8, 2048, 2048, 16, 16, 64, 64), None, ("bench_gpu",)),
+    "window_causal": ((2, 8192, 8192, 16, 16, 128, 128), "sliding_window_causal", ("bench_gpu",)),
+    "document_causal": ((2, 8192, 8192, 16, 16, 128, 128), "document_causal", ("bench_gpu",)),
+    "gqa_8to1": ((2, 4096, 4096, 32, 4, 128, 128), "causal", ("bench_gpu",)),
+    "mla_192_128": ((2, 4096, 4096, 16, 16, 192, 128), "causal", ("bench_gpu",)),
+    "odd_cross": ((2, 1000, 1531, 8, 2, 64, 64), None, ("bench_gpu",)),
+    "cpu_d64": ((2, 1024, 1024, 8, 8, 64, 64), None, ("bench_cpu",)),
+    "cpu_causal": ((2, 1024, 1024, 8, 8, 64, 64), "causal", ("bench_cpu",)),
+    "cpu_gqa_document": ((1, 1000, 1000, 8, 2, 64, 64), "document_causal", ("bench_cpu",)),
+    "test_odd": ((2, 37, 53, 4, 2, 8, 6), None, ("test",)),
+}
+
+
+def lse_dtype(dtype) -> np.dtype:
+    """The log-sum-exp is float64 for float64 input, else float32."""
+    return np.dtype(np.float64 if np.dtype(dtype) == np.float64 else np.float32)
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """Scores and sums accumulate in float32 (float64 for float64 input)."""
+    return lse_dtype(dtype)
+
+
+def _split(operands, mods: Mods):
+    n_mask = mods.num_mask_consts
+    return list(operands[:n_mask]), list(operands[n_mask : n_mask + mods.num_score_consts])
+
+
+def _float_consts(consts):
+    return [c for c in consts if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The spec: dense attention in jax.numpy.
+
+
+def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementation=None):
+    """Dense attention (the spec): ``(out, lse)``. Memory O(Sq·Skv) per batch item and head."""
+    del implementation
+    mask_c, score_c = _split(consts, mods)
+    *batch, sq, hq, _ = q.shape
+    skv, hkv, _ = k.shape[-3:]
+    bsz = math.prod(batch)
+    acc = accumulation_dtype(q.dtype)
+    qf, kf, vf = (x.reshape(bsz, *x.shape[len(batch) :]) for x in (q, k, v))
+    group = hq // hkv
+    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
+    raw = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest", preferred_element_type=acc) * scale
+    b, h, qi, ki = (
+        jax.lax.broadcasted_iota(jnp.int32, raw.shape, axis) for axis in range(4)
+    )
+    s = mods.modify(raw, b, h, qi, ki, score_c)
+    allowed = mods.allowed(b, h, qi, ki, mask_c)
+    if allowed is not None:
+        s = jnp.where(allowed, s, -jnp.inf)
+    row_max = jnp.max(s, axis=-1, keepdims=True)
+    row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
+    e = jnp.exp(s - row_max)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    visible = total > 0
+    total = jnp.where(visible, total, 1)
+    out = jnp.einsum("bhqk,bkhd->bqhd", e / total, vf.astype(acc), precision="highest")
+    lse = jnp.where(visible, row_max + jnp.log(total), -jnp.inf)[..., 0]  # (b, h, q)
+    out = out.astype(q.dtype).reshape(*batch, sq, hq, v.shape[-1])
+    lse = jnp.swapaxes(lse, -1, -2).reshape(*batch, sq, hq)
+    return out, lse
+
+
+def _tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
+    del out, lse
+    consts, tangents = _split_tangent_operands(operands, mods)
+    mask_c, score_c = _split(consts, mods)
+    dq, dk, dv, *dscore = tangents
+    ref = lambda q, k, v, *score_c: attention_reference(q, k, v, *mask_c, *score_c, mods=mods, scale=scale)
+    full_dscore = _scatter_float(score_c, dscore)
+    _, (dout, dlse) = jax.jvp(ref, (q, k, v, *score_c), (dq, dk, dv, *full_dscore))
+    return dout, dlse
+
+
+def _bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation=None):
+    del out, lse
+    *consts, g_out, g_lse = operands
+    mask_c, score_c = _split(consts, mods)
+    ref = lambda q, k, v, *score_c: attention_reference(q, k, v, *mask_c, *score_c, mods=mods, scale=scale)
+    _, vjp = jax.vjp(ref, q, k, v, *score_c)
+    gq, gk, gv, *gscore = vjp((g_out, g_lse))
+    return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
+
+
+def _split_tangent_operands(operands, mods: Mods):
+    n = mods.num_mask_consts + mods.num_score_consts
+    return list(operands[:n]), list(operands[n:])
+
+
+def _scatter_float(score_c, dscore_float):
+    """Tangents for every score const: the float ones given, zeros (float0) for the rest."""
+    it = iter(dscore_float)
+    return [
+        next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else np.zeros(c.shape, jax.dtypes.float0)
+        for c in score_c
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules.
+
+
+def check_operands(fn: str, q, k, v):
+    """Shapes and dtypes of q, k, v; raises naming the argument, what it got and what is accepted."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 3:
+            raise ValueError(f"{fn}: `{name}` must have rank >= 3 (..., seq, heads, head_dim), got shape {x.shape}")
+        if x.dtype not in [np.dtype(d) for d in ACCEPTED_DTYPES]:
+            raise TypeError(
+                f"{fn}: `{name}` has dtype {x.dtype}; accepted: bfloat16, float16, float32, float64"
+            )
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
+        raise ValueError(
+            f"{fn}: q, k, v must share their batch dims, got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}"
+        )
+    (_, hq, d), (skv, hkv, dk), (skv_v, hkv_v, _) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
+    if d != dk:
+        raise ValueError(f"{fn}: q and k must share head_dim, got q {q.shape} and k {k.shape}")
+    if (skv, hkv) != (skv_v, hkv_v):
+        raise ValueError(f"{fn}: k and v must share (seq, heads), got k {k.shape} and v {v.shape}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"{fn}: the number of query heads must be a multiple of the key/value heads (GQA), "
+            f"got q heads {hq} and k/v heads {hkv}"
+        )
+
+
+def _output_avals(fn, q, k, v, outputs):
+    batch_ndim = q.ndim - 3
+    return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, batch_ndim, outputs)
+
+
+def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, implementation):
+    check_operands("attention", q, k, v)
+    *batch, sq, hq, _ = q.shape
+    return _output_avals(
+        "attention",
+        q,
+        k,
+        v,
+        [((*batch, sq, hq, v.shape[-1]), q.dtype), ((*batch, sq, hq), lse_dtype(q.dtype))],
+    )
+
+
+def _tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    check_operands("attention_tangent", q, k, v)
+    return _output_avals("attention_tangent", q, k, v, [(out.shape, out.dtype), (lse.shape, lse.dtype)])
+
+
+def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+    check_operands("attention_bwd", q, k, v)
+    _, score_c = _split(operands[:-2], mods)
+    grads = _output_avals("attention_bwd", q, k, v, [(x.shape, x.dtype) for x in (q, k, v)])
+    consts = [jax.core.ShapedArray(c.shape, c.dtype) for c, wanted in zip(score_c, const_grads) if wanted]
+    return (*grads, *consts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Derivative rules.
+
+
+def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
+    params = dict(mods=mods, scale=scale, implementation=implementation)
+    q, k, v, *consts = primals
+    out, lse = attention_fwd_p.bind(*primals, **params)
+    _, score_c = _split(consts, mods)
+    _, dscore = _split(tangents[3:], mods)
+    dscore = [_core.instantiate_zeros(t) for t, c in zip(dscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
+    dq, dk, dv = (_core.instantiate_zeros(t) for t in tangents[:3])
+    dout, dlse = attention_tangent_p.bind(q, k, v, out, lse, *consts, dq, dk, dv, *dscore, **params)
+    return (out, lse), (dout, dlse)
+
+
+def _tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    consts, tangents = _split_tangent_operands(operands, mods)
+    g_out, g_lse = (_core.instantiate_zeros(c) for c in cts)
+    const_grads = tuple(_core.is_linear_input(t) for t in tangents[3:])
+    gq, gk, gv, *gscore = attention_bwd_p.bind(
+        q, k, v, out, lse, *consts, g_out, g_lse,
+        mods=mods, scale=scale, const_grads=const_grads, implementation=implementation,
+    )  # fmt: skip
+    gscore = iter(gscore)
+    grads = [gq, gk, gv] + [next(gscore) if wanted else None for wanted in const_grads]
+    grads = [g if _core.is_linear_input(t) else None for g, t in zip(grads, tangents)]
+    return [None] * (5 + len(consts)) + grads
+
+
+def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+    *consts, g_out, g_lse = operands
+    _, score_c = _split(consts, mods)
+    cts = iter(_core.instantiate_zeros(c) for c in cts)
+    dq, dk, dv = next(cts), next(cts), next(cts)
+    dscore = [
+        next(cts) if wanted else jnp.zeros(c.shape, c.dtype)
+        for c, wanted in zip(_float_consts(score_c), const_grads)
+    ]
+    dout, dlse = attention_tangent_p.bind(
+        q, k, v, out, lse, *consts, dq, dk, dv, *dscore, mods=mods, scale=scale, implementation=implementation
+    )
+    return [None] * (5 + len(consts)) + [dout if _core.is_linear_input(g_out) else None,
+                                          dlse if _core.is_linear_input(g_lse) else None]  # fmt: skip
+
+
+def _reference_jvp(reference):
+    """Second-order rules: differentiate the dense reference (correct, not fast)."""
+
+    def jvp(primals, tangents, **params):
+        tangents = [
+            _core.instantiate_zeros(t) if jnp.issubdtype(p.dtype, jnp.inexact) else np.zeros(p.shape, jax.dtypes.float0)
+            for p, t in zip(primals, tangents)
+        ]
+        return jax.jvp(lambda *args: reference(*args, **params), tuple(primals), tuple(tangents))
+
+    return jvp
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching: vmapped axes become one more leading batch dim; consts keep theirs and are indexed
+# through Mods.vmapped, so nothing loops.
+
+
+def _batch_rule(n_leading: int, n_trailing: int):
+    """``n_leading`` operands before the consts and ``n_trailing`` after carry the batch dims."""
+
+    def rule(prim, args, dims, *, mods: Mods, **params):
+        size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+        n_mask, n_score = mods.num_mask_consts, mods.num_score_consts
+        head, mask_c, score_c, tail = (
+            args[:n_leading],
+            args[n_leading : n_leading + n_mask],
+            args[n_leading + n_mask : n_leading + n_mask + n_score],
+            args[n_leading + n_mask + n_score :],
+        )
+        head_d, mask_d, score_d, tail_d = (
+            dims[:n_leading],
+            dims[n_leading : n_leading + n_mask],
+            dims[n_leading + n_mask : n_leading + n_mask + n_score],
+            dims[n_leading + n_mask + n_score :],
+        )
+        # A score const is batched if it or its tangent is; bwd makes per-item cotangents of every
+        # const whose gradient is wanted, so those are batched too.
+        float_idx = [i for i, c in enumerate(score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
+        score_batched = [d is not None for d in score_d]
+        if prim is attention_tangent_p:
+            for i, d in zip(float_idx, tail_d[n_trailing:]):
+                score_batched[i] |= d is not None
+        if prim is attention_bwd_p:
+            for i, wanted in zip(float_idx, params["const_grads"]):
+                score_batched[i] |= wanted
+
+        def front(x, d, batched=True):
+            if d is not None:
+                return jnp.moveaxis(x, d, 0)
+            return jnp.broadcast_to(x, (size, *x.shape)) if batched else x
+
+        q_batch = _batch_shape(args[0], dims[0])
+        new_mods = mods.vmapped(
+            math.prod(q_batch), [d is not None for d in mask_d], score_batched
+        )
+        moved = (
+            [front(x, d) for x, d in zip(head, head_d)]
+            + [front(x, d, batched=d is not None) for x, d in zip(mask_c, mask_d)]
+            + [front(x, d, batched=b) for x, d, b in zip(score_c, score_d, score_batched)]
+            + [front(x, d) for x, d in zip(tail, tail_d)]
+        )
+        outs = prim.bind(*moved, mods=new_mods, **params)
+        return outs, [0] * len(outs)
+
+    return rule
+
+
+def _batch_shape(q, dim):
+    """The batch dims of ``q`` without the vmapped axis."""
+    shape = list(q.shape)
+    if dim is not None:
+        del shape[dim]
+    return shape[:-3]
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _example_args():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 5, 4, 3))
+    k = rng.standard_normal((2, 7, 2, 3))
+    v = rng.standard_normal((2, 7, 2, 2))
+    return q, k, v
+
+
+def _example_tangent_args():
+    q, k, v = _example_args()
+    out, lse = attention_reference(q, k, v, mods=Mods(), scale=0.5)
+    return q, k, v, out, lse, q, k, v
+
+
+def _example_bwd_args():
+    q, k, v, out, lse, *_ = _example_tangent_args()
+    return q, k, v, out, lse, out, lse
+
+
+_TEST_MODULE = "tests/primitives/attention/test_attention.py"
+_COMMON = dict(test_module=_TEST_MODULE, bench_entry="attention/attention")
+
+attention_fwd_p = _core.define_primitive(
+    "jaxforge_attention_fwd",
+    abstract_eval=_fwd_abstract_eval,
+    jvp=_fwd_jvp,
+    reference=attention_reference,
+    example_args=_example_args,
+    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    batch=_batch_rule(3, 0),
+    **_COMMON,
+)
+attention_tangent_p = _core.define_primitive(
+    "jaxforge_attention_tangent",
+    abstract_eval=_tangent_abstract_eval,
+    jvp=_reference_jvp(_tangent_reference),
+    transpose=_tangent_transpose,
+    reference=_tangent_reference,
+    example_args=_example_tangent_args,
+    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    batch=_batch_rule(5, 3),
+    **_COMMON,
+)
+attention_bwd_p = _core.define_primitive(
+    "jaxforge_attention_bwd",
+    abstract_eval=_bwd_abstract_eval,
+    jvp=_reference_jvp(_bwd_reference),
+    transpose=_bwd_transpose,
+    reference=_bwd_reference,
+    example_args=_example_bwd_args,
+    example_params=dict(mods=Mods(), scale=0.5, const_grads=(), implementation=Implementation()),
+    batch=_batch_rule(5, 2),
+    **_COMMON,
+)

@@ -1,0 +1,199 @@
+"""What a flex-attention primitive carries about its mask and score modification.
+
+``Mods`` is a static (hashable) parameter of the attention primitives. It holds
+
+* ``mask``: ``mask_mod(b, h, q_idx, kv_idx, *mask_consts) -> bool`` or None (everything visible);
+* ``score``: ``score_mod(score, b, h, q_idx, kv_idx, *score_consts) -> score`` or None;
+* ``span``: a conservative summary of the mask, :class:`Span`, giving for a range of queries the
+  range of keys that may be visible (and back), so kernels never visit tiles that are masked out;
+* ``softcap``: ``score -> softcap * tanh(score / softcap)`` before ``score_mod``, or None.
+
+The functions are :class:`~jaxforge.primitives._core.StaticFunction`\\ s written on scalars: the
+arrays they read (segment ids, a bias table) are operands of the primitive, so their batch dims,
+tangents and cotangents follow the usual rules. ``b`` is the index into the flattened batch dims.
+When ``vmap`` adds a batch dim, :meth:`Mods.vmapped` records it so that ``b`` is split back into
+``(vmapped index, inner b)`` and the batched consts are indexed by the former.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxforge.primitives._core import StaticFunction
+
+__all__ = ["Band", "ChunkSpan", "FullSpan", "Hull", "Intersect", "Mods", "PrefixSpan", "Span"]
+
+
+class Span:
+    """The keys a block of queries may see, and the queries a block of keys may be seen by.
+
+    ``kv(q_lo, q_hi, skv) -> (lo, hi)``: every visible key of the queries ``[q_lo, q_hi)`` lies in
+    ``[lo, hi)``. ``q(kv_lo, kv_hi, sq)`` is the converse. Bounds may be traced integers; an empty
+    range has ``lo >= hi``. Conservative: a span may include keys that the mask then hides.
+    """
+
+    def kv(self, q_lo, q_hi, skv):
+        return 0, skv
+
+    def q(self, kv_lo, kv_hi, sq):
+        return 0, sq
+
+
+@dataclasses.dataclass(frozen=True)
+class FullSpan(Span):
+    """No structure known: every key may be visible."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Band(Span):
+    """``q_idx + lower <= kv_idx <= q_idx + upper``; None is unbounded."""
+
+    lower: int | None
+    upper: int | None
+
+    def kv(self, q_lo, q_hi, skv):
+        lo = 0 if self.lower is None else jnp.maximum(q_lo + self.lower, 0)
+        hi = skv if self.upper is None else jnp.clip(q_hi + self.upper, 0, skv)
+        return lo, hi
+
+    def q(self, kv_lo, kv_hi, sq):
+        lo = 0 if self.upper is None else jnp.maximum(kv_lo - self.upper, 0)
+        hi = sq if self.lower is None else jnp.clip(kv_hi - self.lower, 0, sq)
+        return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkSpan(Span):
+    """``q_idx // chunk == kv_idx // chunk``."""
+
+    chunk: int
+
+    def kv(self, q_lo, q_hi, skv):
+        return self._same_chunks(q_lo, q_hi, skv)
+
+    def q(self, kv_lo, kv_hi, sq):
+        return self._same_chunks(kv_lo, kv_hi, sq)
+
+    def _same_chunks(self, lo, hi, size):
+        c = self.chunk
+        return (lo // c) * c, jnp.minimum(((hi - 1) // c + 1) * c, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixSpan(Span):
+    """``kv_idx < prefix or kv_idx <= q_idx``: a bidirectional prefix, causal after it."""
+
+    prefix: int
+
+    def kv(self, q_lo, q_hi, skv):
+        return 0, jnp.minimum(jnp.maximum(q_hi, self.prefix), skv)
+
+    def q(self, kv_lo, kv_hi, sq):
+        return jnp.where(kv_lo < self.prefix, 0, jnp.minimum(kv_lo, sq)), sq
+
+
+@dataclasses.dataclass(frozen=True)
+class Intersect(Span):
+    a: Span
+    b: Span
+
+    def kv(self, q_lo, q_hi, skv):
+        (lo_a, hi_a), (lo_b, hi_b) = self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv)
+        return jnp.maximum(lo_a, lo_b), jnp.minimum(hi_a, hi_b)
+
+    def q(self, kv_lo, kv_hi, sq):
+        (lo_a, hi_a), (lo_b, hi_b) = self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq)
+        return jnp.maximum(lo_a, lo_b), jnp.minimum(hi_a, hi_b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hull(Span):
+    a: Span
+    b: Span
+
+    def kv(self, q_lo, q_hi, skv):
+        (lo_a, hi_a), (lo_b, hi_b) = self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv)
+        return jnp.minimum(lo_a, lo_b), jnp.maximum(hi_a, hi_b)
+
+    def q(self, kv_lo, kv_hi, sq):
+        (lo_a, hi_a), (lo_b, hi_b) = self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq)
+        return jnp.minimum(lo_a, lo_b), jnp.maximum(hi_a, hi_b)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BatchMap:
+    """One vmap level: ``b = v * inner + b_inner``; ``flags[i]``: const i has a leading ``v`` axis."""
+
+    inner: int
+    mask_flags: tuple[bool, ...]
+    score_flags: tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Mods:
+    mask: StaticFunction | None = None
+    score: StaticFunction | None = None
+    span: Span = FullSpan()
+    softcap: float | None = None
+    batch_maps: tuple[_BatchMap, ...] = ()
+
+    @property
+    def num_mask_consts(self) -> int:
+        return 0 if self.mask is None else self.mask.num_consts
+
+    @property
+    def num_score_consts(self) -> int:
+        return 0 if self.score is None else self.score.num_consts
+
+    def vmapped(self, inner: int, mask_flags, score_flags) -> Mods:
+        """The mods after a vmap that put ``inner`` flattened batch items under each new index."""
+        level = _BatchMap(inner, tuple(mask_flags), tuple(score_flags))
+        return dataclasses.replace(self, batch_maps=self.batch_maps + (level,))
+
+    def allowed(self, b, h, q_idx, kv_idx, mask_consts):
+        """The mask on a tile: index arrays broadcast together; None when nothing is masked."""
+        if self.mask is None:
+            return None
+
+        def fn(b, h, q, kv):
+            b, consts = self._unmap(b, mask_consts, "mask_flags")
+            return self.mask(b, h, q, kv, *consts)[0]
+
+        return _elementwise(fn, *_indices(b, h, q_idx, kv_idx))
+
+    def modify(self, score, b, h, q_idx, kv_idx, score_consts):
+        """Softcap, then ``score_mod``, elementwise on a tile of raw scores ``scale * q·k``."""
+        if self.softcap is not None:
+            score = self.softcap * jnp.tanh(score / self.softcap)
+        if self.score is None:
+            return score
+
+        def fn(s, b, h, q, kv):
+            b, consts = self._unmap(b, score_consts, "score_flags")
+            return self.score(s, b, h, q, kv, *consts)[0].astype(s.dtype)
+
+        return _elementwise(fn, score, *_indices(b, h, q_idx, kv_idx))
+
+    def _unmap(self, b, consts, which):
+        """The batch index the user's function sees, and its consts indexed for that item."""
+        consts = list(consts)
+        for level in reversed(self.batch_maps):  # the newest vmap owns the leading axis
+            v, b = b // level.inner, b % level.inner
+            consts = [c[v] if batched else c for c, batched in zip(consts, getattr(level, which))]
+        return b, consts
+
+
+def _indices(*idx):
+    """Indices as the int32 scalars the user's functions were traced with."""
+    return [jnp.asarray(i, jnp.int32) for i in idx]
+
+
+def _elementwise(fn, *args):
+    """Applies a scalar function to broadcast arrays, one vmap per axis (the flex semantics)."""
+    args = jnp.broadcast_arrays(*args)
+    for _ in range(args[0].ndim):
+        fn = jax.vmap(fn)
+    return fn(*args)
