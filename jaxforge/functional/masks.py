@@ -18,6 +18,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -281,4 +282,10 @@ def _per_batch(x, batch_shape, fn: str, name: str, trailing: int):
         raise ValueError(
             f"{fn}: `{name}` has leading dims {lead}, which do not broadcast to the batch dims {batch_shape} of q"
         ) from None
-    return x.reshape(math.prod(batch_shape), *core)
+    x = x.reshape(math.prod(batch_shape), *core)
+    # The mask reads x at a traced batch index; under explicit sharding that needs x replicated.
+    # (A few integers per token: small next to q, k and v.)
+    sharding = jax.typeof(x).sharding
+    if any(p is not None for p in sharding.spec):
+        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+    return x

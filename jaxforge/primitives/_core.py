@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import core
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun, subjaxprs
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
 
@@ -106,8 +106,24 @@ def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None =
     """Lowers ``prim`` by tracing ``impl`` (jax operations) into the enclosing computation.
 
     ``platform=None`` registers the default lowering, used wherever no platform-specific one is.
+    Under explicit sharding ``impl`` runs with the mesh axes automatic (``jax.sharding.auto_axes``),
+    so it is written once, sharding-agnostic; its outputs get the shardings of the abstract eval.
     """
-    mlir.register_lowering(prim, mlir.lower_fun(impl, multiple_results=True), platform=platform)
+
+    def lowering(ctx, *args, **params):
+        fn = functools.partial(impl, **params)
+        if any(_explicitly_sharded(aval) for aval in ctx.avals_in):
+            fn = jax.sharding.auto_axes(fn, out_sharding=tuple(aval.sharding for aval in ctx.avals_out))
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+    mlir.register_lowering(prim, lowering, platform=platform)
+
+
+def _explicitly_sharded(aval) -> bool:
+    sharding = getattr(aval, "sharding", None)
+    if sharding is None or not any(p is not None for p in sharding.spec):
+        return False
+    return jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
 
 
 def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple]) -> tuple:
@@ -176,6 +192,15 @@ class StaticFunction:
         split = len(args) - self.num_consts
         args, consts = args[:split], args[split:]
         return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, list(consts)))(*args)
+
+    def primitive_names(self) -> frozenset[str]:
+        """Names of every primitive the function applies, nested calls included."""
+        names, stack = set(), [self._jaxpr]
+        while stack:
+            jaxpr = stack.pop()
+            names.update(eqn.primitive.name for eqn in jaxpr.eqns)
+            stack.extend(subjaxprs(jaxpr))
+        return frozenset(names)
 
     def __eq__(self, other):
         return isinstance(other, StaticFunction) and self._key == other._key

@@ -31,8 +31,8 @@ def geometry(name: str, q, k, scale: float, impl: Implementation) -> Geometry:
     sq, hq, _ = q.shape[-3:]
     skv, hkv, _ = k.shape[-3:]
     block_q, block_kv = config.tiles(name, sq, skv, impl)
-    acc = accumulation_dtype(q.dtype)
-    return Geometry(sq, skv, block_q, block_kv, hq // hkv, scale, acc, "highest" if acc.itemsize >= 4 else None)
+    precise = q.dtype.itemsize >= 4  # f32/f64 products in full precision; bf16/f16 on tensor cores
+    return Geometry(sq, skv, block_q, block_kv, hq // hkv, scale, accumulation_dtype(q.dtype), "highest" if precise else None)
 
 
 def heads_first(x, padded: int, group: int | None = None):

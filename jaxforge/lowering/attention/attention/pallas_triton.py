@@ -1,0 +1,254 @@
+"""The attention primitives as Pallas kernels: Triton on GPU (sm80+), interpret mode on CPU.
+
+One program per (batch item, head, tile); its body is kernel.py's tile algorithm, with ``load``
+slicing the key/value (or query) refs. Forward and tangent programs own a query tile and loop over
+key tiles; the backward runs two kernels, dq over query tiles and (dk, dv) over key tiles (looping
+over the query heads of its GQA group), so no program needs atomics. Head dims are padded to a
+power of two of at least 16, the MMA shapes Triton wants.
+
+Arrays a score_mod closes over are handed to every program whole. Their cotangents need a
+reduction over all programs, so a backward that wants them runs the XLA lowering instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxforge.lowering.attention.attention import xla
+from jaxforge.lowering.attention.attention.kernel import (
+    Geometry,
+    bwd_dkv_cols,
+    bwd_dq_rows,
+    fwd_rows,
+    tangent_rows,
+)
+from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["attention_bwd_pallas", "attention_fwd_pallas", "attention_tangent_pallas", "triton_can_run"]
+
+# What a mask or score_mod may apply to run inside a Triton kernel: elementwise arithmetic. Reading
+# a captured array at a traced index (document segment ids, a bias table) is a gather, which the
+# Triton backend cannot lower; such calls run the XLA lowering on GPU.
+TRITON_ELEMENTWISE = frozenset(
+    "abs add and ceil clamp convert_element_type cos div eq exp exp2 floor ge gt integer_pow jit le log "
+    "log1p logistic lt max min mul ne neg not or pjit pow rem round rsqrt select_n sign sin sqrt square "
+    "sub tanh xor".split()
+)
+
+
+def triton_can_run(mods: Mods) -> bool:
+    """Whether the mask and score_mod are elementwise, so the Triton kernels can apply them."""
+    fns = [f for f in (mods.mask, mods.score) if f is not None]
+    return all(f.num_consts == 0 and f.primitive_names() <= TRITON_ELEMENTWISE for f in fns)
+
+_SQ = pl.squeezed
+
+
+def _pad_dim(x):
+    d = x.shape[-1]
+    target = max(16, 1 << max(d - 1, 0).bit_length())
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, target - d)])
+
+
+def _seq_major(x, padded: int):
+    """``(*batch, S, H, D)`` -> ``(B, padded, H, Dpad)``: the layout the kernels block over."""
+    s, h, d = x.shape[-3:]
+    x = x.reshape(-1, s, h, d)
+    return _pad_dim(jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))))
+
+
+def _q_block(geo: Geometry, d: int):  # one query tile of one head, grid (b, h, i)
+    return pl.BlockSpec((_SQ, geo.block_q, _SQ, d), lambda b, h, i: (b, i, h, 0))
+
+
+def _kv_whole(geo: Geometry, s: int, d: int):  # a head's whole key/value sequence, grid (b, h, i)
+    return pl.BlockSpec((_SQ, s, _SQ, d), lambda b, h, i: (b, 0, h // geo.group, 0))
+
+
+def _row_block(geo: Geometry):  # lse/delta rows (B, Hq, S) of one query tile
+    return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, i: (b, h, i))
+
+
+def _whole(x):
+    return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str):
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        name=name,
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+    )(*args)
+
+
+def _load(refs, j, size):
+    return tuple(r[pl.ds(j * size, size), :] for r in refs)
+
+
+def _back(x, batch, s, d):
+    """``(B, Spad, H, Dpad)`` -> ``(*batch, s, H, d)``."""
+    return x[:, :s, :, :d].reshape(*batch, s, x.shape[2], d)
+
+
+def _rows_back(x, batch, s):
+    """``(B, H, Spad)`` -> ``(*batch, s, H)``."""
+    return jnp.swapaxes(x[:, :, :s], 1, 2).reshape(*batch, s, x.shape[1])
+
+
+def _split(consts, mods: Mods):
+    n = mods.num_mask_consts
+    return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
+
+
+def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool):
+    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    qp, kp, vp = _seq_major(q, sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
+    d, dv = qp.shape[-1], vp.shape[-1]
+    n_mask = mods.num_mask_consts
+
+    def kernel(q_ref, k_ref, v_ref, *refs):
+        *const_refs, out_ref, lse_ref = refs
+        consts = [r[...] for r in const_refs]
+        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
+        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, consts[:n_mask], consts[n_mask:])
+        out_ref[...] = out.astype(out_ref.dtype)
+        lse_ref[...] = lse
+
+    out, lse = _call(
+        kernel,
+        interpret,
+        (bsz, hq, geo.num_q_tiles),
+        [_q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)] + [_whole(c) for c in consts],
+        [_q_block(geo, dv), _row_block(geo)],
+        [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
+        (qp, kp, vp, *consts),
+        "jaxforge_attention_fwd",
+    )
+    return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
+
+
+def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool):
+    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    n_consts = mods.num_mask_consts + mods.num_score_consts
+    consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
+    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    rows = [_seq_major(x, sq_pad) for x in (q, dq, out)] + [xla.seq_last(lse, sq_pad)]
+    cols = [_seq_major(x, skv_pad) for x in (k, v, dk, dv)]
+    d, dvp = rows[0].shape[-1], cols[1].shape[-1]
+    n_mask, n_c = mods.num_mask_consts, len(consts)
+
+    def kernel(q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
+        *in_refs, dout_ref, dlse_ref = refs
+        values = [r[...] for r in in_refs]
+        consts, dscore = values[:n_c], values[n_c:]
+        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
+        dout, dlse = tangent_rows(
+            geo, mods, q_ref[...], dq_ref[...], out_ref[...], lse_ref[...], load, b, h, i,
+            consts[:n_mask], consts[n_mask:], dscore,
+        )  # fmt: skip
+        dout_ref[...] = dout.astype(dout_ref.dtype)
+        dlse_ref[...] = dlse
+
+    dout, dlse = _call(
+        kernel,
+        interpret,
+        (bsz, hq, geo.num_q_tiles),
+        [_q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo)]
+        + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
+        + [_whole(c) for c in (*consts, *dscore)],
+        [_q_block(geo, dvp), _row_block(geo)],
+        [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
+        (*rows, *cols, *consts, *dscore),
+        "jaxforge_attention_tangent",
+    )
+    return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
+
+
+def attention_bwd_pallas(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool
+):
+    if any(const_grads):  # cotangents of captured arrays reduce over every program: XLA does it
+        return xla.attention_bwd_xla(
+            q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads, implementation=implementation
+        )
+    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    *consts, g_out, g_lse = operands
+    batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    delta = xla.bwd_delta(out, g_out, g_lse, geo.acc_dtype)
+    qp, gp = _seq_major(q, sq_pad), _seq_major(g_out, sq_pad)
+    lse_p, delta_p = xla.seq_last(lse, sq_pad), xla.seq_last(delta, sq_pad)
+    kp, vp = _seq_major(k, skv_pad), _seq_major(v, skv_pad)
+    d, dv = qp.shape[-1], vp.shape[-1]
+    n_mask = mods.num_mask_consts
+
+    def dq_kernel(q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
+        *const_refs, gq_ref = refs
+        c = [r[...] for r in const_refs]
+        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
+        gq, _ = bwd_dq_rows(
+            geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, c[:n_mask], c[n_mask:]
+        )
+        gq_ref[...] = gq.astype(gq_ref.dtype)
+
+    gq = _call(
+        dq_kernel,
+        interpret,
+        (bsz, hq, geo.num_q_tiles),
+        [_q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
+        + [_kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
+        + [_whole(c) for c in consts],
+        _q_block(geo, d),
+        jax.ShapeDtypeStruct(qp.shape, q.dtype),
+        (qp, gp, lse_p, delta_p, kp, vp, *consts),
+        "jaxforge_attention_bwd_dq",
+    )
+
+    def dkv_kernel(k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
+        *const_refs, gk_ref, gv_ref = refs
+        c = [r[...] for r in const_refs]
+        b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+
+        def load_q(g, i):
+            rows = pl.ds(i * geo.block_q, geo.block_q)
+            return q_ref[rows, g, :], g_ref[rows, g, :], lse_ref[g, rows], delta_ref[g, rows]
+
+        gk, gv = bwd_dkv_cols(geo, mods, k_ref[...], v_ref[...], load_q, b, hk, j, c[:n_mask], c[n_mask:])
+        gk_ref[...] = gk.astype(gk_ref.dtype)
+        gv_ref[...] = gv.astype(gv_ref.dtype)
+
+    kv_block = lambda d: pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))
+    group_q = lambda d: pl.BlockSpec((_SQ, sq_pad, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))
+    group_rows = pl.BlockSpec((_SQ, geo.group, sq_pad), lambda b, hk, j: (b, hk, 0))
+    gk, gv = _call(
+        dkv_kernel,
+        interpret,
+        (bsz, hkv, geo.num_kv_tiles),
+        [kv_block(d), kv_block(dv), group_q(d), group_q(dv), group_rows, group_rows] + [_whole(c) for c in consts],
+        [kv_block(d), kv_block(dv)],
+        [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
+        (kp, vp, qp, gp, lse_p, delta_p, *consts),
+        "jaxforge_attention_bwd_dkv",
+    )
+    return (
+        _back(gq, batch, geo.sq, q.shape[-1]),
+        _back(gk, batch, geo.skv, k.shape[-1]),
+        _back(gv, batch, geo.skv, v.shape[-1]),
+    )

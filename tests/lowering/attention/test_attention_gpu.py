@@ -1,0 +1,84 @@
+"""The Pallas Triton attention kernels, compiled for the GPU, against the XLA lowering in float32."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+
+pytestmark = pytest.mark.gpu
+
+MASKS = {
+    "none": lambda: None,
+    "causal": jf.masks.causal,
+    "window_causal": lambda: jf.masks.sliding_window(96) & jf.masks.causal(),
+    "chunked": lambda: jf.masks.chunked(100),
+    "prefix_lm": lambda: jf.masks.prefix_lm(50),
+}
+TOL = {jnp.bfloat16: 3e-2, jnp.float32: 2e-5}
+
+
+def inputs(dtype, b=2, sq=300, skv=333, hq=4, hkv=2, d=64, dv=64, seed=0):
+    rng = np.random.default_rng(seed)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
+    gpu = jax.devices("gpu")[0]
+    return [jax.device_put(jnp.asarray(x, dtype), gpu) for x in (q, k, v)]
+
+
+def reference(q, k, v, **kw):  # the XLA lowering in float32 on the same device
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return jf.attention(*f32, implementation="xla", return_lse=True, **kw)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_forward_and_lse(mask, dtype):
+    q, k, v = inputs(dtype)
+    kw = dict(mask=MASKS[mask](), softcap=20.0)
+    f = jax.jit(lambda q, k, v: jf.attention(q, k, v, implementation="pallas_triton", return_lse=True, **kw))
+    assert "triton" in f.lower(q, k, v).as_text().lower()
+    out, lse = f(q, k, v)
+    ref_out, ref_lse = reference(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
+    np.testing.assert_allclose(lse, ref_lse, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_jvp_and_grad(mask, dtype):
+    q, k, v = inputs(dtype, d=128, dv=128)
+    tangents = inputs(dtype, d=128, dv=128, seed=1)
+
+    def run(impl, q, k, v, t):
+        f = lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), implementation=impl)
+        _, dout = jax.jvp(f, (q, k, v), tuple(t))
+        grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
+        return [dout, *grads]
+
+    got = jax.jit(lambda *a: run("pallas_triton", *a[:3], a[3:]))(q, k, v, *tangents)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, *tangents)]
+    want = jax.jit(lambda *a: run("xla", *a[:3], a[3:]))(*f32)
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * scale * 4, rtol=0)
+
+
+def test_mla_head_dims_and_gqa():
+    q, k, v = inputs(jnp.bfloat16, hq=8, hkv=1, d=192, dv=128)
+    out = jax.jit(lambda *a: jf.attention(*a, mask=jf.masks.causal(), implementation="pallas_triton"))(q, k, v)
+    ref, _ = reference(q, k, v, mask=jf.masks.causal())
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_gathering_masks_run_xla_by_default_and_refuse_pallas():
+    q, k, v = inputs(jnp.bfloat16)
+    seg = jnp.asarray(np.repeat(np.arange(3), 111)[:300])
+    mask = jf.masks.document(seg, jnp.asarray(np.repeat(np.arange(3), 111))) & jf.masks.causal()
+    out = jax.jit(lambda *a: jf.attention(*a, mask=mask))(q, k, v)
+    ref, _ = reference(q, k, v, mask=mask)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
+    with pytest.raises(ValueError, match="pallas_triton"):
+        jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation="pallas_triton"))(q, k, v)
