@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, from a fresh checkout on the GPU machine (nothing installed; PYTHONPATH=.):
-# builds the kernels, runs the `gpu` tests, runs the linalg benchmark; JSON and logs go to $OUT.
-# Prints a short table last. Budget: under 6 minutes.
+# builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; JSON and logs
+# go to $OUT. Prints short tables last. Budget: under 6 minutes (the attention benchmark keeps
+# itself near 2.5 minutes: see GPU_BUDGET_S in jaxforge/bench/attention.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=.
@@ -25,6 +26,14 @@ echo "== benchmark"
 timeout 240 python3 -m jaxforge.bench linalg --out "$OUT" 2>"$OUT/bench-progress.log" | tee "$OUT/bench.txt" >/dev/null
 bench_rc=${PIPESTATUS[0]}
 
-echo "== summary (build rc=$build_rc, gpu tests rc=$tests_rc, bench rc=$bench_rc)"
+echo "== attention benchmark"
+timeout 200 python3 -m jaxforge.bench attention --out "$OUT" 2>"$OUT/bench-attention-progress.log" | tee "$OUT/bench-attention.txt" >/dev/null
+attention_rc=${PIPESTATUS[0]}
+
+echo "== summary (build rc=$build_rc, gpu tests rc=$tests_rc, bench rc=$bench_rc, attention bench rc=$attention_rc)"
 grep -E "passed|failed" "$OUT/gpu-tests.log" | tail -1
 cat "$OUT/bench.txt"
+# attention: the timed rows of jaxforge and of the anchors with ANCHORS.md targets (the whole table
+# is in bench-attention.txt, every field in the JSON)
+grep -E "^op |^attention .* (jaxforge|jaxforge-xla|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
+  "$OUT/bench-attention.txt"

@@ -1,6 +1,6 @@
 """Benchmarks of jaxforge against its anchors, measured side by side in one process on one device.
 
-    python -m jaxforge.bench linalg [--shapes NAME,...] [--quick] [--out DIR] [--tag TAG]
+    python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--out DIR] [--tag TAG]
 
 :func:`run` measures one family and returns one record per (op, shape, implementation): the
 timed calls and their median, the accuracy of the results, and ``ratio`` = anchor time / jaxforge
@@ -19,13 +19,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from jaxforge.bench import linalg
+from jaxforge.bench import attention, linalg
 from jaxforge.bench._timing import device_name
 
 __all__ = ["FAMILIES", "ProgressBar", "format_table", "run", "write_results"]
 
 # family -> measure(*, shapes, quick, progress) -> records
-FAMILIES: dict[str, Callable[..., list[dict]]] = {"linalg": linalg.measure}
+FAMILIES: dict[str, Callable[..., list[dict]]] = {"attention": attention.measure, "linalg": linalg.measure}
 
 
 def run(
@@ -75,7 +75,7 @@ def write_results(
 
 
 def format_table(records: list[dict]) -> str:
-    """An aligned text table: op, shape, implementation, median ms, ratio, accuracy or reason."""
+    """An aligned text table: op (and mode), shape, implementation, median ms, ratio, accuracy or reason."""
     header = ("op", "shape", "dims", "implementation", "median ms", "ratio", "accuracy")
     rows = [header] + [_row(r) for r in records]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
@@ -91,10 +91,13 @@ def format_table(records: list[dict]) -> str:
 
 
 def _row(record: dict) -> tuple[str, ...]:
-    where = (record["op"], record["shape_name"], "x".join(map(str, record["shape"])), record["implementation"])
+    op = record["op"] + (f" {record['mode']}" if record.get("mode") else "")
+    where = (op, record["shape_name"], "x".join(map(str, record["shape"])), record["implementation"])
     if record["status"] != "ok":
         return (*where, "-", "-", f"{record['status']}: {record['reason']}")
     accuracy = "  ".join(f"{name} {value:.1e}" for name, value in record["accuracy"].items())
+    if record.get("tflops"):
+        accuracy = f"{record['tflops']:.3g} TFLOP/s  {accuracy}"
     return (*where, f"{record['median_ms']:.3f}", f"{record['ratio']:.2f}x", accuracy)
 
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxforge.bench linalg [--shapes NAME,...] [--quick] [--out DIR] [--tag TAG]``."""
+"""Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--out DIR] [--tag TAG]``."""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from jaxforge.bench import format_table, run
@@ -51,3 +52,70 @@ def test_unknown_family_or_shape_is_a_clear_error():
         run("nope")
     with pytest.raises(ValueError, match="unknown shape name"):
         run("linalg", quick=True, shapes=["no_such_shape"])
+
+
+# ---------------------------------------------------------------- attention
+
+
+@pytest.fixture(scope="module")
+def attention_run(tmp_path_factory):
+    # One tiny case covers GQA, Dv != D, the document & causal mask and every mode, in a few seconds.
+    out_dir = tmp_path_factory.mktemp("attention")
+    return run("attention", quick=True, shapes=["quick_gqa_document"], out_dir=out_dir), out_dir
+
+
+def test_attention_records_every_mode_timed_and_accurate(attention_run):
+    records, _ = attention_run
+    assert {r["op"] for r in records} == {"attention"}
+    assert {r["shape_name"] for r in records} == {"quick_gqa_document"}
+    assert {(r["mode"], r["implementation"]) for r in records} >= {
+        (mode, impl) for mode in ("fwd", "fwd+bwd", "jvp") for impl in ("jaxforge", "jax.nn-xla")
+    }
+    fields = {"shape", "status", "reason", "first_call_ms", "times_ms", "median_ms", "ratio", "accuracy", "tflops"}
+    expected_errors = {"fwd": {"out"}, "fwd+bwd": {"dq", "dk", "dv"}, "jvp": {"out", "dout"}}
+    for r in records:
+        assert fields <= set(r), r
+        assert r["status"] == "ok", r  # on CPU every contender expresses every quick case
+        assert r["median_ms"] > 0 and all(t > 0 for t in r["times_ms"])
+        assert r["ratio"] > 0
+        assert set(r["accuracy"]) == expected_errors[r["mode"]]
+        assert all(0 <= v < 1e-4 for v in r["accuracy"].values()), r  # float32 against the float32 reference
+        if r["mode"] == "jvp":  # no FLOP convention: the time over the same implementation's forward instead
+            assert r["tflops"] is None and r["time_over_fwd"] > 0
+        else:
+            assert r["tflops"] > 0
+    assert all(r["ratio"] == 1.0 for r in records if r["implementation"] == "jaxforge")
+
+
+def test_attention_results_are_written_as_json(attention_run):
+    records, out_dir = attention_run
+    (path,) = out_dir.glob("*-attention-quick.json")
+    saved = json.loads(path.read_text())
+    assert saved["family"] == "attention" and saved["records"] == records
+    assert len(format_table(records).splitlines()) == len(records) + 1
+
+
+def test_attention_flops_count_the_visible_scores():
+    from jaxforge.bench.attention import WINDOW, Case, _segment_ids, _visible_fraction
+
+    def dense_fraction(case, seg):  # every (batch item, query, key) of the mask, counted
+        q, kv = np.arange(case.sq)[:, None], np.arange(case.skv)[None, :]
+        if seg is None:
+            visible = np.broadcast_to((kv <= q) & (q - kv < WINDOW), (case.batch, case.sq, case.skv))
+        else:
+            visible = (kv <= q) & (seg[:, :, None] == seg[:, None, :])
+        return visible.mean()
+
+    assert _visible_fraction(Case("c", (1, 64, 64, 1, 1, 8, 8), "causal", np.float32), None) == 0.5  # ANCHORS.md
+    assert _visible_fraction(Case("n", (1, 64, 64, 1, 1, 8, 8), None, np.float32), None) == 1.0
+    for case in (
+        Case("w", (1, 3000, 3000, 1, 1, 8, 8), "sliding_window_causal", np.float32),
+        Case("d", (3, 500, 500, 1, 1, 8, 8), "document_causal", np.float32),
+    ):
+        seg = _segment_ids(case)
+        assert _visible_fraction(case, seg) == pytest.approx(dense_fraction(case, seg), rel=1e-12)
+
+
+def test_attention_unknown_shape_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown shape name"):
+        run("attention", quick=True, shapes=["no_such_shape"])

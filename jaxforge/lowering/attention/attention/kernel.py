@@ -140,57 +140,71 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 
-def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask_c, score_c, const_grads=()):
-    """``gq`` of query tile ``i``, and the cotangents of the float score consts flagged in ``const_grads``.
+def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted):
+    """Tile (i, j) of the softmax backward: ``p``, the raw-score cotangent and float-const cotangents.
 
-    ``delta = rowsum(g_out * out) - g_lse``.
+    ``g_s = p (g_out·v - delta)`` is pulled back through softcap/score_mod; ``wanted[c]`` selects
+    the float score consts whose cotangents are returned.
     """
+    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+    raw = _dot_t(geo, q, k) * geo.scale
     floats = _floats(score_c)
-    wanted = [bool(w) for w in const_grads] + [False] * (len(floats) - len(const_grads))
+    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+    if any(wanted):
+        s, vjp = jax.vjp(modify, raw, floats)
+    else:
+        s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
+        vjp = lambda g: (*vjp_raw(g), [])
+    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[:, None]), 0)
+    g_raw, g_floats = vjp(p * (_dot_t(geo, g_out, v) - delta[:, None]))
+    return p, g_raw, [g for g, w in zip(g_floats, wanted) if w]
 
-    def body(j, carry):
-        gq, g_consts = carry
+
+def _wanted(score_c, const_grads):
+    n = len(_floats(score_c))
+    return [bool(w) for w in const_grads] + [False] * (n - len(const_grads))
+
+
+def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask_c, score_c):
+    """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``."""
+
+    def body(j, gq):
         k, v = load_kv(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
-        raw = _dot_t(geo, q, k) * geo.scale
-        modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
-        if any(wanted):
-            s, vjp = jax.vjp(modify, raw, floats)
-        else:
-            s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
-            vjp = lambda g: (*vjp_raw(g), [])
-        p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
-        g_s = p * (_dot_t(geo, g_out, v) - delta[:, None])
-        g_raw, g_floats = vjp(g_s)
-        g_floats = [g for g, w in zip(g_floats, wanted) if w]
-        return gq + _dot(geo, g_raw, k) * geo.scale, [a + g for a, g in zip(g_consts, g_floats)]
+        _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, [])
+        return gq + _dot(geo, g_raw, k) * geo.scale
 
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    init = (jnp.zeros(q.shape, geo.acc_dtype), [jnp.zeros(c.shape, c.dtype) for c, w in zip(floats, wanted) if w])
-    return lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+    return lax.fori_loop(*geo.kv_tiles(mods, i), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
-def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c):
+def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c, fused=None, const_grads=()):
     """``(gk, gv)`` of key tile ``j`` of key/value head ``hk``, over the ``group`` query heads.
 
     ``load_q(g, i) -> (q, g_out, lse, delta)`` for query head ``hk * group + g``, tile ``i``.
+    With ``fused = (gq, g_consts)`` — ``gq`` of shape ``(group, padded Sq, D)`` — the same pass
+    also accumulates the query cotangents and those of the float score consts flagged in
+    ``const_grads``, and returns ``(gk, gv, (gq, g_consts))``: one pass instead of two, for
+    drivers that can hold ``gq`` (XLA; a GPU program would need atomics).
     """
+    wanted = _wanted(score_c, const_grads)
 
     def head(g, carry):
         h = hk * geo.group + g
 
         def body(i, carry):
-            gk, gv = carry
+            gk, gv, fused = carry
             q, g_out, lse, delta = load_q(g, i)
-            raw = _dot_t(geo, q, k) * geo.scale
-            q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
-            s, vjp = jax.vjp(lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, score_c), raw)
-            p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[:, None]), 0)
-            g_s = p * (_dot_t(geo, g_out, v) - delta[:, None])
-            (g_raw,) = vjp(g_s)
-            return gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
+            p, g_raw, g_floats = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted)
+            gk, gv = gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
+            if fused is not None:
+                gq, g_consts = fused
+                rows = (g, i * geo.block_q, 0)
+                tile = lax.dynamic_slice(gq, rows, (1, geo.block_q, gq.shape[-1]))
+                tile = tile + (_dot(geo, g_raw, k) * geo.scale)[None]
+                fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
+            return gk, gv, fused
 
         return lax.fori_loop(*geo.q_tiles(mods, j), body, carry)
 
-    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype))
-    return lax.fori_loop(0, geo.group, head, init)
+    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
+    gk, gv, fused = lax.fori_loop(0, geo.group, head, init)
+    return (gk, gv) if fused is None else (gk, gv, fused)

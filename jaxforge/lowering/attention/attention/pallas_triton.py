@@ -203,7 +203,7 @@ def attention_bwd_pallas(
         c = [r[...] for r in const_refs]
         b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        gq, _ = bwd_dq_rows(
+        gq = bwd_dq_rows(
             geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, c[:n_mask], c[n_mask:]
         )
         gq_ref[...] = gq.astype(gq_ref.dtype)

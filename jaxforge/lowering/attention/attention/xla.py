@@ -7,6 +7,7 @@ work. Runs on every platform; it is also the GPU fallback.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -14,13 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.lowering.attention.attention import config
-from jaxforge.lowering.attention.attention.kernel import (
-    Geometry,
-    bwd_dkv_cols,
-    bwd_dq_rows,
-    fwd_rows,
-    tangent_rows,
-)
+from jaxforge.lowering.attention.attention.kernel import Geometry, bwd_dkv_cols, fwd_rows, tangent_rows
 from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
 from jaxforge.primitives.attention.mods import Mods
 
@@ -135,47 +130,43 @@ def bwd_delta(out, g_out, g_lse, acc_dtype):
 def attention_bwd_xla(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation
 ):
+    """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
+    consts' cotangents accumulated in the loop carry (the probabilities are computed once).
+    GQA heads are vmapped like the others and their gk, gv summed over the group at the end."""
     geo = geometry("xla", q, k, scale, implementation)
+    per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
     batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
-    q_rows = [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [
-        seq_last(x, sq_pad, geo.group) for x in (lse, delta)
-    ]
-    kv_cols = [heads_first(x, skv_pad) for x in (k, v)]
+    wanted_consts = [c for c, w in zip(_floats(score_c), const_grads) if w]
 
-    def dq_head(b, h, q_h, g_out_h, lse_h, delta_h, k_h, v_h):
-        load_kv = lambda j: (_slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv))
+    def one_head(b, h, q_h, g_out_h, lse_h, delta_h, k_h, v_h):
+        def load_q(_, i):
+            return tuple(_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h))
 
-        def tile(g_consts, i):
-            rows = [_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h)]
-            gq, g = bwd_dq_rows(geo, mods, *rows, load_kv, b, h, i, mask_c, score_c, const_grads)
-            return [a + b for a, b in zip(g_consts, g)], gq
-
-        init = [jnp.zeros(c.shape, c.dtype) for c, w in zip(_floats(score_c), const_grads) if w]
-        g_consts, gq = lax.scan(tile, init, jnp.arange(geo.num_q_tiles))
-        return gq, g_consts
-
-    gq, g_consts = _over_heads(dq_head, geo, bsz, hkv, q_rows, kv_cols)
-    g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
-
-    def dkv_head(b, hk, q_g, g_out_g, lse_g, delta_g, k_h, v_h):
-        def load_q(g, i):
-            return tuple(_slice(x[g], i, geo.block_q) for x in (q_g, g_out_g, lse_g, delta_g))
-
-        def tile(j):
+        def tile(fused, j):
             k_t, v_t = _slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv)
-            return bwd_dkv_cols(geo, mods, k_t, v_t, load_q, b, hk, j, mask_c, score_c)
+            gk, gv, fused = bwd_dkv_cols(
+                per_head, mods, k_t, v_t, load_q, b, h, j, mask_c, score_c, fused=fused, const_grads=const_grads
+            )
+            return fused, (gk, gv)
 
-        return lax.map(tile, jnp.arange(geo.num_kv_tiles))
+        init = (jnp.zeros((1, *q_h.shape), geo.acc_dtype), [jnp.zeros(c.shape, c.dtype) for c in wanted_consts])
+        return lax.scan(tile, init, jnp.arange(geo.num_kv_tiles))
 
-    per_hk = jax.vmap(dkv_head, in_axes=(None, 0, 0, 0, 0, 0, 0, 0))
-    gk, gv = jax.vmap(per_hk, in_axes=(0, None, 0, 0, 0, 0, 0, 0))(
-        jnp.arange(bsz, dtype=jnp.int32), jnp.arange(hkv, dtype=jnp.int32), *q_rows, *kv_cols
+    (gq, g_consts), (gk, gv) = _over_heads(
+        one_head,
+        geo,
+        bsz,
+        hkv,
+        [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [seq_last(x, sq_pad, geo.group) for x in (lse, delta)],
+        [heads_first(k, skv_pad), heads_first(v, skv_pad)],
     )
-    gk, gv = (_back(x[:, :, None], batch, geo.skv) for x in (gk, gv))
+    gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
+    gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
+    g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
     return (_back(gq, batch, geo.sq).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
 
 

@@ -1,0 +1,697 @@
+"""The attention benchmark: ``jf.attention`` forward, gradient and JVP against its anchors.
+
+Each case of ``jaxforge.primitives.attention.attention.SHAPES`` (``bench_gpu`` in bfloat16 on a
+GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes:
+
+* ``fwd``: ``attention(q, k, v)``;
+* ``fwd+bwd``: ``jax.grad`` of ``sum(out * do)`` with respect to q, k and v (torch: the same
+  through ``torch.autograd.grad``);
+* ``jvp``: ``jax.jvp`` with respect to q, k and v, giving ``(out, dout)``.
+
+Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
+its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
+with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the Pallas Triton
+``mha`` of ``jax.experimental.pallas.ops.gpu.attention``, and, where torch with CUDA is importable,
+``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
+``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
+(a mask it has no way to take, GQA, unequal head dims, forward-mode AD) is recorded as skipped with
+the reason; one that raises is recorded as an error.
+
+TFLOP/s follow ANCHORS.md: a forward costs ``2·B·Sq·Skv·Hq·(D + Dv)`` (= ``4·B·S²·H·D`` for equal
+head dims) times the visible fraction of the score matrix: 1/2 for causal by convention, counted
+exactly for the sliding-window and document masks; fwd+bwd counts 3.5 forwards. JVP has no FLOP
+convention: its records give the time over the same implementation's forward time instead.
+
+Accuracy is the max abs error of each output against a float32 reference: jax.nn's XLA attention
+on the float32-cast inputs at ``highest`` matmul precision, one (batch item, key/value head) at a
+time so that its memory stays small (v is zero-padded when its head dim differs, which changes
+nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jaxforge as jf
+from jaxforge.bench._timing import median_time, timed_call
+from jaxforge.primitives.attention.attention import SHAPES
+
+__all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure"]
+
+MODES = ("fwd", "fwd+bwd", "jvp")
+WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
+DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
+BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
+SEED = 0
+
+# Tiny cases for smoke tests: ((batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags), like SHAPES.
+QUICK_SHAPES = {
+    "quick_causal": ((1, 128, 128, 2, 2, 32, 32), "causal", ("quick",)),
+    "quick_gqa_document": ((1, 128, 128, 4, 2, 32, 16), "document_causal", ("quick",)),
+}
+
+# Timed calls after the first (compiling) one and `warmups` more: at least `min_repeats`, then
+# more until `max_seconds` of timed calls or `max_repeats` calls; a call slower than
+# `max_seconds` is timed once.
+_REPEATS = {
+    "quick": dict(warmups=0, min_repeats=1, max_repeats=2, max_seconds=0.05),
+    "cpu": dict(warmups=1, min_repeats=3, max_repeats=10, max_seconds=1.0),
+    "gpu": dict(warmups=1, min_repeats=3, max_repeats=10, max_seconds=0.2),
+}
+# Seconds from the start of a GPU run after which contenders are no longer measured: the soft
+# limit stops the optional ones, the hard limit everything (gpu_check.sh gives the run ~2.5 min).
+GPU_BUDGET_S = (90.0, 125.0)
+REFERENCE_MEMORY_FRACTION = 0.5  # of the device's memory, for one batch item and key/value head
+
+_NO_TORCH_JVP = "torch has no forward-mode AD for SDPA or flex_attention (pytorch#154332)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    dims: tuple[int, int, int, int, int, int, int]  # (batch, Sq, Skv, Hq, Hkv, D, Dv)
+    mask: str | None  # None, "causal", "sliding_window_causal" or "document_causal"
+    dtype: type
+
+    batch = property(lambda self: self.dims[0])
+    sq = property(lambda self: self.dims[1])
+    skv = property(lambda self: self.dims[2])
+    hq = property(lambda self: self.dims[3])
+    hkv = property(lambda self: self.dims[4])
+    d = property(lambda self: self.dims[5])
+    dv = property(lambda self: self.dims[6])
+
+    @property
+    def scale(self) -> float:
+        return 1 / math.sqrt(self.d)
+
+    @property
+    def dense_flops(self) -> int:
+        """A forward over the whole score matrix: two matmuls, ``2·B·Sq·Skv·Hq·(D + Dv)``."""
+        b, sq, skv, hq, _, d, dv = self.dims
+        return 2 * b * sq * skv * hq * (d + dv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    seg: jax.Array | None  # (batch, S) int32 segment ids of "document_causal", else None
+    do: jax.Array  # cotangent of out (fwd+bwd)
+    dq: jax.Array  # tangents (jvp)
+    dk: jax.Array
+    dv: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Contender:
+    """One implementation: ``prepare(case, inputs, mode)`` gives ``(fn, args)`` or a skip reason.
+
+    ``fn(*args)`` returns a tuple of outputs, ready on return: ``(out,)`` for fwd, ``(dq, dk, dv)``
+    for fwd+bwd, ``(out, dout)`` for jvp. ``to_jax`` turns one output into a ``(B, S, H, D)`` jax
+    array. ``essential(case)``: measured until the hard time limit, not only the soft one.
+    """
+
+    name: str
+    prepare: Callable[[Case, Inputs, str], tuple[Callable, tuple] | str]
+    to_jax: Callable = lambda x: x
+    essential: Callable[[Case], bool] = lambda case: False
+    note: Callable[[Case], str | None] = lambda case: None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Op:
+    name: str
+    shapes: dict  # name -> ((batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags)
+    contenders: Callable[[str], list[Contender]]  # backend -> contenders, jaxforge first
+
+
+def measure(
+    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None
+) -> list[dict]:
+    """Times every contender on each selected case in each mode; one record per triple.
+
+    ``shapes`` names entries of ``SHAPES`` or ``QUICK_SHAPES``; the default is every case tagged
+    for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere). Cases run
+    smallest first. ``budget_s``: ``(soft, hard)`` seconds (default: ``GPU_BUDGET_S`` on a GPU,
+    none elsewhere). ``progress(done, total, label)`` is called before each measurement and at the end.
+    """
+    start = time.perf_counter()
+    backend = jax.default_backend()
+    op = OPS["attention"]
+    if shapes is not None:
+        unknown = sorted(set(shapes) - set(op.shapes))
+        if unknown:
+            raise ValueError(f"unknown shape name(s) {unknown}; known: {sorted(op.shapes)}")
+    tag = "quick" if quick else "bench_gpu" if backend == "gpu" else "bench_cpu"
+    names = [n for n, (_, _, tags) in op.shapes.items() if tag in tags] if shapes is None else list(shapes)
+    dtype = jnp.bfloat16 if backend == "gpu" else jnp.float32
+    cases = [Case(n, tuple(op.shapes[n][0]), op.shapes[n][1], dtype) for n in dict.fromkeys(names)]
+    cases.sort(key=lambda c: (c.dense_flops, c.dense_flops * _visible_fraction(c, _segment_ids(c))))
+    if budget_s is None and backend == "gpu" and not quick:
+        budget_s = GPU_BUDGET_S
+    soft, hard = budget_s if budget_s is not None else (math.inf, math.inf)
+    repeats = _REPEATS["quick" if quick else "gpu" if backend == "gpu" else "cpu"]
+
+    contenders = op.contenders(backend)
+    total = len(cases) * len(MODES) * len(contenders)
+    records: list[dict] = []
+    for case in cases:
+        elapsed = time.perf_counter() - start
+        inputs = _make_inputs(case) if elapsed < hard else None
+        reference, ref_note = _reference(case, inputs) if inputs is not None else (None, None)
+        fraction = _visible_fraction(case, None if inputs is None else inputs.seg)
+        case_records = []
+        for mode in MODES:
+            group = []
+            for contender in contenders:
+                if progress:
+                    progress(len(records), total, f"{case.name} {mode} {contender.name}")
+                record = dict(
+                    op=op.name,
+                    shape_name=case.name,
+                    shape=list(case.dims),
+                    mask=case.mask,
+                    dtype=np.dtype(case.dtype).name,
+                    implementation=contender.name,
+                    mode=mode,
+                )
+                elapsed = time.perf_counter() - start
+                limit = hard if contender.essential(case) else soft
+                if inputs is None or elapsed > limit:
+                    which = "hard" if inputs is None or limit == hard else "soft"
+                    reason = f"time budget: {elapsed:.0f} s into the run, past its {which} limit of {limit:.0f} s"
+                    record.update(_not_timed("skipped", reason))
+                else:
+                    record.update(_measure(contender, case, inputs, mode, reference, repeats))
+                notes = [n for n in (contender.note(case), ref_note if record["status"] == "ok" else None) if n]
+                record["note"] = "; ".join(notes) or None
+                records.append(record)
+                group.append(record)
+            _add_ratios_and_tflops(group, case, mode, fraction)
+            case_records += group
+        _add_time_over_fwd(case_records)
+        del inputs, reference
+    if progress:
+        progress(total, total, "done")
+    return records
+
+
+# ---------------------------------------------------------------- one measurement
+
+
+def _measure(contender: Contender, case: Case, inputs: Inputs, mode: str, reference, repeats: dict) -> dict:
+    """Timing and accuracy of one contender in one mode; skips and errors become records."""
+    try:
+        prepared = contender.prepare(case, inputs, mode)
+        if isinstance(prepared, str):
+            return _not_timed("skipped", prepared)
+        fn, args = prepared
+        first_s, outputs = timed_call(fn, *args)  # compiles, and gives the outputs to check
+        warm_s = first_s
+        for _ in range(repeats["warmups"]):
+            warm_s = timed_call(fn, *args)[0]
+        options = {k: v for k, v in repeats.items() if k != "warmups"}
+        if warm_s > options["max_seconds"]:  # a slow call is timed once, to keep the run short
+            options["min_repeats"] = 1
+        timing = median_time(fn, *args, **options)
+        accuracy = _accuracy(mode, [contender.to_jax(x) for x in outputs], reference)
+    except Exception as e:  # a contender's limits (a shape it refuses, no JVP rule) are data
+        return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    return dict(
+        status="ok",
+        reason=None,
+        first_call_ms=_ms(first_s),
+        times_ms=[_ms(t) for t in timing.times],
+        median_ms=_ms(timing.median),
+        ratio=None,
+        tflops=None,
+        time_over_fwd=None,
+        accuracy=accuracy,
+    )
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 4)  # 0.1 µs: finer digits are noise
+
+
+def _not_timed(status: str, reason: str) -> dict:
+    return dict(
+        status=status,
+        reason=reason,
+        first_call_ms=None,
+        times_ms=[],
+        median_ms=None,
+        ratio=None,
+        tflops=None,
+        time_over_fwd=None,
+        accuracy=None,
+    )
+
+
+def _add_ratios_and_tflops(group: list[dict], case: Case, mode: str, fraction: float) -> None:
+    """ratio = contender time / jaxforge time in the same case and mode: > 1 means jaxforge is faster."""
+    ours = next((r for r in group if r["implementation"] == "jaxforge" and r["status"] == "ok"), None)
+    flops = case.dense_flops * fraction * {"fwd": 1.0, "fwd+bwd": BWD_FLOPS}.get(mode, math.nan)
+    for r in group:
+        if r["status"] != "ok":
+            continue
+        if ours is not None:
+            r["ratio"] = round(r["median_ms"] / ours["median_ms"], 4)
+        if math.isfinite(flops):
+            r["tflops"] = float(f"{flops / (r['median_ms'] * 1e-3) / 1e12:.4g}")
+
+
+def _add_time_over_fwd(records: list[dict]) -> None:
+    """For fwd+bwd and jvp records: time over the same implementation's forward time."""
+    fwd = {r["implementation"]: r for r in records if r["mode"] == "fwd" and r["status"] == "ok"}
+    for r in records:
+        base = fwd.get(r["implementation"])
+        if r["mode"] != "fwd" and r["status"] == "ok" and base is not None:
+            r["time_over_fwd"] = round(r["median_ms"] / base["median_ms"], 3)
+
+
+# ---------------------------------------------------------------- cases, inputs, FLOPs
+
+
+def _segment_ids(case: Case) -> np.ndarray | None:
+    """``(batch, S)`` int32 ids of a few contiguous documents of random lengths (fixed seed)."""
+    if case.mask != "document_causal":
+        return None
+    if case.sq != case.skv:
+        raise ValueError(f"{case.name}: a document mask needs Sq == Skv, got {case.sq} and {case.skv}")
+    rng = np.random.default_rng(SEED)
+    rows = []
+    for _ in range(case.batch):
+        n_docs = int(rng.integers(DOCUMENTS[0], DOCUMENTS[1] + 1))
+        cuts = np.sort(rng.choice(np.arange(1, case.sq), size=min(n_docs, case.sq) - 1, replace=False))
+        rows.append(np.searchsorted(cuts, np.arange(case.sq), side="right"))
+    return np.stack(rows).astype(np.int32)
+
+
+def _visible_fraction(case: Case, seg) -> float:
+    """The fraction of the score matrix a forward computes: 1/2 for causal (ANCHORS.md), else counted."""
+    if case.mask is None:
+        return 1.0
+    if case.mask == "causal":
+        return 0.5
+    q = np.arange(case.sq)
+    if case.mask == "sliding_window_causal":  # keys max(0, q - WINDOW + 1) ..= min(q, Skv - 1)
+        visible = np.maximum(np.minimum(q, case.skv - 1) - np.maximum(q - WINDOW + 1, 0) + 1, 0)
+        return float(visible.sum() / (case.sq * case.skv))
+    if case.mask == "document_causal":  # keys from the start of q's document ..= q
+        seg = _segment_ids(case) if seg is None else np.asarray(seg)
+        starts_doc = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
+        start = np.maximum.accumulate(np.where(starts_doc, q, 0), axis=1)
+        return float((q - start + 1).sum() / (case.batch * case.sq * case.skv))
+    raise ValueError(f"unknown mask {case.mask!r}")
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_normals(key, dims, dtype):
+    b, sq, skv, hq, hkv, d, dv = dims
+    shapes = [(b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv), (b, sq, hq, dv)]
+    shapes += shapes[:3]  # tangents of q, k, v
+    sizes = [math.prod(s) for s in shapes]
+    flat = jax.random.normal(key, (sum(sizes),), jnp.float32).astype(dtype)  # one draw: one small program
+    parts = jnp.split(flat, np.cumsum(sizes)[:-1].tolist())
+    return tuple(p.reshape(s) for p, s in zip(parts, shapes))
+
+
+def _make_inputs(case: Case) -> Inputs:
+    q, k, v, do, dq, dk, dv = _random_normals(jax.random.key(SEED), case.dims, case.dtype)
+    seg = _segment_ids(case)
+    return Inputs(q, k, v, None if seg is None else jnp.asarray(seg), do, dq, dk, dv)
+
+
+# ---------------------------------------------------------------- reference and accuracy
+
+_ACCURACY_NAMES = {"fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout")}
+
+
+@jax.jit
+def _max_abs_error(x, ref):
+    return jnp.max(jnp.abs(x.astype(jnp.float32) - ref))
+
+
+def _accuracy(mode: str, outputs: list, reference: dict | None) -> dict[str, float] | None:
+    if reference is None:
+        return None
+    names = _ACCURACY_NAMES[mode]
+    if len(outputs) != len(names):
+        raise ValueError(f"{mode}: expected {len(names)} outputs ({', '.join(names)}), got {len(outputs)}")
+    return {n: float(_max_abs_error(x, reference[n])) for n, x in zip(names, outputs)}
+
+
+def _device_memory_bytes() -> int | None:
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _reference(case: Case, x: Inputs) -> tuple[dict | None, str | None]:
+    """float32 ``out``, ``dq, dk, dv`` and ``dout``, or None and why there is none."""
+    # One (batch item, kv head) at a time: its scores, their tangents and cotangents in float32.
+    item_bytes = 8 * (case.hq // case.hkv) * case.sq * case.skv * 4
+    memory = _device_memory_bytes()
+    if memory is not None and item_bytes > REFERENCE_MEMORY_FRACTION * memory:
+        return None, f"no accuracy: the float32 reference needs ~{item_bytes / 2**30:.0f} GiB per head, more than it may take"
+    try:
+        with jax.default_matmul_precision("highest"):
+            out, (gq, gk, gv), dout = _reference_fn(case)(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
+        return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout), None
+    except Exception as e:  # e.g. out of memory: the timings still stand
+        return None, f"no accuracy: the float32 reference failed ({type(e).__name__}: {str(e)[:150]})"
+
+
+def _reference_fn(case: Case):
+    attend = _jnn_forward(case, "xla")
+    bsz, hkv = case.batch, case.hkv
+
+    def split(x):  # (B, S, Hkv*h, D) -> (B*Hkv, 1, S, h, D): one item per batch item and kv head
+        b, s, h, d = x.shape
+        x = x.astype(jnp.float32).reshape(b, s, hkv, h // hkv, d)
+        return jnp.swapaxes(x, 1, 2).reshape(b * hkv, 1, s, h // hkv, d)
+
+    def merge(x):  # the inverse of split
+        _, _, s, h, d = x.shape
+        return jnp.swapaxes(x.reshape(bsz, hkv, s, h, d), 1, 2).reshape(bsz, s, hkv * h, d)
+
+    def one(item):
+        q, k, v, seg, do, dq, dk, dv = item
+        fn = lambda q, k, v: attend(q, k, v, seg)  # noqa: E731
+        out, vjp = jax.vjp(fn, q, k, v)
+        _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
+        return out, vjp(do), dout
+
+    @jax.jit
+    def reference(q, k, v, seg, do, dq, dk, dv):
+        seg_items = None if seg is None else jnp.repeat(seg, hkv, axis=0)[:, None, :]
+        items = (split(q), split(k), split(v), seg_items, split(do), split(dq), split(dk), split(dv))
+        out, grads, dout = lax.map(one, items)
+        return merge(out), tuple(merge(g) for g in grads), merge(dout)
+
+    return reference
+
+
+# ---------------------------------------------------------------- jax contenders
+
+
+def _jf_mask(mask: str | None, seg):
+    if mask is None:
+        return None
+    if mask == "causal":
+        return jf.masks.causal()
+    if mask == "sliding_window_causal":
+        return jf.masks.causal() & jf.masks.sliding_window(WINDOW)
+    if mask == "document_causal":
+        return jf.masks.causal() & jf.masks.document(seg)
+    raise ValueError(f"unknown mask {mask!r}")
+
+
+def _jax_modes(attend: Callable, mode: str, x: Inputs) -> tuple[Callable, tuple]:
+    """The jitted call of one mode for ``attend(q, k, v, seg) -> out``, and its arguments."""
+    if mode == "fwd":
+
+        def fwd(q, k, v, seg):
+            return (attend(q, k, v, seg),)
+
+        return jax.jit(fwd), (x.q, x.k, x.v, x.seg)
+    if mode == "fwd+bwd":
+
+        def loss(q, k, v, seg, do):
+            return jnp.sum(attend(q, k, v, seg).astype(jnp.float32) * do.astype(jnp.float32))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x.q, x.k, x.v, x.seg, x.do)
+    if mode == "jvp":
+
+        def jvp(q, k, v, seg, dq, dk, dv):
+            return jax.jvp(lambda q, k, v: attend(q, k, v, seg), (q, k, v), (dq, dk, dv))
+
+        return jax.jit(jvp), (x.q, x.k, x.v, x.seg, x.dq, x.dk, x.dv)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def _jax_contender(name: str, forward: Callable[[Case], Callable | str], *, no_jvp: str | None = None, **kw) -> Contender:
+    """A jax contender from ``forward(case) -> attend(q, k, v, seg) -> out`` or a skip reason.
+
+    ``no_jvp``: why the contender has no forward-mode AD (a ``custom_vjp``), or None.
+    """
+
+    def prepare(case, x, mode):
+        attend = forward(case)
+        if isinstance(attend, str):
+            return attend
+        if mode == "jvp" and no_jvp:
+            return no_jvp
+        return _jax_modes(attend, mode, x)
+
+    return Contender(name, prepare, **kw)
+
+
+def _jf_forward(implementation: str | None):
+    def forward(case: Case):
+        def attend(q, k, v, seg):
+            return jf.attention(q, k, v, mask=_jf_mask(case.mask, seg), implementation=implementation)
+
+        return attend
+
+    return forward
+
+
+def _jf_xla_contender() -> Contender:
+    """``implementation="xla"``, unless the default compiles to the same program (then skipped)."""
+    default, explicit = _jf_forward(None), _jf_forward("xla")
+
+    def prepare(case, x, mode):
+        fn, args = _jax_modes(explicit(case), mode, x)
+        fn_default, _ = _jax_modes(default(case), mode, x)
+        try:
+            same = fn_default.lower(*args).as_text() == fn.lower(*args).as_text()
+        except Exception:  # the default's own record reports its failure; measure xla regardless
+            same = False
+        if same:
+            return "the default implementation compiles to the same program here (it resolves to xla for this case)"
+        return fn, args
+
+    return Contender("jaxforge-xla", prepare)
+
+
+def _jnn_forward(case: Case, implementation: str) -> Callable | str:
+    """``jax.nn.dot_product_attention``; head dims are zero-padded to match when D != Dv."""
+    if implementation == "cudnn":
+        if case.mask == "document_causal":
+            return "jax.nn's cuDNN path takes no segment ids (a dense mask would be materialised as a bias)"
+        if np.dtype(case.dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
+            return f"cuDNN attention takes bfloat16 or float16, not {np.dtype(case.dtype).name}"
+    width = max(case.d, case.dv)
+    kwargs = dict(scale=case.scale, is_causal=case.mask is not None, implementation=implementation)
+    if case.mask == "sliding_window_causal":
+        kwargs["local_window_size"] = (WINDOW - 1, 0)
+
+    def pad(x):
+        return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+    def attend(q, k, v, seg):
+        mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
+        out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=mask, **kwargs)
+        return out[..., : case.dv]
+
+    return attend
+
+
+def _padded_note(case: Case) -> str | None:
+    if case.d == case.dv:
+        return None
+    return f"head dims zero-padded to {max(case.d, case.dv)} (jax.nn needs equal q/k/v head dims)"
+
+
+def _pallas_forward(case: Case) -> Callable | str:
+    try:
+        from jax.experimental.pallas.ops.gpu.attention import mha
+    except Exception as e:
+        return f"jax.experimental.pallas.ops.gpu.attention is not importable ({type(e).__name__}: {e})"
+    if case.mask == "sliding_window_causal":
+        return "mha has no sliding-window mask (causal and segment ids only)"
+    if case.hq != case.hkv:
+        return "mha needs as many key/value heads as query heads (no GQA)"
+    if case.d != case.dv:
+        return "mha needs equal q, k and v head dims"
+    block = 128  # BlockSizes.get_default(): block_q = block_k = 128 (min with the sequence length)
+    if case.sq % min(block, case.sq) or case.skv % min(block, case.skv):
+        return f"mha needs sequence lengths that are multiples of its block size {block}"
+
+    def attend(q, k, v, seg):
+        return mha(q, k, v, seg, sm_scale=case.scale, causal=case.mask is not None)
+
+    return attend
+
+
+# ---------------------------------------------------------------- torch contenders
+
+
+def _cuda_torch():
+    """(torch, None) when torch is installed and sees a GPU, else (None, why not)."""
+    try:
+        import torch
+    except ImportError as e:
+        return None, f"torch is not importable ({e})"
+    if not torch.cuda.is_available():
+        return None, "torch sees no CUDA device"
+    return torch, None
+
+
+def _torch_bhsd(torch, x):
+    """A jax ``(B, S, H, D)`` array as a contiguous torch CUDA ``(B, H, S, D)`` tensor, same dtype."""
+    dtype = getattr(torch, np.dtype(x.dtype).name)
+    host = np.asarray(x.astype(jnp.float32)) if np.issubdtype(x.dtype, np.floating) else np.asarray(x)
+    return torch.as_tensor(host, device="cuda").to(dtype).transpose(1, 2).contiguous()
+
+
+def _torch_to_jax(t):
+    """A torch ``(B, H, S, D)`` output as a jax ``(B, S, H, D)`` array."""
+    t = t.detach().contiguous()
+    try:
+        x = jax.dlpack.from_dlpack(t)
+    except Exception:  # no shared device or dtype: through the host
+        x = jnp.asarray(t.float().cpu().numpy())
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _torch_modes(torch, attend: Callable, mode: str, case: Case, x: Inputs) -> tuple[Callable, tuple] | str:
+    if mode == "jvp":
+        return _NO_TORCH_JVP
+    q, k, v = (_torch_bhsd(torch, t) for t in (x.q, x.k, x.v))
+    if mode == "fwd":
+
+        def fwd(q, k, v):
+            out = attend(q, k, v)
+            torch.cuda.synchronize()  # the host timer must see torch's kernels finish
+            return (out,)
+
+        return fwd, (q, k, v)
+    do = _torch_bhsd(torch, x.do)
+    q, k, v = (t.requires_grad_(True) for t in (q, k, v))
+
+    def fwd_bwd(q, k, v, do):
+        grads = torch.autograd.grad(attend(q, k, v), (q, k, v), do)
+        torch.cuda.synchronize()
+        return grads
+
+    return fwd_bwd, (q, k, v, do)
+
+
+def _torch_unavailable(name: str, reason: str) -> Contender:
+    return Contender(name, lambda case, x, mode: reason, essential=lambda case: True)  # costs nothing
+
+
+def _sdpa_contender(torch, backend: str) -> Contender:
+    name = f"torch-sdpa-{backend}"
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention
+
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
+
+    def prepare(case, x, mode):
+        if case.mask not in (None, "causal"):
+            return f"SDPA takes no {case.mask} mask (is_causal only; an explicit attn_mask leaves the fused kernels)"
+        kwargs = dict(is_causal=case.mask == "causal", scale=case.scale)
+        if case.hq != case.hkv:
+            kwargs["enable_gqa"] = True
+
+        def attend(q, k, v):
+            with sdpa_kernel(kind):
+                return scaled_dot_product_attention(q, k, v, **kwargs)
+
+        return _torch_modes(torch, attend, mode, case, x)
+
+    return Contender(name, prepare, to_jax=_torch_to_jax, essential=lambda case: backend == "cudnn")
+
+
+def _flex_contender(torch) -> Contender:
+    name = "torch-flex"
+    try:
+        import torch._dynamo
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    except ImportError as e:
+        return _torch_unavailable(name, f"torch.nn.attention.flex_attention is not importable ({e})")
+    dynamo = torch._dynamo.config  # one recompilation per case and mode: more than the default limit
+    limit = "recompile_limit" if hasattr(dynamo, "recompile_limit") else "cache_size_limit"
+    setattr(dynamo, limit, max(getattr(dynamo, limit), 64))
+    compiled = torch.compile(flex_attention, dynamic=False)
+
+    def prepare(case, x, mode):
+        if case.mask is None:
+            return "flex_attention is measured on masked cases only (SDPA covers plain attention)"
+        if mode == "jvp":
+            return _NO_TORCH_JVP
+        batch = None
+        if case.mask == "causal":
+            mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
+        elif case.mask == "sliding_window_causal":
+            mask_mod = lambda b, h, q, kv: (q >= kv) & (q - kv < WINDOW)  # noqa: E731
+        elif case.mask == "document_causal":
+            seg, batch = torch.as_tensor(np.asarray(x.seg), device="cuda"), case.batch
+            mask_mod = lambda b, h, q, kv: (q >= kv) & (seg[b, q] == seg[b, kv])  # noqa: E731
+        else:
+            return f"no flex mask_mod for {case.mask!r}"
+        block_mask = create_block_mask(mask_mod, B=batch, H=None, Q_LEN=case.sq, KV_LEN=case.skv, device="cuda")
+        kwargs = dict(block_mask=block_mask, scale=case.scale)
+        if case.hq != case.hkv:
+            kwargs["enable_gqa"] = True
+        return _torch_modes(torch, lambda q, k, v: compiled(q, k, v, **kwargs), mode, case, x)
+
+    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal")  # noqa: E731
+    return Contender(name, prepare, to_jax=_torch_to_jax, essential=essential)
+
+
+# ---------------------------------------------------------------- the contenders per backend
+
+
+def _contenders(backend: str) -> list[Contender]:
+    everywhere = lambda case: True  # noqa: E731
+    jnn_xla = _jax_contender("jax.nn-xla", lambda case: _jnn_forward(case, "xla"), note=_padded_note)
+    if backend != "gpu":
+        return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), jnn_xla]
+    contenders = [
+        _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
+        _jf_xla_contender(),
+        _jax_contender(
+            "jax.nn-cudnn",
+            lambda case: _jnn_forward(case, "cudnn"),
+            no_jvp="jax.nn's cuDNN attention is a custom_vjp: it has no forward-mode AD (jax.jvp raises)",
+            essential=everywhere,
+            note=_padded_note,
+        ),
+    ]
+    torch, why_not = _cuda_torch()
+    torch_names = ("torch-sdpa-cudnn", "torch-sdpa-flash")
+    if torch is None:
+        contenders += [_torch_unavailable(n, why_not) for n in torch_names]
+    else:
+        contenders += [_sdpa_contender(torch, "cudnn"), _sdpa_contender(torch, "flash")]
+    pallas = _jax_contender(
+        "pallas-triton", _pallas_forward, no_jvp="Pallas mha is a custom_vjp: it has no forward-mode AD (jax.jvp raises)"
+    )
+    contenders += [jnn_xla, pallas]
+    contenders.append(_flex_contender(torch) if torch is not None else _torch_unavailable("torch-flex", why_not))
+    return contenders
+
+
+# The benchmark entry, by the `bench_entry` name its primitive declares.
+OPS = {"attention": _Op("attention", {**SHAPES, **QUICK_SHAPES}, _contenders)}
