@@ -5,14 +5,18 @@ Public surface::
     jf.attention(q, k, v, *, mask=None, score_mod=None, scale=None, softcap=None,
                  return_lse=False, implementation=None)
     jf.masks.causal(), sliding_window(w), document(segment_ids), prefix_lm(n), chunked(c), ...
+    jf.collectives.all_reduce(x, axis_name, op="sum"), all_gather, reduce_scatter, all_to_all, ...
+    jf.shard(f, *, mesh=None, in_specs, out_specs)
     jf.linalg.svd(a, full_matrices=False, compute_uv=True, *, grad_eps=0.0)
     jf.linalg.lstsq(a, b, rcond=None) -> LstsqResult(solution, residuals, rank, singular_values)
 """
 
 from jaxforge import lowering as _lowering  # noqa: F401  (registers every lowering, once)
+from jaxforge.functional import collectives as collectives
 from jaxforge.functional import linalg as linalg
 from jaxforge.functional import masks as masks
 from jaxforge.functional.attention import attention as attention
+from jaxforge.transforms.shard import shard as shard
 
-__all__ = ["attention", "linalg", "masks"]
+__all__ = ["attention", "collectives", "linalg", "masks", "shard"]
 __version__ = "0.1.0"

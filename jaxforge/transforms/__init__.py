@@ -1,6 +1,11 @@
-"""Transforms over primitives: the ``shard`` transform and the sharding rules of custom calls.
+"""Transforms over primitives: ``shard`` (shard_map-style).
 
-Empty until the collectives issue. Today the linalg primitives partition along batch dims through
-their default lowering (jax's LAPACK/cuSOLVER calls carry batch-sharding rules) and, under explicit
-sharding, through ``primitives._core.batch_sharded_avals``.
+Sharding of our primitives: under ``jit`` with batch-sharded inputs, every lowering partitions along
+batch dims — the default lowerings are jax operations the partitioner splits; under explicit
+sharding ``primitives._core`` gives the outputs batch-sharded avals and runs the lowering with the
+mesh axes automatic.
 """
+
+from jaxforge.transforms.shard import default_mesh, shard
+
+__all__ = ["default_mesh", "shard"]
