@@ -34,11 +34,47 @@ __all__ = [
     "define_primitive",
     "instantiate_zeros",
     "is_linear_input",
+    "output_aval",
     "is_zero",
     "register_lowering",
     "registered_primitives",
     "trace_function",
+    "varying_axes",
 ]
+
+
+class _Primitive(Primitive):
+    """Binds with every operand varying over the same manual (shard_map) axes.
+
+    JAX's own primitives get this from ``pvary`` insertion at bind; ours do it here, so the outputs
+    vary over the union of the operands' axes and each transpose hands an operand that was the same
+    on every device a cotangent summed over them (the transpose of the ``pvary``).
+    """
+
+    def bind(self, *args, **params):
+        axes = [varying_axes(a) for a in args]
+        union = frozenset().union(*axes)
+        if union:
+            args = [
+                jax.lax.pcast(a, tuple(sorted(union - have)), to="varying") if union - have else a
+                for a, have in zip(args, axes)
+            ]
+        return super().bind(*args, **params)
+
+
+def varying_axes(x) -> frozenset:
+    """The shard_map axes over which ``x`` (an array or aval) may differ between devices."""
+    aval = x if isinstance(x, core.AbstractValue) else jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10+
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def output_aval(template, shape, dtype, sharding=None):
+    """An output aval with ``template``'s varying axes (and sharding unless given)."""
+    kwargs = dict(shape=tuple(shape), dtype=dtype, weak_type=False)
+    if sharding is not None:
+        kwargs["sharding"] = sharding
+    return template.update(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +114,7 @@ def define_primitive(
     """
     if name in _REGISTRY:
         raise ValueError(f"primitive {name!r} is declared twice")
-    prim = Primitive(name)
+    prim = _Primitive(name)
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(_impl_through_jit, prim))
@@ -111,12 +147,23 @@ def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None =
     """
 
     def lowering(ctx, *args, **params):
+        # Inside shard_map the avals say over which mesh axes a value varies; the lowering emits
+        # per-device code, where that typing has no meaning (and would make loop carries built
+        # from constants mismatch their varying updates), so it traces on plain avals.
+        ctx = ctx.replace(avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out])
         fn = functools.partial(impl, **params)
         if any(_explicitly_sharded(aval) for aval in ctx.avals_in):
             fn = jax.sharding.auto_axes(fn, out_sharding=tuple(aval.sharding for aval in ctx.avals_out))
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     mlir.register_lowering(prim, lowering, platform=platform)
+
+
+def _untyped(aval):
+    """``aval`` without the varying-over-manual-axes type of shard_map."""
+    if not isinstance(aval, core.ShapedArray):
+        return aval
+    return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=aval.sharding)
 
 
 def _explicitly_sharded(aval) -> bool:
@@ -149,10 +196,11 @@ def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Seque
                 f"{fn}: the batch dims of `{first}` and `{name}` are sharded differently, "
                 f"{PartitionSpec(*batch_spec)} and {PartitionSpec(*spec)}"
             )
-    mesh = next(iter(operands.values())).sharding.mesh
+    template = next(iter(operands.values()))
+    mesh = template.sharding.mesh
     return tuple(
-        core.ShapedArray(
-            shape, dtype, sharding=NamedSharding(mesh, PartitionSpec(*batch_spec, *[None] * (len(shape) - batch_ndim)))
+        output_aval(
+            template, shape, dtype, NamedSharding(mesh, PartitionSpec(*batch_spec, *[None] * (len(shape) - batch_ndim)))
         )
         for shape, dtype in outputs
     )

@@ -245,7 +245,7 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     check_operands("attention_bwd", q, k, v)
     _, score_c = _split(operands[:-2], mods)
     grads = _output_avals("attention_bwd", q, k, v, [(x.shape, x.dtype) for x in (q, k, v)])
-    consts = [jax.core.ShapedArray(c.shape, c.dtype) for c, wanted in zip(score_c, const_grads) if wanted]
+    consts = [_core.output_aval(c, c.shape, c.dtype) for c, wanted in zip(score_c, const_grads) if wanted]
     return (*grads, *consts)
 
 

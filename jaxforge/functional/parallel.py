@@ -1,0 +1,149 @@
+r"""Model-parallel building blocks written with ``jf.collectives``, for use inside ``jf.shard``.
+
+Every backward here comes from differentiating the forward: the collectives' transposes (and the
+invariant/varying typing of ``jax.shard_map``) produce the gradient communication.
+
+* :func:`column_parallel_linear` / :func:`row_parallel_linear`: Megatron tensor parallelism. A
+  column-parallel layer followed by a row-parallel one (an MLP) costs one all-reduce forward and
+  one backward.
+* :func:`sequence_parallel_rms_norm`: RMS norm of sequence-sharded activations; its scale's
+  gradient is summed over the shards by the transpose of the implicit broadcast.
+* :func:`ring_attention`: context parallelism — the sequence is sharded, key/value blocks travel
+  round the ring (``shift``) and the partial results merge through their log-sum-exp. With
+  ``causal=True`` and :func:`load_balance`'s head–tail layout every device does the same work.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxforge.functional import collectives, masks
+from jaxforge.functional.attention import attention
+
+__all__ = [
+    "column_parallel_linear",
+    "load_balance",
+    "merge_attention",
+    "ring_attention",
+    "row_parallel_linear",
+    "sequence_parallel_rms_norm",
+    "unbalance",
+]
+
+
+def column_parallel_linear(x, w, b=None, *, axis_name, gather_output: bool = False):
+    """``x @ w + b`` with ``w``'s columns (and ``b``) split over ``axis_name``; ``x`` replicated.
+
+    Returns this device's columns, or all of them with ``gather_output`` (an all-gather whose
+    backward keeps this device's slice).
+    """
+    y = collectives.copy_to_parallel(x, axis_name) @ w
+    if b is not None:
+        y = y + b
+    if gather_output:
+        y = collectives.gather_from_parallel(y, axis_name, axis=-1, tensor_parallel_output_grad=False)
+    return y
+
+
+def row_parallel_linear(x, w, b=None, *, axis_name):
+    """``x @ w + b`` with ``x``'s last dim and ``w``'s rows split over ``axis_name``; the partial
+    products are summed (one all-reduce) and ``b`` (replicated) added once."""
+    y = collectives.reduce_from_parallel(x @ w, axis_name)
+    return y if b is None else y + b
+
+
+def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
+    r""":math:`x / \sqrt{\overline{x^2} + \epsilon} \cdot \text{scale}` over the last dim, per token.
+
+    Tokens are independent, so the forward needs no communication; ``scale`` is replicated and its
+    gradient, a sum over tokens, is all-reduced over the sequence shards by the transpose.
+    """
+    ms = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    return (x * lax.rsqrt(ms + eps).astype(x.dtype)) * scale
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combines two attentions of the same queries over disjoint keys through their log-sum-exps.
+
+    ``out = (out_a e^{lse_a} + out_b e^{lse_b}) / (e^{lse_a} + e^{lse_b})``; rows that see no key in
+    either part stay 0 with lse ``-inf`` (no NaN, zero gradients).
+    """
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    total = w_a + w_b
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    out = (out_a * (w_a / safe)[..., None] + out_b * (w_b / safe)[..., None]).astype(out_a.dtype)
+    return out, jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: bool = True, scale=None):
+    """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
+
+    ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``. Key/value chunks go
+    round the ring in ``n`` steps (``n - 1`` collective-permutes); each step attends the local
+    queries to the visiting chunk with ``jf.attention`` and merges by log-sum-exp.
+
+    ``causal=True`` needs the global order of the chunks: with ``load_balanced`` (default) the
+    sequence must be in :func:`load_balance`'s head–tail layout (device ``r`` holds chunks ``r``
+    and ``2n-1-r`` of ``2n``), and every step costs each device half a block; otherwise device
+    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal.
+    """
+    n = lax.axis_size(axis_name)
+    me = lax.axis_index(axis_name)
+    kw = dict(scale=scale, return_lse=True)
+    half = q.shape[-3] // 2
+    if causal and load_balanced and q.shape[-3] % 2:
+        raise ValueError(f"ring_attention: load-balanced causal needs an even local length, got q {q.shape}")
+
+    def step_attention(src, k, v):
+        if not causal:
+            return attention(q, k, v, **kw)
+        diagonal = lambda: attention(q, k, v, mask=masks.causal(), **kw)
+        if load_balanced:
+            # src < me: the visiting head chunk precedes both local chunks, its tail follows them.
+            # src > me: only the local tail chunk sees the visitor, all of it.
+            earlier = lambda: attention(q, k[..., :half, :, :], v[..., :half, :, :], **kw)
+            later = lambda: _rows_after(half, attention(q[..., half:, :, :], k, v, **kw))
+        else:
+            earlier = lambda: attention(q, k, v, **kw)
+            later = lambda: _nothing_visible(q, v)
+        return lax.switch(jnp.sign(src - me) + 1, [earlier, diagonal, later])
+
+    out, lse = step_attention(me, k, v)
+    for step in range(1, n):
+        k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
+        out, lse = merge_attention(out, lse, *step_attention((me - step) % n, k, v))
+    return out
+
+
+def _rows_after(half, result):
+    """Pads an attention of the last rows back to all rows: the first ``half`` see nothing."""
+    out, lse = result
+    pad = [(0, 0)] * (out.ndim - 3) + [(half, 0), (0, 0), (0, 0)]
+    lse_pad = pad[:-1]
+    return jnp.pad(out, pad), jnp.pad(lse, lse_pad, constant_values=-jnp.inf)
+
+
+def _nothing_visible(q, v):
+    """No key visible: out 0, lse -inf (built from q so it varies over the same devices)."""
+    lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+    out = lax.full_like(q, 0, shape=(*q.shape[:-1], v.shape[-1]))
+    return out, lax.full_like(q, -jnp.inf, dtype=lse_dtype, shape=q.shape[:-1])
+
+
+def load_balance(x, num_shards: int, *, axis: int = -3):
+    """Reorders a global sequence into the head–tail layout: cut into ``2 * num_shards`` chunks,
+    shard ``r`` gets chunks ``r`` and ``2 * num_shards - 1 - r`` (then shard the axis evenly)."""
+    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    order = [c for r in range(num_shards) for c in (chunks[r], chunks[2 * num_shards - 1 - r])]
+    return jnp.concatenate(order, axis=axis)
+
+
+def unbalance(x, num_shards: int, *, axis: int = -3):
+    """Inverse of :func:`load_balance`."""
+    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    heads, tails = chunks[0::2], chunks[1::2]
+    return jnp.concatenate(heads + tails[::-1], axis=axis)
