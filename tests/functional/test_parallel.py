@@ -1,0 +1,159 @@
+"""jf.parallel against unsharded computations: values, gradients (grad through the collectives),
+jvp, and the collectives each step compiles to, on 8 CPU devices in float64."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+from jax.test_util import check_grads
+
+import jaxforge as jf
+from jaxforge.functional import parallel as par
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def mesh(n, name):
+    return jax.make_mesh((n,), (name,), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+
+
+def collectives(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    return {k: len(re.findall(rf"\s{k}(-start)?\(", text)) for k in KINDS}
+
+
+def rng_arrays(*shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s)) for s in shapes]
+
+
+# --- tensor-parallel MLP -----------------------------------------------------------------------
+
+
+def mlp(params, x):
+    w1, b1, w2, b2 = params
+    return jnp.tanh(x @ w1 + b1) @ w2 + b2
+
+
+def tp_mlp(params, x, n=4):
+    """Column-parallel first layer, row-parallel second, hidden units split over "model"."""
+
+    def local(w1, b1, w2, b2, x):
+        h = jnp.tanh(par.column_parallel_linear(x, w1, b1, axis_name="model"))
+        return par.row_parallel_linear(h, w2, b2, axis_name="model")
+
+    specs = (P(None, "model"), P("model"), P("model", None), P(), P())
+    return jf.shard(local, mesh=mesh(n, "model"), in_specs=specs, out_specs=P())(*params, x)
+
+
+@pytest.fixture
+def mlp_inputs():
+    return rng_arrays((6, 8), (8,), (8, 5), (5,), (3, 6))
+
+
+def test_tensor_parallel_mlp_value_and_gradient_equal_unsharded(mlp_inputs):
+    *params, x = mlp_inputs
+    np.testing.assert_allclose(tp_mlp(params, x), mlp(params, x), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda params, x: jnp.sum(f(params, x) ** 2))
+    got = jax.jit(jax.grad(loss(tp_mlp), argnums=(0, 1)))(params, x)
+    want = jax.grad(loss(mlp), argnums=(0, 1))(params, x)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+def test_tensor_parallel_mlp_check_grads(mlp_inputs):
+    *params, x = mlp_inputs
+    check_grads(jax.jit(lambda *a: tp_mlp(a[:4], a[4])), (*params, x), order=2, modes=["fwd", "rev"])
+
+
+def test_tensor_parallel_mlp_one_all_reduce_each_way(mlp_inputs):
+    *params, x = mlp_inputs
+    assert collectives(lambda p, x: tp_mlp(p, x), params, x) == {**dict.fromkeys(KINDS, 0), "all-reduce": 1}
+    _, vjp = jax.vjp(lambda x: tp_mlp(params, x), x)
+    out = tp_mlp(params, x)
+    assert collectives(vjp, out) == {**dict.fromkeys(KINDS, 0), "all-reduce": 1}  # dx: copy_to's all-reduce
+
+
+# --- sequence-parallel norm ---------------------------------------------------------------------
+
+
+def test_sequence_parallel_rms_norm_gradient_of_the_replicated_scale():
+    x, scale = rng_arrays((2, 16, 4), (4,))
+    local = lambda x, scale: par.sequence_parallel_rms_norm(x, scale)
+    sharded = jf.shard(local, mesh=mesh(8, "seq"), in_specs=(P(None, "seq"), P()), out_specs=P(None, "seq"))
+    np.testing.assert_allclose(sharded(x, scale), local(x, scale), rtol=1e-12)
+    loss = lambda f: (lambda x, s: jnp.sum(jnp.sin(f(x, s))))
+    for g, w in zip(jax.grad(loss(sharded), (0, 1))(x, scale), jax.grad(loss(local), (0, 1))(x, scale)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)  # not multiplied by the 8 shards
+
+
+# --- ring attention -----------------------------------------------------------------------------
+
+RING_CASES = [(2, False, False), (2, True, False), (4, True, True)]  # (devices, causal, load_balanced)
+
+
+def ring(n, causal, balanced):
+    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, load_balanced=balanced)
+    sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    if not balanced:
+        return sharded
+    return lambda q, k, v: par.unbalance(sharded(*(par.load_balance(x, n) for x in (q, k, v))), n)
+
+
+def dense(causal):
+    return lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal() if causal else None)
+
+
+@pytest.mark.parametrize("n,causal,balanced", RING_CASES)
+def test_ring_attention_value_grad_and_jvp(n, causal, balanced):
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))  # GQA, Dv != D
+    f, ref = jax.jit(ring(n, causal, balanced)), dense(causal)
+    np.testing.assert_allclose(f(q, k, v), ref(q, k, v), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))
+    for g, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+    tangents = tuple(rng_arrays(q.shape, k.shape, v.shape, seed=1))
+    np.testing.assert_allclose(jax.jvp(f, (q, k, v), tangents)[1], jax.jvp(ref, (q, k, v), tangents)[1], atol=1e-11)
+
+
+def test_ring_attention_check_grads():
+    # First order: second derivatives of attention run its dense reference rules (tested there).
+    q, k, v = rng_arrays((1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4))
+    check_grads(jax.jit(ring(2, True, True)), (q, k, v), order=1, modes=["fwd", "rev"])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_ring_attention_communication(n):
+    q, k, v = rng_arrays((1, 8 * n, 2, 4), (1, 8 * n, 2, 4), (1, 8 * n, 2, 4))
+    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=True)
+    f = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    # n - 1 ring steps, each moving k and v (XLA may fuse the two into one permute of a tuple).
+    fwd = collectives(f, q, k, v)
+    assert fwd["collective-permute"] in (n - 1, 2 * (n - 1)) and sum(fwd.values()) == fwd["collective-permute"]
+    grad = collectives(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)), q, k, v)
+    assert grad["all-reduce"] == grad["all-gather"] == grad["all-to-all"] == 0  # only the ring and its reverse
+
+
+def test_load_balance_round_trip_and_layout():
+    x = jnp.arange(16.0).reshape(1, 16, 1, 1)
+    lb = par.load_balance(x, 4)
+    assert lb[0, :, 0, 0].tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
+    np.testing.assert_array_equal(par.unbalance(lb, 4), x)
+
+
+def test_merge_attention_of_two_halves_is_attention_of_the_whole():
+    q, k, v = rng_arrays((1, 5, 2, 4), (1, 9, 2, 4), (1, 9, 2, 3))
+    a = jf.attention(q, k[:, :4], v[:, :4], return_lse=True)
+    b = jf.attention(q, k[:, 4:], v[:, 4:], return_lse=True)
+    out, lse = par.merge_attention(*a, *b)
+    want_out, want_lse = jf.attention(q, k, v, return_lse=True)
+    np.testing.assert_allclose(out, want_out, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-12)
+    empty = (jnp.zeros_like(out), jnp.full_like(lse, -jnp.inf))
+    out, lse = par.merge_attention(*empty, *empty)
+    assert not np.isnan(out).any() and np.all(lse == -np.inf)
