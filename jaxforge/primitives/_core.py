@@ -138,12 +138,21 @@ def registered_primitives() -> dict[str, PrimitiveSpec]:
     return dict(_REGISTRY)
 
 
-def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None = None) -> None:
+def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None = None, shard_index: bool = False) -> None:
     """Lowers ``prim`` by tracing ``impl`` (jax operations) into the enclosing computation.
 
     ``platform=None`` registers the default lowering, used wherever no platform-specific one is.
-    Under explicit sharding ``impl`` runs with the mesh axes automatic (``jax.sharding.auto_axes``),
-    so it is written once, sharding-agnostic; its outputs get the shardings of the abstract eval.
+    ``impl`` is written once, for one device; sharding is handled here (the primitive's sharding
+    rule, the same for every lowering, kernels included):
+
+    * explicit sharding along the leading batch dim: ``impl`` runs per shard under ``shard_map``
+      on its slice of the batch — no collective, and a custom call (a GPU kernel) sees local shapes.
+      Operands not sharded like the batch are replicated first; an output not sharded along the
+      batch is a sum over it (the cotangent of a shared operand) and is all-reduced. With
+      ``shard_index``, ``impl`` gets ``batch_shard_index=``, the index of its shard (0 unsharded),
+      to recover global batch indices.
+    * other explicit shardings: ``impl`` runs with the mesh axes automatic (``auto_axes``).
+    * automatic sharding: the partitioner splits ``impl``'s operations.
     """
 
     def lowering(ctx, *args, **params):
@@ -152,11 +161,46 @@ def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None =
         # from constants mismatch their varying updates), so it traces on plain avals.
         ctx = ctx.replace(avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out])
         fn = functools.partial(impl, **params)
-        if any(_explicitly_sharded(aval) for aval in ctx.avals_in):
-            fn = jax.sharding.auto_axes(fn, out_sharding=tuple(aval.sharding for aval in ctx.avals_out))
+        batch_axes = _leading_batch_axes(ctx.avals_out)
+        if batch_axes is not None:
+            fn = _per_shard(fn, batch_axes, ctx.avals_in, ctx.avals_out, shard_index)
+        else:
+            if shard_index:
+                fn = functools.partial(fn, batch_shard_index=0)
+            if any(_explicitly_sharded(aval) for aval in ctx.avals_in):
+                fn = jax.sharding.auto_axes(fn, out_sharding=tuple(aval.sharding for aval in ctx.avals_out))
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     mlir.register_lowering(prim, lowering, platform=platform)
+
+
+def _leading_batch_axes(avals_out):
+    """The mesh axes of the outputs' leading dim, if that is their only explicitly sharded dim."""
+    sharding = getattr(avals_out[0], "sharding", None)
+    if not _explicitly_sharded(avals_out[0]):
+        return None
+    spec = tuple(sharding.spec)
+    if spec[0] is None or any(p is not None for p in spec[1:]):
+        return None
+    return spec[0]
+
+
+def _per_shard(fn, axes, avals_in, avals_out, shard_index: bool):
+    mesh = avals_out[0].sharding.mesh
+    leading = lambda aval: aval.ndim and tuple(aval.sharding.spec)[:1] == (axes,)
+    in_specs = tuple(PartitionSpec(axes) if leading(a) else PartitionSpec() for a in avals_in)
+    summed = [not leading(a) for a in avals_out]
+    out_specs = tuple(PartitionSpec() if s else PartitionSpec(axes) for s in summed)
+
+    def body(*args):
+        kwargs = {"batch_shard_index": jax.lax.axis_index(axes)} if shard_index else {}
+        outs = fn(*args, **kwargs)
+        return tuple(jax.lax.psum(o, axes) if s else o for o, s in zip(outs, summed))
+
+    sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    # Operands meant to be replicated (a mask's segment ids) may arrive sharded: gather them first.
+    gather = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)) if _explicitly_sharded(jax.typeof(x)) and spec == PartitionSpec() else x
+    return lambda *args: sharded(*(gather(x, spec) for x, spec in zip(args, in_specs)))
 
 
 def _untyped(aval):

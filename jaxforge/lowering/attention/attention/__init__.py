@@ -5,6 +5,8 @@ platform) or "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, i
 CPU). ``None`` means "pallas_triton" on GPU and "xla" elsewhere.
 """
 
+import math
+
 from jaxforge.lowering.attention.attention import pallas_triton, xla
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import attention_bwd_p, attention_fwd_p, attention_tangent_p
@@ -18,7 +20,7 @@ IMPLEMENTATIONS = {
 
 
 def _dispatch(prim, platform: str | None):
-    def lowering(*args, mods, implementation, **params):
+    def lowering(*args, mods, implementation, batch_shard_index, **params):
         name = implementation.name
         if platform == "cuda":
             if name is None:
@@ -30,11 +32,14 @@ def _dispatch(prim, platform: str | None):
                 )
         name = name or "xla"
         extra = {"interpret": platform != "cuda"} if name == "pallas_triton" else {}
-        return IMPLEMENTATIONS[prim][name](*args, mods=mods, implementation=implementation, **extra, **params)
+        local_batch = math.prod(args[0].shape[:-3])
+        return IMPLEMENTATIONS[prim][name](
+            *args, mods=mods, implementation=implementation, batch_offset=batch_shard_index * local_batch, **extra, **params
+        )
 
     return lowering
 
 
 for _prim in IMPLEMENTATIONS:
-    _core.register_lowering(_prim, _dispatch(_prim, None))
-    _core.register_lowering(_prim, _dispatch(_prim, "cuda"), platform="cuda")
+    _core.register_lowering(_prim, _dispatch(_prim, None), shard_index=True)
+    _core.register_lowering(_prim, _dispatch(_prim, "cuda"), platform="cuda", shard_index=True)

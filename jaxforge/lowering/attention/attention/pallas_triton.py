@@ -111,18 +111,19 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
-def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool):
+def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_offset=0):
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     qp, kp, vp = _seq_major(q, sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
 
-    def kernel(q_ref, k_ref, v_ref, *refs):
+    def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         *const_refs, out_ref, lse_ref = refs
         consts = [r[...] for r in const_refs]
-        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, consts[:n_mask], consts[n_mask:])
         out_ref[...] = out.astype(out_ref.dtype)
@@ -132,17 +133,18 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
         kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles),
-        [_q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)] + [_whole(c) for c in consts],
+        [_whole(offset), _q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)] + [_whole(c) for c in consts],
         [_q_block(geo, dv), _row_block(geo)],
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
-        (qp, kp, vp, *consts),
+        (offset, qp, kp, vp, *consts),
         "jaxforge_attention_fwd",
     )
     return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
 
 
-def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool):
+def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_offset=0):
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
@@ -152,11 +154,11 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
     d, dvp = rows[0].shape[-1], cols[1].shape[-1]
     n_mask, n_c = mods.num_mask_consts, len(consts)
 
-    def kernel(q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
+    def kernel(offset_ref, q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
         *in_refs, dout_ref, dlse_ref = refs
         values = [r[...] for r in in_refs]
         consts, dscore = values[:n_c], values[n_c:]
-        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
         load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
         dout, dlse = tangent_rows(
             geo, mods, q_ref[...], dq_ref[...], out_ref[...], lse_ref[...], load, b, h, i,
@@ -169,25 +171,27 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles),
-        [_q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo)]
+        [_whole(offset), _q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo)]
         + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
         + [_whole(c) for c in (*consts, *dscore)],
         [_q_block(geo, dvp), _row_block(geo)],
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
-        (*rows, *cols, *consts, *dscore),
+        (offset, *rows, *cols, *consts, *dscore),
         "jaxforge_attention_tangent",
     )
     return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
 
 
 def attention_bwd_pallas(
-    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_offset=0
 ):
     if any(const_grads):  # cotangents of captured arrays reduce over every program: XLA does it
         return xla.attention_bwd_xla(
-            q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads, implementation=implementation
-        )
+            q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
+            implementation=implementation, batch_offset=batch_offset,
+        )  # fmt: skip
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -198,10 +202,10 @@ def attention_bwd_pallas(
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
 
-    def dq_kernel(q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
+    def dq_kernel(offset_ref, q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
         *const_refs, gq_ref = refs
         c = [r[...] for r in const_refs]
-        b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         gq = bwd_dq_rows(
             geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, c[:n_mask], c[n_mask:]
@@ -212,19 +216,19 @@ def attention_bwd_pallas(
         dq_kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles),
-        [_q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
+        [_whole(offset), _q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
         + [_kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
         + [_whole(c) for c in consts],
         _q_block(geo, d),
         jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        (qp, gp, lse_p, delta_p, kp, vp, *consts),
+        (offset, qp, gp, lse_p, delta_p, kp, vp, *consts),
         "jaxforge_attention_bwd_dq",
     )
 
-    def dkv_kernel(k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
+    def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
         *const_refs, gk_ref, gv_ref = refs
         c = [r[...] for r in const_refs]
-        b, hk, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, hk, j = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
 
         def load_q(g, i):
             rows = pl.ds(i * geo.block_q, geo.block_q)
@@ -241,10 +245,11 @@ def attention_bwd_pallas(
         dkv_kernel,
         interpret,
         (bsz, hkv, geo.num_kv_tiles),
-        [kv_block(d), kv_block(dv), group_q(d), group_q(dv), group_rows, group_rows] + [_whole(c) for c in consts],
+        [_whole(offset), kv_block(d), kv_block(dv), group_q(d), group_q(dv), group_rows, group_rows]
+        + [_whole(c) for c in consts],
         [kv_block(d), kv_block(dv)],
         [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        (kp, vp, qp, gp, lse_p, delta_p, *consts),
+        (offset, kp, vp, qp, gp, lse_p, delta_p, *consts),
         "jaxforge_attention_bwd_dkv",
     )
     return (

@@ -63,16 +63,17 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
-def _over_heads(fn, geo: Geometry, bsz: int, hkv: int, head_args, kv_args):
-    """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped."""
+def _over_heads(fn, geo: Geometry, bsz: int, hkv: int, head_args, kv_args, batch_offset):
+    """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped;
+    ``b`` counts from ``batch_offset`` (this shard's first item in the global batch)."""
     per_g = jax.vmap(fn, in_axes=(None, 0) + (0,) * len(head_args) + (None,) * len(kv_args))
     per_hk = jax.vmap(per_g, in_axes=(None, 0) + (0,) * len(head_args) + (0,) * len(kv_args))
     per_b = jax.vmap(per_hk, in_axes=(0, None) + (0,) * len(head_args) + (0,) * len(kv_args))
     heads = jnp.arange(hkv * geo.group, dtype=jnp.int32).reshape(hkv, geo.group)
-    return per_b(jnp.arange(bsz, dtype=jnp.int32), heads, *head_args, *kv_args)
+    return per_b(jnp.arange(bsz, dtype=jnp.int32) + batch_offset, heads, *head_args, *kv_args)
 
 
-def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation):
+def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_offset=0):
     geo = geometry("xla", q, k, scale, implementation)
     mask_c, score_c = _split(consts, mods)
     batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
@@ -90,11 +91,12 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
         hkv,
         [heads_first(q, sq_pad, geo.group)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
+        batch_offset,
     )
     return _back(out, batch, geo.sq).astype(q.dtype), _back(lse, batch, geo.sq)
 
 
-def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation):
+def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_offset=0):
     geo = geometry("xla", q, k, scale, implementation)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
@@ -118,6 +120,7 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         hkv,
         [heads_first(x, sq_pad, geo.group) for x in (q, dq, out)] + [seq_last(lse, sq_pad, geo.group)],
         [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
+        batch_offset,
     )
     return _back(dout, batch, geo.sq).astype(out.dtype), _back(dlse, batch, geo.sq)
 
@@ -128,7 +131,7 @@ def bwd_delta(out, g_out, g_lse, acc_dtype):
 
 
 def attention_bwd_xla(
-    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, batch_offset=0
 ):
     """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
@@ -163,6 +166,7 @@ def attention_bwd_xla(
         hkv,
         [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [seq_last(x, sq_pad, geo.group) for x in (lse, delta)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
+        batch_offset,
     )
     gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
