@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxforge.primitives import _core
+
 __all__ = [
     "all_gather",
     "all_reduce",
@@ -130,8 +132,11 @@ def all_to_all_uneven(x, axis_name, sizes, *, axis: int = 0):
     """
     axis = _axis("all_to_all_uneven", "axis", axis, x.ndim)
     n = lax.axis_size(axis_name)
-    table = np.asarray(sizes, dtype=np.int64)
-    if table.shape != (n, n) or (table < 0).any():
+    try:
+        table = np.asarray(sizes)
+    except ValueError:
+        table = np.zeros((0,))
+    if table.shape != (n, n) or not np.issubdtype(table.dtype, np.integer) or (table < 0).any():
         raise ValueError(
             f"all_to_all_uneven: `sizes` must be a {n}x{n} table of non-negative ints for axis "
             f"{axis_name!r} of size {n}, got {table.tolist()}"
@@ -141,7 +146,7 @@ def all_to_all_uneven(x, axis_name, sizes, *, axis: int = 0):
             f"all_to_all_uneven: `x` has {x.shape[axis]} rows along axis {axis}, fewer than the largest "
             f"number a device sends, {table.sum(axis=1).max()}"
         )
-    chunk, capacity = max(int(table.max()), 1), max(int(table.sum(axis=0).max()), 1)
+    chunk, capacity = max(int(table.max()), 1), int(table.sum(axis=0).max())
     x = jnp.moveaxis(x, axis, 0)
     me = lax.axis_index(axis_name)
     # Send side: row r of chunk j is x[start_ij + r] (zero past sizes[i][j]).
@@ -206,14 +211,19 @@ def shift(x, axis_name, offset: int = 1):
 def copy_to_parallel(x, axis_name):
     """Identity forward, all-reduce backward (Megatron's *f*): an invariant value entering
     per-device computation. Its gradient sums the devices' contributions."""
-    try:
-        return lax.pcast(x, axis_name, to="varying")
-    except ValueError as err:
-        if "shard_map" not in str(err):
-            raise
-        # Under vmap(axis_name=...) values carry no varying/invariant type: an unbatched input's
-        # cotangent is already summed over the batch, so the identity is exact.
-        return x
+    return _to_varying(x, axis_name)
+
+
+def _to_varying(x, axis_name):
+    """``pcast(x, to="varying")`` inside shard_map. Under ``vmap(axis_name=...)`` values carry no
+    varying/invariant type and an unbatched input's cotangent is already summed over the batch, so
+    the identity is exact there."""
+    return lax.pcast(x, axis_name, to="varying") if _typed_axis(axis_name) else x
+
+
+def _typed_axis(axis_name) -> bool:
+    """Whether ``axis_name`` is a shard_map axis whose values are typed varying/invariant."""
+    return axis_name in _core.varying_axes(lax.axis_index(axis_name))
 
 
 def reduce_from_parallel(x, axis_name):
@@ -226,7 +236,7 @@ def scatter_to_parallel(x, axis_name, *, axis: int = -1):
     axis = _axis("scatter_to_parallel", "axis", axis, x.ndim)
     _check_divisible("scatter_to_parallel", "axis", x, axis, axis_name)
     size = x.shape[axis] // lax.axis_size(axis_name)
-    x = lax.pcast(x, axis_name, to="varying")
+    x = _to_varying(x, axis_name)
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * size, size, axis)
 
 
@@ -238,7 +248,9 @@ def gather_from_parallel(x, axis_name, *, axis: int = -1, tensor_parallel_output
     (the result is invariant), so the backward only keeps this device's slice — no communication.
     """
     axis = _axis("gather_from_parallel", "axis", axis, x.ndim)
-    return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="varying" if tensor_parallel_output_grad else "invarying")
+    # Under vmap every item is its own computation: the varying gather is the exact semantics.
+    invariant = not tensor_parallel_output_grad and _typed_axis(axis_name)
+    return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying" if invariant else "varying")
 
 
 def _expand(mask, ndim):
