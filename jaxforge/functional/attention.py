@@ -118,7 +118,7 @@ def _check_output(name, fn, dtype, what):
 
 
 def _positive_float(name, value) -> float:
-    if isinstance(value, jax.core.Tracer) or not isinstance(value, (int, float, np.floating, np.integer)):
+    if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"attention: `{name}` must be a Python float (static), got {type(value).__name__}")
     value = float(value)
     if not (value > 0 and math.isfinite(value)):

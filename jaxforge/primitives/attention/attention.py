@@ -171,6 +171,7 @@ def _bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const
     ref = lambda q, k, v, *score_c: attention_reference(q, k, v, *mask_c, *score_c, mods=mods, scale=scale)
     _, vjp = jax.vjp(ref, q, k, v, *score_c)
     gq, gk, gv, *gscore = vjp((g_out, g_lse))
+    gscore = [g for g, c in zip(gscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
     return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
 
 
@@ -245,7 +246,7 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     check_operands("attention_bwd", q, k, v)
     _, score_c = _split(operands[:-2], mods)
     grads = _output_avals("attention_bwd", q, k, v, [(x.shape, x.dtype) for x in (q, k, v)])
-    consts = [_core.output_aval(c, c.shape, c.dtype) for c, wanted in zip(score_c, const_grads) if wanted]
+    consts = [_core.output_aval(c, c.shape, c.dtype) for c, wanted in zip(_float_consts(score_c), const_grads) if wanted]
     return (*grads, *consts)
 
 

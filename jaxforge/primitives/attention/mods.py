@@ -173,7 +173,7 @@ class Mods:
 
         def fn(s, b, h, q, kv):
             b, consts = self._unmap(b, score_consts, "score_flags")
-            return self.score(s, b, h, q, kv, *consts)[0].astype(s.dtype)
+            return jnp.asarray(self.score(s, b, h, q, kv, *consts)[0], s.dtype)
 
         return _elementwise(fn, score, *_indices(b, h, q_idx, kv_idx))
 

@@ -7,9 +7,11 @@ CPU). ``None`` means "pallas_triton" on GPU and "xla" elsewhere.
 
 import math
 
+import jax.numpy as jnp
+
 from jaxforge.lowering.attention.attention import pallas_triton, xla
 from jaxforge.primitives import _core
-from jaxforge.primitives.attention.attention import attention_bwd_p, attention_fwd_p, attention_tangent_p
+from jaxforge.primitives.attention.attention import attention_bwd_p, attention_fwd_p, attention_tangent_p, lse_dtype
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
 IMPLEMENTATIONS = {
@@ -31,6 +33,8 @@ def _dispatch(prim, platform: str | None):
                     "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
                 )
         name = name or "xla"
+        if args[0].shape[-3] == 0 or args[1].shape[-3] == 0:
+            return _empty_sequence(prim, args, mods, params)
         extra = {"interpret": platform != "cuda"} if name == "pallas_triton" else {}
         local_batch = math.prod(args[0].shape[:-3])
         return IMPLEMENTATIONS[prim][name](
@@ -38,6 +42,22 @@ def _dispatch(prim, platform: str | None):
         )
 
     return lowering
+
+
+def _empty_sequence(prim, args, mods, params):
+    """No queries: empty outputs. No keys: every row fully masked (out 0, lse -inf, no gradient)."""
+    q, k, v = args[:3]
+    if prim is attention_fwd_p:
+        lse = jnp.full(q.shape[:-1], -jnp.inf, lse_dtype(q.dtype))
+        return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse
+    if prim is attention_tangent_p:
+        out, lse = args[3:5]
+        return jnp.zeros_like(out), jnp.zeros_like(lse)
+    n_consts = mods.num_mask_consts + mods.num_score_consts
+    score_c = args[5 + mods.num_mask_consts : 5 + n_consts]
+    floats = [c for c in score_c if jnp.issubdtype(c.dtype, jnp.inexact)]
+    wanted = [jnp.zeros_like(c) for c, w in zip(floats, params["const_grads"]) if w]
+    return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), *wanted)
 
 
 for _prim in IMPLEMENTATIONS:

@@ -156,7 +156,8 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, scor
         s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
         vjp = lambda g: (*vjp_raw(g), [])
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[:, None]), 0)
-    g_raw, g_floats = vjp(p * (_dot_t(geo, g_out, v) - delta[:, None]))
+    # Masked entries get exactly 0, even where an infinite lse cotangent makes delta infinite.
+    g_raw, g_floats = vjp(jnp.where(visible, p * (_dot_t(geo, g_out, v) - delta[:, None]), 0))
     return p, g_raw, [g for g, w in zip(g_floats, wanted) if w]
 
 

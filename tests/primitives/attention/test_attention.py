@@ -1,0 +1,800 @@
+"""Attention (attention_fwd_p, attention_tangent_p, attention_bwd_p) through ``jf.attention``.
+
+Values are checked in float64 against ``dense``, an independent numpy attention (einsum, with the
+mask and score functions applied elementwise by ``np.vectorize``); derivatives against
+``dense_jnp``, the same dense attention in jax.numpy on full score matrices, against the library's
+own spec ``attention_reference``, and by finite differences (``check_grads``). Then vmap (one bind,
+no loop), jit, sharding along the batch, and the half-precision dtypes.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+from jax.test_util import check_grads
+
+import jaxforge as jf
+from jaxforge.functional.attention import Implementation, _mods
+from jaxforge.primitives.attention.attention import (
+    SHAPES,
+    attention_bwd_p,
+    attention_fwd_p,
+    attention_reference,
+    attention_tangent_p,
+)
+
+masks = jf.masks
+
+# Every lowering the tests run. Small tiles make the tile loops run several iterations and make the
+# causal / window spans skip whole tiles (the default XLA tiles cover these short sequences in one).
+# A new implementation (e.g. "pallas_triton") is appended here.
+IMPLEMENTATIONS = [
+    "xla",
+    Implementation("xla", block_q=8, block_kv=16),
+]
+
+
+def _impl_id(impl) -> str:
+    if isinstance(impl, str):
+        return impl
+    return f"{impl.name}-{impl.block_q}x{impl.block_kv}"
+
+
+over_impls = pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=_impl_id)
+
+TOL = dict(rtol=1e-11, atol=1e-11)  # float64 values
+DTOL = dict(rtol=1e-9, atol=1e-9)  # float64 derivatives
+
+
+# --- independent references -------------------------------------------------------------------
+
+
+def grid(b, hq, sq, skv):
+    """Index arrays (b, h, q_idx, kv_idx), each of shape (B, Hq, Sq, Skv)."""
+    return np.meshgrid(np.arange(b), np.arange(hq), np.arange(sq), np.arange(skv), indexing="ij")
+
+
+def allowed(mask_fn, b, hq, sq, skv):
+    """The mask as a boolean (B, Hq, Sq, Skv) array, by calling ``mask_fn`` on every index."""
+    if mask_fn is None:
+        return np.ones((b, hq, sq, skv), bool)
+    return np.vectorize(mask_fn, otypes=[bool])(*grid(b, hq, sq, skv))
+
+
+def dense(q, k, v, mask_fn=None, score_fn=None, scale=None, softcap=None):
+    """``(out, lse)`` in float64 numpy; leading dims broadcast and are flattened into ``b``."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-3:]).reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    bsz, sq, hq, d = q.shape
+    skv, hkv, dv = v.shape[1:]
+    group = hq // hkv
+    kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+    s = np.einsum("bqhd,bkhd->bhqk", q, kr) * (1 / np.sqrt(d) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if score_fn is not None:
+        s = np.vectorize(score_fn, otypes=[np.float64])(s, *grid(bsz, hq, sq, skv))
+    s = np.where(allowed(mask_fn, bsz, hq, sq, skv), s, -np.inf)
+    mx = s.max(-1, keepdims=True)
+    mx = np.where(np.isfinite(mx), mx, 0)
+    e = np.exp(s - mx)
+    t = e.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", e / np.where(t > 0, t, 1), vr)
+    lse = np.where(t > 0, mx + np.log(np.where(t > 0, t, 1)), -np.inf)[..., 0]  # (b, h, q)
+    return out.reshape(*batch, sq, hq, dv), np.swapaxes(lse, 1, 2).reshape(*batch, sq, hq)
+
+
+def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
+    """The same attention in jax.numpy, differentiable; ``visible`` is a boolean (B, Hq, Sq, Skv)
+    array and ``score_fn`` is applied to the whole score array with the index arrays of ``grid``.
+    q, k, v share their leading dims."""
+    batch = q.shape[:-3]
+    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    bsz, sq, hq, d = q.shape
+    skv, hkv, dv = v.shape[1:]
+    group = hq // hkv
+    kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, precision="highest") * (1 / np.sqrt(d) if scale is None else scale)
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if score_fn is not None:
+        s = score_fn(s, *grid(bsz, hq, sq, skv))
+    visible = np.ones(s.shape, bool) if visible is None else np.asarray(visible)
+    row = visible.any(-1, keepdims=True)
+    s = jnp.where(visible, s, -jnp.inf)
+    s = jnp.where(row, s, 0.0)  # a fully masked row: keep its (discarded) softmax finite
+    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    e = jnp.exp(s - mx)
+    t = e.sum(-1, keepdims=True)
+    out = jnp.where(row, jnp.einsum("bhqk,bkhd->bhqd", e / t, vr, precision="highest"), 0.0)
+    out = jnp.swapaxes(out, 1, 2)
+    lse = jnp.where(row, mx + jnp.log(t), -jnp.inf)[..., 0]
+    return out.reshape(*batch, sq, hq, dv), jnp.swapaxes(lse, 1, 2).reshape(*batch, sq, hq)
+
+
+def reference(q, k, v, *, mask=None, score_mod=None, scale=None, softcap=None):
+    """The library's spec ``attention_reference`` with the mods ``jf.attention`` would build."""
+    batch = q.shape[:-3]
+    mods, consts = _mods(mask, score_mod, softcap, batch, q.shape[-3], k.shape[-3], q.dtype)
+    scale = 1 / np.sqrt(q.shape[-1]) if scale is None else scale
+    return attention_reference(q, k, v, *consts, mods=mods, scale=float(scale))
+
+
+def qkv(rng, batch, sq, skv, hq, hkv, d, dv, dtype=np.float64):
+    q = rng.standard_normal((*batch, sq, hq, d))
+    k = rng.standard_normal((*batch, skv, hkv, d))
+    v = rng.standard_normal((*batch, skv, hkv, dv))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def segments(rng, *shape, n=4):
+    """Sorted random segment ids (packed documents), int32."""
+    return np.sort(rng.integers(0, n, shape), axis=-1).astype(np.int32)
+
+
+def assert_close(actual, expected, **tol):
+    tol = tol or TOL
+    np.testing.assert_allclose(np.asarray(actual, np.float64), np.asarray(expected, np.float64), **tol)
+
+
+# --- masks ------------------------------------------------------------------------------------
+
+B, HQ, HKV, D, DV = 2, 4, 2, 8, 6
+SELF, CROSS, TALL = (37, 37), (37, 53), (53, 37)  # (Sq, Skv): odd lengths, several tiles of 8 / 16
+
+
+def _document_cross(rng, lead):
+    q_ids, kv_ids = segments(rng, *lead, 37), segments(rng, *lead, 53)
+    q_np, kv_np = np.broadcast_to(q_ids, (B, 37)), np.broadcast_to(kv_ids, (B, 53))
+    return masks.document(q_ids, kv_ids), lambda b, h, i, j: q_np[b, i] == kv_np[b, j]
+
+
+def _document_self(rng, lead):
+    ids = segments(rng, *lead, 37)
+    ids_np = np.broadcast_to(ids, (B, 37))
+    return masks.document(ids), lambda b, h, i, j: ids_np[b, i] == ids_np[b, j]
+
+
+def _document_causal(rng):
+    ids = segments(rng, B, 37)
+    return masks.causal() & masks.document(jnp.asarray(ids)), lambda b, h, i, j: j <= i and ids[b, i] == ids[b, j]
+
+
+def _padding(rng):
+    lens = np.array([30, 45])
+    lens_j = jnp.asarray(lens)
+    return (lambda b, h, i, j: j < lens_j[b]), lambda b, h, i, j: j < lens[b]
+
+
+def _prefix_per_batch(rng):
+    prefix = np.array([3, 20])
+    return masks.prefix_lm(jnp.asarray(prefix)), lambda b, h, i, j: j < prefix[b] or j <= i
+
+
+# (id, (Sq, Skv), rng -> (mask for jf.attention, numpy mask_fn(b, h, i, j) -> bool))
+MASK_CASES = [
+    ("full", CROSS, lambda r: (masks.full(), lambda b, h, i, j: True)),
+    ("causal", CROSS, lambda r: (masks.causal(), lambda b, h, i, j: j <= i)),
+    ("causal_negative_offset", SELF, lambda r: (masks.causal(-5), lambda b, h, i, j: j <= i - 5)),
+    ("causal_tall_bottom_right", TALL, lambda r: (masks.causal(-16), lambda b, h, i, j: j <= i - 16)),
+    ("window_and_causal", SELF, lambda r: (masks.sliding_window(5) & masks.causal(), lambda b, h, i, j: 0 <= i - j < 5)),
+    ("document", SELF, lambda r: _document_self(r, ())),
+    ("document_cross", CROSS, lambda r: _document_cross(r, ())),
+    ("document_cross_batched", CROSS, lambda r: _document_cross(r, (B,))),
+    ("document_and_causal", SELF, _document_causal),
+    ("prefix_lm", SELF, lambda r: (masks.prefix_lm(10), lambda b, h, i, j: j < 10 or j <= i)),
+    ("prefix_lm_per_batch", SELF, _prefix_per_batch),
+    ("chunked", CROSS, lambda r: (masks.chunked(8), lambda b, h, i, j: i // 8 == j // 8)),
+    ("causal_or_window", SELF, lambda r: (masks.causal() | masks.sliding_window(3), lambda b, h, i, j: j <= i or abs(i - j) < 3)),
+    ("not_causal", CROSS, lambda r: (~masks.causal(), lambda b, h, i, j: j > i)),
+    ("chunked_and_not_window", CROSS, lambda r: (
+        masks.chunked(8) & ~masks.sliding_window(2), lambda b, h, i, j: i // 8 == j // 8 and abs(i - j) >= 2)),
+    ("lambda_padding_captured", CROSS, _padding),
+    ("from_mask_mod_and_causal", SELF, lambda r: (
+        masks.from_mask_mod(lambda b, h, i, j: (h + j) % 2 == 0) & masks.causal(),
+        lambda b, h, i, j: (h + j) % 2 == 0 and j <= i)),
+    # a plain lambda on either side of & and |: Mask.__rand__ and Mask.__ror__
+    ("sink_or_lambda_and_window", CROSS, lambda r: (
+        (lambda b, h, i, j: j < 2) | ((lambda b, h, i, j: (b + h + j) % 3 != 1) & masks.sliding_window(4)),
+        lambda b, h, i, j: j < 2 or ((b + h + j) % 3 != 1 and abs(i - j) < 4))),
+]
+MASK_IDS = [c[0] for c in MASK_CASES]
+_MASKS = {c[0]: c for c in MASK_CASES}
+
+
+def mask_case(name, seed=0):
+    _, (sq, skv), build = _MASKS[name]
+    rng = np.random.default_rng(seed)
+    mask, mask_fn = build(rng)
+    return (sq, skv), mask, mask_fn, rng
+
+
+@over_impls
+@pytest.mark.parametrize("name", MASK_IDS)
+def test_masks_match_dense(impl, name):
+    (sq, skv), mask, mask_fn, rng = mask_case(name)
+    q, k, v = qkv(rng, (B,), sq, skv, HQ, HKV, D, DV)
+    out, lse = jf.attention(q, k, v, mask=mask, return_lse=True, implementation=impl)
+    out_np, lse_np = dense(q, k, v, mask_fn)
+    assert out.shape == (B, sq, HQ, DV) and out.dtype == np.float64
+    assert lse.shape == (B, sq, HQ) and lse.dtype == np.float64
+    assert not np.any(np.isnan(out)) and not np.any(np.isnan(lse))
+    assert_close(out, out_np)
+    assert_close(lse, lse_np)
+
+
+def test_masks_are_not_all_trivial():
+    """Every mask case shows something and (but full) hides something, so it tests what it says."""
+    for name in MASK_IDS:
+        (sq, skv), _, mask_fn, _ = mask_case(name)
+        vis = allowed(mask_fn, B, HQ, sq, skv)
+        assert vis.any(), name
+        assert vis.all() == (name == "full"), name
+
+
+# --- score_mod and softcap ----------------------------------------------------------------------
+
+SQ, SKV = CROSS
+SLOPES = 2.0 ** -np.arange(1, HQ + 1)  # ALiBi: one slope per query head
+REL_BIAS = np.random.default_rng(100).standard_normal((HQ, SQ + SKV))  # bias[h, q_idx - kv_idx + Skv]
+TEMPS = np.array([0.5, 2.0])  # one temperature per batch item
+
+
+def _score_cases():
+    slopes, bias, temps = jnp.asarray(SLOPES), jnp.asarray(REL_BIAS), jnp.asarray(TEMPS)
+    return {
+        # id: (score_mod for jf.attention, numpy score_fn, softcap, jf mask, numpy mask, scale)
+        "alibi_causal": (lambda s, b, h, i, j: s + slopes[h] * (j - i),
+                         lambda s, b, h, i, j: s + SLOPES[h] * (j - i), None, masks.causal(16), lambda b, h, i, j: j <= i + 16, None),
+        "relative_bias": (lambda s, b, h, i, j: s + bias[h, i - j + SKV],
+                          lambda s, b, h, i, j: s + REL_BIAS[h, i - j + SKV], None, masks.causal(3), lambda b, h, i, j: j <= i + 3, None),
+        "per_batch_temperature_and_scale": (lambda s, b, h, i, j: s * temps[b],
+                                            lambda s, b, h, i, j: s * TEMPS[b], None, None, None, 0.3),
+        "softcap": (None, None, 1.5, None, None, None),
+        "softcap_and_relative_bias": (lambda s, b, h, i, j: s + bias[h, i - j + SKV],
+                                      lambda s, b, h, i, j: s + REL_BIAS[h, i - j + SKV], 1.5,
+                                      masks.sliding_window(9), lambda b, h, i, j: abs(i - j) < 9, None),
+    }  # fmt: skip
+
+
+SCORE_IDS = list(_score_cases())
+
+
+@over_impls
+@pytest.mark.parametrize("name", SCORE_IDS)
+def test_score_mods_match_dense(impl, name):
+    score_mod, score_fn, softcap, mask, mask_fn, scale = _score_cases()[name]
+    q, k, v = qkv(np.random.default_rng(1), (B,), SQ, SKV, HQ, HKV, D, DV)
+    q = 3 * q  # scores of a few units, so that softcap=1.5 bends them
+    out, lse = jf.attention(
+        q, k, v, mask=mask, score_mod=score_mod, softcap=softcap, scale=scale, return_lse=True, implementation=impl
+    )
+    out_np, lse_np = dense(q, k, v, mask_fn, score_fn, scale=scale, softcap=softcap)
+    assert_close(out, out_np)
+    assert_close(lse, lse_np)
+    if softcap is not None:  # the cap bends these scores: without it the result differs
+        assert np.abs(dense(q, k, v, mask_fn, score_fn)[0] - out_np).max() > 1e-2
+
+
+# --- shapes -------------------------------------------------------------------------------------
+
+# (batch, Sq, Skv, Hq, Hkv, D, Dv), causal (bottom-right aligned: every query sees a key)
+SHAPE_CASES = {
+    "mqa_4_to_1": (((2,), 21, 19, 4, 1, 8, 8), True),
+    "dv_larger_than_d": (((), 13, 7, 3, 1, 5, 9), False),
+    "batch_2x3": (((2, 3), 11, 17, 2, 2, 4, 4), True),
+    "single_query": (((2,), 1, 29, 2, 2, 8, 8), True),
+    "single_key": (((2,), 9, 1, 2, 1, 8, 3), False),
+    **{name: (((s[0],), *s[1:]), mask == "causal") for name, (s, mask, tags) in SHAPES.items() if "test" in tags},
+}
+
+
+@over_impls
+@pytest.mark.parametrize("name", list(SHAPE_CASES))
+def test_shapes_match_dense(impl, name):
+    (batch, sq, skv, hq, hkv, d, dv), causal = SHAPE_CASES[name]
+    q, k, v = qkv(np.random.default_rng(4), batch, sq, skv, hq, hkv, d, dv)
+    offset = skv - sq
+    mask = masks.causal(offset) if causal else None
+    out, lse = jf.attention(q, k, v, mask=mask, return_lse=True, implementation=impl)
+    out_np, lse_np = dense(q, k, v, (lambda b, h, i, j: j <= i + offset) if causal else None)
+    assert out.shape == (*batch, sq, hq, dv) and lse.shape == (*batch, sq, hq)
+    assert_close(out, out_np)
+    assert_close(lse, lse_np)
+
+
+@over_impls
+def test_leading_dims_broadcast(impl):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((2, 3, 11, 4, 8))
+    k = rng.standard_normal((3, 13, 2, 8))  # broadcasts against (2, 3)
+    v = rng.standard_normal((2, 1, 13, 2, 5))
+    lens = np.arange(6) + 7  # b indexes the flattened (2, 3) broadcast batch
+    lens_j = jnp.asarray(lens)
+    out = jf.attention(q, k, v, mask=lambda b, h, i, j: j < lens_j[b], implementation=impl)
+    assert out.shape == (2, 3, 11, 4, 5)
+    assert_close(out, dense(q, k, v, lambda b, h, i, j: j < lens[b])[0])
+
+
+@over_impls
+def test_multiple_batch_dims_with_per_batch_masks(impl):
+    rng = np.random.default_rng(6)
+    q, k, v = qkv(rng, (2, 3), 12, 12, 2, 1, 4, 4)
+    ids = segments(rng, 2, 3, 12)
+    prefix = np.array([1, 5, 9])  # per batch item, broadcast over the first batch dim
+    mask = masks.document(ids) & masks.prefix_lm(jnp.asarray(prefix))
+    out = jf.attention(q, k, v, mask=mask, implementation=impl)
+    flat = ids.reshape(6, 12)
+    mask_fn = lambda b, h, i, j: flat[b, i] == flat[b, j] and (j < prefix[b % 3] or j <= i)
+    assert_close(out, dense(q, k, v, mask_fn)[0])
+
+
+# --- log-sum-exp and fully masked rows ------------------------------------------------------------
+
+
+@over_impls
+def test_lse_is_logsumexp_of_scores(impl):
+    """lse against np.logaddexp over the masked, modified scores (the call of the relative_bias case)."""
+    rng = np.random.default_rng(7)
+    q, k, v = qkv(rng, (B,), SQ, SKV, HQ, HKV, D, DV)
+    bias = jnp.asarray(REL_BIAS)
+    out, lse = jf.attention(
+        q, k, v, mask=masks.causal(3), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV],
+        return_lse=True, implementation=impl,
+    )  # fmt: skip
+    s = np.einsum("bqhd,bkhd->bqhk", q, np.repeat(k, HQ // HKV, axis=2)) / np.sqrt(D)
+    i, h, j = np.arange(SQ)[:, None, None], np.arange(HQ)[None, :, None], np.arange(SKV)[None, None, :]
+    s = np.where(j <= i + 3, s + REL_BIAS[h, i - j + SKV], -np.inf)
+    assert lse.shape == (B, SQ, HQ) and lse.dtype == np.float64
+    assert_close(lse, np.logaddexp.reduce(s, axis=-1))
+    assert_close(out, np.einsum("bqhk,bkhd->bqhd", np.exp(s - np.asarray(lse)[..., None]), np.repeat(v, HQ // HKV, 2)))
+
+
+def _hidden_rows_mask(b, h, i, j):
+    return (i % 5 != 2) and not (b == 1 and h == 3 and i < 4) and j <= i + 16
+
+
+FULLY_MASKED = {
+    # id: (Sq, Skv, jf mask, numpy mask_fn, derivatives checked)
+    "mask_mod": (37, 53, lambda b, h, i, j: (i % 5 != 2) & ~((b == 1) & (h == 3) & (i < 4)) & (j <= i + 16),
+                 _hidden_rows_mask, ("grad", "jvp")),
+    "causal_negative_offset": (37, 37, masks.causal(-5), lambda b, h, i, j: j <= i - 5, ("grad",)),
+    "nothing_visible": (13, 21, ~masks.full(), lambda b, h, i, j: False, ()),
+}
+
+
+@over_impls
+@pytest.mark.parametrize("name", list(FULLY_MASKED))
+def test_fully_masked_rows(impl, name):
+    sq, skv, mask, mask_fn, derivatives = FULLY_MASKED[name]
+    rng = np.random.default_rng(8)
+    q, k, v = qkv(rng, (B,), sq, skv, HQ, HKV, D, DV)
+    vis = allowed(mask_fn, B, HQ, sq, skv)
+    hidden = np.swapaxes(~vis.any(-1), 1, 2)  # (B, Sq, Hq)
+    assert hidden.any()
+    out, lse = jf.attention(q, k, v, mask=mask, return_lse=True, implementation=impl)
+    assert not np.isnan(np.asarray(out)).any() and not np.isnan(np.asarray(lse)).any()
+    np.testing.assert_array_equal(np.asarray(out)[hidden], 0.0)
+    np.testing.assert_array_equal(np.asarray(lse)[hidden], -np.inf)
+    assert np.isfinite(np.asarray(lse)[~hidden]).all()
+    out_np, lse_np = dense(q, k, v, mask_fn)
+    assert_close(out, out_np)
+    assert_close(lse, lse_np)
+    if "grad" not in derivatives:
+        return
+
+    w = rng.standard_normal(out.shape)
+
+    def loss(attn, q, k, v):
+        out, lse = attn(q, k, v)
+        return jnp.sum(out * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0.0))
+
+    ours = functools.partial(jf.attention, mask=mask, return_lse=True, implementation=impl)
+    grads = jax.grad(functools.partial(loss, ours), argnums=(0, 1, 2))(q, k, v)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_array_equal(np.asarray(grads[0])[hidden], 0.0)
+    expected = jax.jit(jax.grad(functools.partial(loss, functools.partial(dense_jnp, visible=vis)), argnums=(0, 1, 2)))(q, k, v)
+    for g, e in zip(grads, expected):
+        assert_close(g, e, **DTOL)
+    if "jvp" not in derivatives:
+        return
+
+    tangents = qkv(rng, (B,), sq, skv, HQ, HKV, D, DV)
+    _, (dout, dlse) = jax.jvp(ours, (q, k, v), tangents)
+    assert np.isfinite(np.asarray(dout)).all() and np.isfinite(np.asarray(dlse)).all()
+    np.testing.assert_array_equal(np.asarray(dout)[hidden], 0.0)
+    np.testing.assert_array_equal(np.asarray(dlse)[hidden], 0.0)
+
+
+# --- derivatives --------------------------------------------------------------------------------
+
+
+# One case for the derivative, jit and dtype tests: GQA, Sq != Skv over several 8 x 16 tiles, a
+# bottom-right causal mask with packed documents (per batch item; every query sees at least one key),
+# a captured relative-position bias (differentiated too) and softcap. Returns (out, lse). Eager calls
+# compile once per primitive and shape, so the tests that share this case share their kernels.
+GB, GSQ, GSKV, GHQ, GHKV, GD, GDV = 2, 20, 27, 4, 2, 4, 3
+
+
+def _packed_case(rng):
+    q, k, v = qkv(rng, (GB,), GSQ, GSKV, GHQ, GHKV, GD, GDV)
+    q_ids = segments(rng, GB, GSQ, n=3)
+    kv_ids = np.concatenate([np.repeat(q_ids[:, :1], GSKV - GSQ, axis=1), q_ids], axis=1)  # key i + 7 <-> query i
+    bias = rng.standard_normal((GHQ, GSQ + GSKV))
+    offset = GSKV - GSQ
+    mask = masks.causal(offset) & masks.document(q_ids, kv_ids)
+    score = lambda bias: lambda s, b, h, i, j: s + bias[h, i - j + GSKV]
+
+    def ours(impl):
+        def f(q, k, v, bias):
+            bias = jnp.asarray(bias)  # check_grads passes numpy arrays
+            return jf.attention(q, k, v, mask=mask, score_mod=score(bias), softcap=2.0, return_lse=True, implementation=impl)
+
+        return f
+
+    def spec(q, k, v, bias):
+        return reference(q, k, v, mask=mask, score_mod=score(jnp.asarray(bias)), softcap=2.0)
+
+    mask_fn = lambda b, h, i, j: j <= i + offset and q_ids[b, i] == kv_ids[b, j]
+    vis = allowed(mask_fn, GB, GHQ, GSQ, GSKV)
+    assert vis.any(-1).all()
+    return types.SimpleNamespace(
+        args=(q, k, v, bias),
+        ours=ours,
+        spec=spec,
+        ref=lambda q, k, v, bias: dense_jnp(q, k, v, vis, score(bias), softcap=2.0),
+        dense=lambda q, k, v, bias: dense(q, k, v, mask_fn, score(np.asarray(bias)), softcap=2.0),
+    )
+
+
+@over_impls
+def test_check_grads_order_2(impl):
+    case = _packed_case(np.random.default_rng(9))
+    check_grads(case.ours(impl), case.args, order=2, modes=("fwd", "rev"))
+
+
+@over_impls
+def test_derivatives_match_dense_and_reference(impl):
+    """grad and jvp with respect to q, k, v and the captured bias, against jax's derivatives of
+    dense_jnp and of the library's spec attention_reference."""
+    rng = np.random.default_rng(9)
+    case = _packed_case(rng)
+    args, f, spec, ref = case.args, case.ours(impl), case.spec, case.ref
+    out, lse = f(*args)
+    assert out.shape == (GB, GSQ, GHQ, GDV) and lse.shape == (GB, GSQ, GHQ)
+    out_np, lse_np = case.dense(*args)
+    assert_close(out, out_np)
+    assert_close(lse, lse_np)
+    w_out, w_lse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] * w_out) + jnp.sum(fn(*a)[1] * w_lse)
+    argnums = (0, 1, 2, 3)
+    grads = jax.grad(loss(f), argnums)(*args)
+    for g, e in zip(grads, jax.jit(jax.grad(loss(ref), argnums))(*args)):
+        assert g.shape == e.shape
+        assert_close(g, e, **DTOL)
+    assert np.abs(np.asarray(grads[3])).max() > 1e-3  # the bias gradient is there
+
+    tangents = tuple(rng.standard_normal(a.shape) for a in args)
+    primals_out, tangents_out = jax.jvp(f, args, tangents)
+    for expected in (jax.jit(functools.partial(jax.jvp, ref))(args, tangents), jax.jvp(spec, args, tangents)):
+        jax.tree.map(lambda x, y: assert_close(x, y, **DTOL), (primals_out, tangents_out), expected)
+    # Only the bias moves: its tangent alone reaches the output.
+    only_bias = (*(np.zeros_like(a) for a in args[:3]), tangents[3])
+    _, (dout, dlse) = jax.jvp(f, args, only_bias)
+    _, (dout_r, dlse_r) = jax.jit(functools.partial(jax.jvp, ref))(args, only_bias)
+    assert np.abs(np.asarray(dout)).max() > 1e-3
+    assert_close(dout, dout_r, **DTOL)
+    assert_close(dlse, dlse_r, **DTOL)
+
+
+# Masks with different spans (which tiles the forward and both backward passes visit).
+GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm"]  # Band.q, PrefixSpan.q (Band + Intersect: _packed_case)
+
+
+@over_impls
+@pytest.mark.parametrize("name", GRAD_MASKS)
+def test_grad_matches_dense_for_mask_spans(impl, name):
+    (sq, skv), mask, mask_fn, rng = mask_case(name)
+    q, k, v = qkv(rng, (B,), sq, skv, HQ, HKV, D, DV)  # the operands of test_masks_match_dense
+    w = np.random.default_rng(11).standard_normal((B, sq, HQ, DV))
+    vis = allowed(mask_fn, B, HQ, sq, skv)
+    ours = lambda q, k, v: jnp.sum(jf.attention(q, k, v, mask=mask, implementation=impl) * w)
+    theirs = lambda q, k, v: jnp.sum(dense_jnp(q, k, v, vis)[0] * w)
+    for g, e in zip(jax.grad(ours, (0, 1, 2))(q, k, v), jax.jit(jax.grad(theirs, (0, 1, 2)))(q, k, v)):
+        assert_close(g, e, **DTOL)
+
+
+@over_impls
+def test_jacfwd_matches_jacrev(impl):
+    rng = np.random.default_rng(13)
+    q, k, v = qkv(rng, (1,), 6, 9, 2, 1, 3, 2)
+    bias = rng.standard_normal((2, 15))
+    score = lambda bias: lambda s, b, h, i, j: s + bias[h, i - j + 9]
+    f = lambda q, bias: jf.attention(q, k, v, mask=masks.causal(3), score_mod=score(bias), return_lse=True, implementation=impl)
+    fwd = jax.jacfwd(f, argnums=(0, 1))(q, bias)
+    rev = jax.jacrev(f, argnums=(0, 1))(q, bias)
+    vis = allowed(lambda b, h, i, j: j <= i + 3, 1, 2, 6, 9)
+    expected = jax.jit(jax.jacrev(lambda q, bias: dense_jnp(q, k, v, vis, score(bias)), argnums=(0, 1)))(q, bias)
+    assert jax.tree.structure(fwd) == jax.tree.structure(expected)
+    for a, b_, c in zip(jax.tree.leaves(fwd), jax.tree.leaves(rev), jax.tree.leaves(expected)):
+        assert a.shape == c.shape
+        assert_close(a, b_, rtol=1e-12, atol=1e-12)
+        assert_close(a, c, **DTOL)
+
+
+@over_impls
+def test_hessian_vector_product(impl):
+    rng = np.random.default_rng(14)
+    case = _packed_case(rng)
+    args, ours, ref = case.args, case.ours, case.ref
+    w_out, w_lse = rng.standard_normal((GB, GSQ, GHQ, GDV)), rng.standard_normal((GB, GSQ, GHQ))
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] ** 2 * w_out) + jnp.sum(fn(*a)[1] * w_lse)
+    tangents = tuple(rng.standard_normal(a.shape) for a in args)
+    hvp = lambda fn: jax.jvp(jax.grad(loss(fn), argnums=(0, 1, 2, 3)), args, tangents)
+    (g, hv), (g_r, hv_r) = hvp(ours(impl)), jax.jit(lambda: hvp(ref))()
+    for a, b_ in zip(g + hv, g_r + hv_r):
+        assert_close(a, b_, **DTOL)
+
+
+# --- vmap -------------------------------------------------------------------------------------
+
+
+@over_impls
+def test_vmap_non_leading_axis_matches_loop(impl):
+    """q and k vmapped at axis 1, v and the bias shared."""
+    rng = np.random.default_rng(15)
+    case = _packed_case(rng)
+    q, k, v, bias = case.args
+    qs = np.stack([q, 0.5 * q, -q], axis=1)
+    ks = np.stack([k, k[:, ::-1], 2 * k], axis=1)
+    f = case.ours(impl)
+    out, lse = jax.vmap(f, in_axes=(1, 1, None, None))(qs, ks, v, bias)
+    assert out.shape == (3, GB, GSQ, GHQ, GDV) and lse.shape == (3, GB, GSQ, GHQ)
+    for i in range(3):
+        out_i, lse_i = f(qs[:, i], ks[:, i], v, bias)
+        assert_close(out[i], out_i, rtol=1e-13, atol=1e-13)
+        assert_close(lse[i], lse_i, rtol=1e-13, atol=1e-13)
+        out_np, lse_np = case.dense(qs[:, i], ks[:, i], v, bias)
+        assert_close(out[i], out_np)
+        assert_close(lse[i], lse_np)
+
+
+@over_impls
+def test_vmap_over_captured_bias_only(impl):
+    rng = np.random.default_rng(16)
+    q, k, v = qkv(rng, (B,), SQ, SKV, HQ, HKV, D, DV)
+    biases = rng.standard_normal((3, HQ, SQ + SKV))
+
+    def f(bias):
+        bias = jnp.asarray(bias)
+        return jf.attention(
+            q, k, v, mask=masks.sliding_window(9), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV],
+            softcap=1.5, implementation=impl,
+        )  # fmt: skip
+
+    batched = jax.vmap(f)(biases)
+    assert batched.shape == (3, B, SQ, HQ, DV)
+    for i in range(3):
+        assert_close(batched[i], f(biases[i]), rtol=1e-13, atol=1e-13)
+        score_fn = lambda s, b, h, a, j: s + biases[i][h, a - j + SKV]
+        assert_close(batched[i], dense(q, k, v, lambda b, h, a, j: abs(a - j) < 9, score_fn, softcap=1.5)[0])
+
+
+@over_impls
+def test_vmap_over_segment_ids(impl):
+    rng = np.random.default_rng(17)
+    q, k, v = qkv(rng, (B,), 37, 37, HQ, HKV, D, DV)
+    ids = segments(rng, 3, B, 37)
+    f = lambda ids: jf.attention(q, k, v, mask=masks.causal() & masks.document(ids), implementation=impl)
+    batched = jax.vmap(f)(ids)
+    for i in range(3):
+        assert_close(batched[i], f(ids[i]), rtol=1e-13, atol=1e-13)
+        assert_close(batched[i], dense(q, k, v, lambda b, h, a, j: ids[i][b, a] == ids[i][b, j] and j <= a)[0])
+
+
+@over_impls
+def test_vmap_of_grad_matches_loop(impl):
+    """q and the bias batched, k and v shared: the gradients of k, v and the bias are per item."""
+    rng = np.random.default_rng(18)
+    case = _packed_case(rng)
+    (q, k, v, bias), ours = case.args, case.ours
+    qs, biases = np.stack([q, -q, 2 * q]), np.stack([bias, 0.5 * bias, -bias])
+    w_out, w_lse = rng.standard_normal((GB, GSQ, GHQ, GDV)), rng.standard_normal((GB, GSQ, GHQ))
+    f = ours(impl)
+    grad = jax.grad(lambda *a: jnp.sum(f(*a)[0] * w_out) + jnp.sum(f(*a)[1] * w_lse), argnums=(0, 1, 2, 3))
+    batched = jax.vmap(grad, in_axes=(0, None, None, 0))(qs, k, v, biases)
+    for i in range(3):
+        for g, e in zip(batched, grad(qs[i], k, v, biases[i])):
+            assert_close(g[i], e, rtol=1e-12, atol=1e-12)
+
+
+@over_impls
+def test_nested_vmap(impl):
+    """Outer vmap over q and segment ids, inner vmap over q and a bias: each const indexed by its own level."""
+    rng = np.random.default_rng(19)
+    q = rng.standard_normal((2, 3, B, 13, 2, 4))
+    _, k, v = qkv(rng, (B,), 13, 13, 2, 1, 4, 3)
+    ids = segments(rng, 2, B, 13)
+    biases = rng.standard_normal((3, 2, 26))
+
+    def f(q, ids, bias):
+        return jf.attention(
+            q, k, v, mask=masks.document(ids) & masks.causal(),
+            score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 13], implementation=impl,
+        )  # fmt: skip
+
+    nested = jax.vmap(jax.vmap(f, in_axes=(0, None, 0)), in_axes=(0, 0, None))(q, ids, biases)
+    assert nested.shape == (2, 3, B, 13, 2, 3)
+    for a in range(2):
+        for c in range(3):
+            mask_fn = lambda b, h, i, j: ids[a][b, i] == ids[a][b, j] and j <= i
+            score_fn = lambda s, b, h, i, j: s + biases[c][h, i - j + 13]
+            assert_close(nested[a, c], dense(q[a, c], k, v, mask_fn, score_fn)[0])
+
+
+def _count(jaxpr, prim):
+    return sum(e.primitive is prim for e in jaxpr.eqns)
+
+
+@over_impls
+def test_vmapped_call_binds_once(impl):
+    rng = np.random.default_rng(20)
+    q, k, v = qkv(rng, (5, 2), 9, 9, 2, 2, 4, 4)
+    bias = jnp.asarray(rng.standard_normal((2, 18)))
+    f = lambda q, k, v: jf.attention(
+        q, k, v, mask=masks.causal(), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 9], implementation=impl
+    )
+    jaxpr = jax.make_jaxpr(jax.vmap(f, in_axes=1))(q, k, v).jaxpr
+    assert _count(jaxpr, attention_fwd_p) == 1, "one bind for the whole batch, no loop"
+    assert not any(e.primitive.name in ("while", "scan") for e in jaxpr.eqns)
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive is attention_fwd_p]
+    assert eqn.invars[0].aval.shape == (2, 5, 9, 2, 4)
+    loss = lambda q, k, v: jnp.sum(f(q, k, v))
+    jaxpr = jax.make_jaxpr(jax.vmap(jax.grad(loss, argnums=(0, 1, 2)), in_axes=1))(q, k, v).jaxpr
+    assert _count(jaxpr, attention_fwd_p) == 1 and _count(jaxpr, attention_bwd_p) == 1
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda q, dq: jax.jvp(f, (q, k, v), (dq, k, v))))(q, q).jaxpr
+    assert _count(jaxpr, attention_fwd_p) == 1 and _count(jaxpr, attention_tangent_p) == 1
+
+
+# --- jit and sharding ---------------------------------------------------------------------------
+
+
+@over_impls
+def test_jit_matches_eager(impl):
+    case = _packed_case(np.random.default_rng(21))
+    f = case.ours(impl)
+    eager, jitted = f(*case.args), jax.jit(f)(*case.args)
+    jax.tree.map(lambda x, y: assert_close(x, y, rtol=1e-14, atol=1e-14), eager, jitted)
+    jax.tree.map(assert_close, jitted, case.dense(*case.args))
+
+
+@over_impls
+def test_sharded_batch_matches_unsharded(impl):
+    """q, k, v and the segment ids sharded along the batch over 8 devices: same values, the outputs
+    stay sharded along the batch, and q, k, v are never communicated (only the small integer
+    segment ids are gathered: the mask reads them at a traced batch index)."""
+    mesh = jax.make_mesh((8,), ("batch",))
+    batch = NamedSharding(mesh, PartitionSpec("batch"))
+    rng = np.random.default_rng(22)
+    q, k, v = qkv(rng, (8,), 12, 12, 2, 1, 4, 4)
+    ids = segments(rng, 8, 12, n=3)
+
+    def f(q, k, v, ids):
+        return jf.attention(q, k, v, mask=masks.causal() & masks.document(ids), return_lse=True, implementation=impl)
+
+    sharded = [jax.device_put(x, batch) for x in (q, k, v, ids)]
+    compiled = jax.jit(f).lower(*sharded).compile()
+    out, lse = compiled(*sharded)
+    assert out.sharding.spec[0] == "batch" and lse.sharding.spec[0] == "batch"
+    out_u, lse_u = f(q, k, v, ids)
+    assert_close(out, out_u, rtol=1e-13, atol=1e-13)
+    assert_close(lse, lse_u, rtol=1e-13, atol=1e-13)
+    assert_close(out, dense(q, k, v, lambda b, h, i, j: ids[b, i] == ids[b, j] and j <= i)[0])
+    collectives = re.compile(r"(all-gather|all-reduce|all-to-all|collective-permute)(-start)?\(")
+    for line in compiled.as_text().splitlines():
+        match = collectives.search(line)
+        if match:  # the result type precedes the op name
+            assert not re.search(r"\b(bf16|f16|f32|f64)\[", line[: match.start()]), line
+
+
+# --- dtypes -------------------------------------------------------------------------------------
+
+
+def _cast(args, dtype):
+    """q, k, v in ``dtype``; the bias in float32 (scores are float32 for every dtype below float64)."""
+    q, k, v, bias = args
+    return (*(np.asarray(x, np.float32).astype(dtype) for x in (q, k, v)), bias.astype(np.float32))
+
+
+@over_impls
+def test_float32_matches_float64(impl):
+    case = _packed_case(np.random.default_rng(24))
+    f = case.ours(impl)
+    out64, lse64 = f(*case.args)
+    out, lse = f(*_cast(case.args, np.float32))
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert_close(out, out64, rtol=1e-5, atol=1e-5)
+    assert_close(lse, lse64, rtol=1e-5, atol=1e-5)
+
+
+# bfloat16 / float16: the probabilities are rounded to the value dtype before p·v (like
+# FlashAttention) and the output is rounded too; against float32 on the same rounded inputs the
+# error is a few units of bfloat16's 2^-8, so 2e-2 absolute for outputs of size ~1.
+HALF_TOL = dict(rtol=2e-2, atol=2e-2)
+
+
+@over_impls
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16], ids=["bfloat16", "float16"])
+def test_half_precision_close_to_float32(impl, dtype):
+    rng = np.random.default_rng(25)
+    case = _packed_case(rng)
+    f = case.ours(impl)
+    args = _cast(case.args, dtype)
+    out, lse = f(*args)
+    assert out.dtype == dtype and lse.dtype == np.float32
+    out32, lse32 = f(*_cast(args, np.float32))  # the same rounded inputs
+    assert_close(out, out32, **HALF_TOL)
+    assert_close(lse, lse32, **HALF_TOL)
+    if dtype != jnp.bfloat16:
+        return
+    # The backward in bfloat16 against float64 on the same rounded inputs, relative to the largest entry.
+    w_out, w_lse = rng.standard_normal(out.shape), rng.standard_normal(lse.shape)
+    loss = lambda *a: jnp.sum(f(*a)[0].astype(np.float64) * w_out) + jnp.sum(f(*a)[1] * w_lse)
+    grads = jax.grad(loss, argnums=(0, 1, 2, 3))(*args)
+    grads64 = jax.grad(loss, argnums=(0, 1, 2, 3))(*(np.asarray(x, np.float64) for x in args))
+    for g, e, x in zip(grads, grads64, args):
+        assert g.dtype == x.dtype
+        assert_close(g, e, rtol=0, atol=5e-2 * float(np.abs(np.asarray(e)).max()))
+
+
+# --- regressions: constant score_mod, empty sequences, int arrays captured beside float ones -------
+
+
+def test_score_mod_returning_a_constant():
+    q, k, v = qkv(np.random.default_rng(26), (B,), 5, 7, 2, 1, 4, 3)
+    out = jf.attention(q, k, v, score_mod=lambda s, b, h, i, j: 0.0)  # uniform attention
+    assert_close(out, np.broadcast_to(np.repeat(v, 2, axis=2).mean(axis=1, keepdims=True), out.shape))
+
+
+@pytest.mark.parametrize("sq,skv", [(5, 0), (0, 7)])
+def test_empty_sequences(sq, skv):
+    q, k, v = qkv(np.random.default_rng(27), (B,), sq, skv, 2, 1, 4, 3)
+    out, lse = jf.attention(q, k, v, return_lse=True)  # no keys: every row is fully masked
+    assert out.shape == (B, sq, 2, 3) and lse.shape == (B, sq, 2)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, -np.inf)
+
+
+def _positions_case():
+    """A relative bias read at captured integer positions: score_mod's consts are (pos: int32, bias: float)."""
+    rng = np.random.default_rng(28)
+    q, k, v = qkv(rng, (1,), 6, 6, 2, 1, 3, 2)
+    pos_np = np.array([0, 1, 2, 5, 6, 9], np.int32)  # packed positions with gaps
+    pos, bias = jnp.asarray(pos_np), rng.standard_normal((2, 19))
+    w = rng.standard_normal((1, 6, 2, 2))
+    ours = lambda q, bias: jnp.sum(jf.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h, pos[i] - pos[j] + 9]) * w)
+    theirs = lambda q, bias: jnp.sum(dense_jnp(q, k, v, None, lambda s, b, h, i, j: s + bias[h, pos_np[i] - pos_np[j] + 9])[0] * w)
+    return (q, bias), ours, theirs
+
+
+def test_grad_of_bias_read_at_captured_int_positions():
+    args, ours, theirs = _positions_case()
+    for g, e in zip(jax.grad(ours, (0, 1))(*args), jax.grad(theirs, (0, 1))(*args)):
+        assert_close(g, e, **DTOL)
+
+
+def test_hvp_of_bias_read_at_captured_int_positions():
+    args, ours, theirs = _positions_case()
+    tangents = tuple(np.ones_like(a) for a in args)
+    ours_hvp = jax.jvp(jax.grad(ours, (0, 1)), args, tangents)
+    theirs_hvp = jax.jvp(jax.grad(theirs, (0, 1)), args, tangents)
+    jax.tree.map(lambda x, y: assert_close(x, y, **DTOL), ours_hvp, theirs_hvp)
