@@ -96,31 +96,32 @@ class PrefixSpan(Span):
 
 
 @dataclasses.dataclass(frozen=True)
-class Intersect(Span):
+class _Pair(Span):
+    """Two spans joined bound by bound: ``lower(lo_a, lo_b)``, ``upper(hi_a, hi_b)``."""
+
     a: Span
     b: Span
 
     def kv(self, q_lo, q_hi, skv):
-        (lo_a, hi_a), (lo_b, hi_b) = self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv)
-        return jnp.maximum(lo_a, lo_b), jnp.minimum(hi_a, hi_b)
+        return self._join(self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv))
 
     def q(self, kv_lo, kv_hi, sq):
-        (lo_a, hi_a), (lo_b, hi_b) = self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq)
-        return jnp.maximum(lo_a, lo_b), jnp.minimum(hi_a, hi_b)
+        return self._join(self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq))
+
+    def _join(self, range_a, range_b):
+        return self.lower(range_a[0], range_b[0]), self.upper(range_a[1], range_b[1])
 
 
-@dataclasses.dataclass(frozen=True)
-class Hull(Span):
-    a: Span
-    b: Span
+class Intersect(_Pair):
+    """Keys visible under both masks (``&``)."""
 
-    def kv(self, q_lo, q_hi, skv):
-        (lo_a, hi_a), (lo_b, hi_b) = self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv)
-        return jnp.minimum(lo_a, lo_b), jnp.maximum(hi_a, hi_b)
+    lower, upper = staticmethod(jnp.maximum), staticmethod(jnp.minimum)
 
-    def q(self, kv_lo, kv_hi, sq):
-        (lo_a, hi_a), (lo_b, hi_b) = self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq)
-        return jnp.minimum(lo_a, lo_b), jnp.maximum(hi_a, hi_b)
+
+class Hull(_Pair):
+    """Keys visible under either mask (``|``): the smallest range holding both."""
+
+    lower, upper = staticmethod(jnp.minimum), staticmethod(jnp.maximum)
 
 
 @dataclasses.dataclass(frozen=True)
