@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -138,21 +139,27 @@ def registered_primitives() -> dict[str, PrimitiveSpec]:
     return dict(_REGISTRY)
 
 
-def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None = None, shard_index: bool = False) -> None:
+def register_lowering(
+    prim: Primitive,
+    impl: Callable,
+    *,
+    platform: str | None = None,
+    shards: bool = False,
+    shared_operands: Callable[..., Sequence[bool]] | None = None,
+) -> None:
     """Lowers ``prim`` by tracing ``impl`` (jax operations) into the enclosing computation.
 
     ``platform=None`` registers the default lowering, used wherever no platform-specific one is.
-    ``impl`` is written once, for one device; sharding is handled here (the primitive's sharding
-    rule, the same for every lowering, kernels included):
-
-    * explicit sharding along the leading batch dim: ``impl`` runs per shard under ``shard_map``
-      on its slice of the batch — no collective, and a custom call (a GPU kernel) sees local shapes.
-      Operands not sharded like the batch are replicated first; an output not sharded along the
-      batch is a sum over it (the cotangent of a shared operand) and is all-reduced. With
-      ``shard_index``, ``impl`` gets ``batch_shard_index=``, the index of its shard (0 unsharded),
-      to recover global batch indices.
-    * other explicit shardings: ``impl`` runs with the mesh axes automatic (``auto_axes``).
-    * automatic sharding: the partitioner splits ``impl``'s operations.
+    ``impl`` is written once, for one device; sharding is handled here — the primitive's sharding
+    rule, the same for every lowering, kernels included. Under explicit sharding ``impl`` runs per
+    shard under ``shard_map`` on the operands' blocks (the dims the abstract eval lets be sharded:
+    batch dims, attention's heads), so a custom call (a GPU kernel) sees local shapes and no
+    operand is gathered. ``shared_operands(num_operands, **params)`` flags operands every shard
+    needs whole (a mask's segment ids): they are replicated first. An output with no sharded dim
+    is a sum over the shards (the cotangent of a shared operand) and is all-reduced. With
+    ``shards``, ``impl`` receives ``shards=``: per dim of its first operand, ``(shard index, number
+    of shards)``, or None when unsharded, to recover global indices. Under automatic sharding the
+    partitioner splits ``impl``'s operations.
     """
 
     def lowering(ctx, *args, **params):
@@ -161,46 +168,51 @@ def register_lowering(prim: Primitive, impl: Callable, *, platform: str | None =
         # from constants mismatch their varying updates), so it traces on plain avals.
         ctx = ctx.replace(avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out])
         fn = functools.partial(impl, **params)
-        batch_axes = _leading_batch_axes(ctx.avals_out)
-        if batch_axes is not None:
-            fn = _per_shard(fn, batch_axes, ctx.avals_in, ctx.avals_out, shard_index)
-        else:
-            if shard_index:
-                fn = functools.partial(fn, batch_shard_index=0)
-            if any(_explicitly_sharded(aval) for aval in ctx.avals_in):
-                fn = jax.sharding.auto_axes(fn, out_sharding=tuple(aval.sharding for aval in ctx.avals_out))
+        if any(_explicitly_sharded(aval) for aval in ctx.avals_in + ctx.avals_out):
+            shared = shared_operands(len(args), **params) if shared_operands else [False] * len(args)
+            fn = _per_shard(fn, ctx.avals_in, ctx.avals_out, shared, shards)
+        elif shards:
+            fn = functools.partial(fn, shards=None)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     mlir.register_lowering(prim, lowering, platform=platform)
 
 
-def _leading_batch_axes(avals_out):
-    """The mesh axes of the outputs' leading dim, if that is their only explicitly sharded dim."""
-    sharding = getattr(avals_out[0], "sharding", None)
-    if not _explicitly_sharded(avals_out[0]):
-        return None
-    spec = tuple(sharding.spec)
-    if spec[0] is None or any(p is not None for p in spec[1:]):
-        return None
-    return spec[0]
+def _full_spec(aval) -> tuple:
+    spec = tuple(aval.sharding.spec)
+    return spec + (None,) * (aval.ndim - len(spec))
 
 
-def _per_shard(fn, axes, avals_in, avals_out, shard_index: bool):
-    mesh = avals_out[0].sharding.mesh
-    leading = lambda aval: aval.ndim and tuple(aval.sharding.spec)[:1] == (axes,)
-    in_specs = tuple(PartitionSpec(axes) if leading(a) else PartitionSpec() for a in avals_in)
-    summed = [not leading(a) for a in avals_out]
-    out_specs = tuple(PartitionSpec() if s else PartitionSpec(axes) for s in summed)
+def _mesh_axes(entry) -> tuple:
+    return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+
+
+def _per_shard(fn, avals_in, avals_out, shared, pass_shards: bool):
+    mesh = next(a.sharding.mesh for a in (*avals_in, *avals_out) if _explicitly_sharded(a))
+    in_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_in, shared))
+    used = tuple(sorted({ax for spec in in_specs for entry in spec for ax in _mesh_axes(entry)}))
+    summed = [not _explicitly_sharded(a) for a in avals_out]
+    out_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_out, summed))
+    first = _full_spec(avals_in[0])
 
     def body(*args):
-        kwargs = {"batch_shard_index": jax.lax.axis_index(axes)} if shard_index else {}
+        kwargs = {}
+        if pass_shards:
+            kwargs["shards"] = tuple(
+                (jax.lax.axis_index(_mesh_axes(e)), math.prod(mesh.shape[ax] for ax in _mesh_axes(e))) if e else (0, 1)
+                for e in first
+            )
         outs = fn(*args, **kwargs)
-        return tuple(jax.lax.psum(o, axes) if s else o for o, s in zip(outs, summed))
+        return tuple(jax.lax.psum(o, used) if s and used else o for o, s in zip(outs, summed))
 
     sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    # Operands meant to be replicated (a mask's segment ids) may arrive sharded: gather them first.
-    gather = lambda x, spec: jax.sharding.reshard(x, NamedSharding(mesh, spec)) if _explicitly_sharded(jax.typeof(x)) and spec == PartitionSpec() else x
-    return lambda *args: sharded(*(gather(x, spec) for x, spec in zip(args, in_specs)))
+
+    def replicate(x, spec):  # shared operands that arrive sharded are gathered first
+        if spec == PartitionSpec() and _explicitly_sharded(jax.typeof(x)):
+            return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+        return x
+
+    return lambda *args: sharded(*(replicate(x, spec) for x, spec in zip(args, in_specs)))
 
 
 def _untyped(aval):
@@ -217,37 +229,47 @@ def _explicitly_sharded(aval) -> bool:
     return jax.sharding.AxisType.Explicit in sharding.mesh.axis_types
 
 
-def batch_sharded_avals(fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple]) -> tuple:
-    """Output avals ``(shape, dtype)`` whose batch dims are sharded like the operands'.
+def batch_sharded_avals(
+    fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple], *, split: tuple[str, dict] | None = None
+) -> tuple:
+    """Output avals whose batch dims are sharded like the operands'.
 
-    Under explicit sharding, avals carry a sharding: a primitive partitions along its batch dims
-    only, so the operands' core dims must be replicated and their batch dims sharded alike. Errors
-    name the operand and its spec.
+    Under explicit sharding, avals carry a sharding: a primitive partitions along its batch dims,
+    and optionally along one core dim ``split = (label, {operand name: dim})`` — attention's heads —
+    sharded alike in every operand that has it. Any other sharded core dim is an error naming the
+    operand and its spec. ``outputs`` holds ``(shape, dtype)`` or ``(shape, dtype, split dim)``.
     """
-    specs = {}
+    label, split_dims = split if split is not None else ("", {})
+    batch_specs, split_specs = {}, {}
     for name, aval in operands.items():
         spec = tuple(aval.sharding.spec) + (None,) * (aval.ndim - len(aval.sharding.spec))
-        if any(p is not None for p in spec[batch_ndim:]):
+        own = split_dims.get(name)
+        own = None if own is None else own % aval.ndim
+        if any(p is not None for d, p in enumerate(spec) if d >= batch_ndim and d != own):
+            allowed = f"the leading {batch_ndim} batch dim(s)" + (f" and the {label} dim" if split_dims else "")
             raise ValueError(
-                f"{fn}: `{name}` is sharded along its core (matrix) dims, spec {PartitionSpec(*spec)}; "
-                f"only the leading {batch_ndim} batch dim(s) may be sharded: reshard it first"
+                f"{fn}: `{name}` is sharded along a core dim, spec {PartitionSpec(*spec)}; only "
+                f"{allowed} may be sharded: reshard it first"
             )
-        specs[name] = spec[:batch_ndim]
-    (first, batch_spec), *rest = specs.items()
-    for name, spec in rest:
-        if spec != batch_spec:
-            raise ValueError(
-                f"{fn}: the batch dims of `{first}` and `{name}` are sharded differently, "
-                f"{PartitionSpec(*batch_spec)} and {PartitionSpec(*spec)}"
-            )
+        batch_specs[name] = spec[:batch_ndim]
+        if own is not None:
+            split_specs[name] = spec[own]
+    for specs, what in ((batch_specs, "batch dims"), (split_specs, f"{label} dims")):
+        if len(set(specs.values())) > 1:
+            (first, a), (other, b) = next(iter(specs.items())), next((n, s) for n, s in specs.items() if s != next(iter(specs.values())))
+            raise ValueError(f"{fn}: the {what} of `{first}` and `{other}` are sharded differently, {a} and {b}")
+    batch_spec = next(iter(batch_specs.values()))
+    split_spec = next(iter(split_specs.values()), None)
     template = next(iter(operands.values()))
     mesh = template.sharding.mesh
-    return tuple(
-        output_aval(
-            template, shape, dtype, NamedSharding(mesh, PartitionSpec(*batch_spec, *[None] * (len(shape) - batch_ndim)))
-        )
-        for shape, dtype in outputs
-    )
+
+    def spec_of(shape, split_dim):
+        entries = [*batch_spec, *[None] * (len(shape) - batch_ndim)]
+        if split_dim is not None:
+            entries[split_dim % len(shape)] = split_spec
+        return NamedSharding(mesh, PartitionSpec(*entries))
+
+    return tuple(output_aval(template, o[0], o[1], spec_of(o[0], o[2] if len(o) > 2 else None)) for o in outputs)
 
 
 def instantiate_zeros(tangent):

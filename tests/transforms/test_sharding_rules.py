@@ -85,3 +85,35 @@ def test_attention_per_shard_with_global_batch_index(batch, implementation):
         assert set(collectives(compiled(fn, *args[:3]))) <= {"all-reduce"}  # the scalar sum only
     outputs = compiled(lambda q, k, v: jf.attention(q, k, v, implementation=implementation), *args[:3])
     assert collectives(outputs) == {}
+
+
+@pytest.mark.parametrize("implementation", ["xla", jf.functional.attention.Implementation("pallas_triton", 8, 8)])
+def test_attention_split_over_batch_and_heads(implementation):
+    """A 2×4 mesh splits the batch and the heads (GQA: 8 query heads over 4 kv heads); head- and
+    batch-dependent score mods see global indices, and no float operand is gathered."""
+    mesh = jax.make_mesh((2, 4), ("data", "heads"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    split = NamedSharding(mesh, P("data", None, "heads"))
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.standard_normal(s) for s in ((4, 12, 8, 4), (4, 12, 4, 4), (4, 12, 4, 4)))
+    slopes = jnp.asarray(rng.uniform(0.1, 1.0, 8))
+
+    def loss(q, k, v, slopes):
+        alibi = lambda s, b, h, i, j: s - slopes[h] * jnp.abs(i - j) + 0.1 * b
+        out = jf.attention(q, k, v, mask=jf.masks.causal(), score_mod=alibi, implementation=implementation)
+        return jnp.sum(out**2)
+
+    args = [jax.device_put(jnp.asarray(x), split) for x in (q, k, v)]
+    got = jax.jit(jax.value_and_grad(loss, (0, 1, 2, 3)))(*args, slopes)
+    want = jax.value_and_grad(loss, (0, 1, 2, 3))(q, k, v, slopes)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-11)
+    assert got[1][0].sharding.spec == P("data", None, "heads", None)
+    text = compiled(lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), implementation=implementation), *args)
+    assert collectives(text) == {}
+
+
+def test_core_dims_other_than_heads_stay_an_error():
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P(None, "x")))
+    with pytest.raises(ValueError, match=r"attention: `q` is sharded along a core dim"):
+        jf.attention(q, q, q)

@@ -48,6 +48,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.mods import Mods
@@ -221,8 +222,9 @@ def check_operands(fn: str, q, k, v):
 
 
 def _output_avals(fn, q, k, v, outputs):
-    batch_ndim = q.ndim - 3
-    return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, batch_ndim, outputs)
+    """Outputs ``(shape, dtype, heads dim)``, partitioned along batch and heads like q, k, v."""
+    heads = ("heads", {"q": -2, "k": -2, "v": -2})
+    return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, q.ndim - 3, outputs, split=heads)
 
 
 def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, implementation):
@@ -233,21 +235,40 @@ def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, implementatio
         q,
         k,
         v,
-        [((*batch, sq, hq, v.shape[-1]), q.dtype), ((*batch, sq, hq), lse_dtype(q.dtype))],
+        [((*batch, sq, hq, v.shape[-1]), q.dtype, -2), ((*batch, sq, hq), lse_dtype(q.dtype), -1)],
     )
 
 
 def _tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
     check_operands("attention_tangent", q, k, v)
-    return _output_avals("attention_tangent", q, k, v, [(out.shape, out.dtype), (lse.shape, lse.dtype)])
+    return _output_avals("attention_tangent", q, k, v, [(out.shape, out.dtype, -2), (lse.shape, lse.dtype, -1)])
 
 
 def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
     check_operands("attention_bwd", q, k, v)
     _, score_c = _split(operands[:-2], mods)
-    grads = _output_avals("attention_bwd", q, k, v, [(x.shape, x.dtype) for x in (q, k, v)])
-    consts = [_core.output_aval(c, c.shape, c.dtype) for c, wanted in zip(_float_consts(score_c), const_grads) if wanted]
+    grads = _output_avals("attention_bwd", q, k, v, [(x.shape, x.dtype, -2) for x in (q, k, v)])
+    # A captured array's cotangent sums over every batch item and head: replicated.
+    replicated = NamedSharding(q.sharding.mesh, PartitionSpec())
+    consts = [
+        _core.output_aval(c, c.shape, c.dtype, replicated)
+        for c, wanted in zip(_float_consts(score_c), const_grads)
+        if wanted
+    ]
     return (*grads, *consts)
+
+
+def shared_operands(leading: int, trailing_split: int):
+    """Which operands every shard needs whole, for a primitive whose operands are ``leading`` split
+    arrays (q, k, v, ...), the captured consts, ``trailing_split`` split arrays, then the consts'
+    tangents. Masks and score mods read their captured arrays at global batch and head indices."""
+
+    def flags(num_operands: int, *, mods: Mods, **params) -> list[bool]:
+        n_consts = mods.num_mask_consts + mods.num_score_consts
+        rest = num_operands - leading - n_consts - trailing_split
+        return [False] * leading + [True] * n_consts + [False] * trailing_split + [True] * rest
+
+    return flags
 
 
 # ---------------------------------------------------------------------------------------------

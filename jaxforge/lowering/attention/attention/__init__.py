@@ -11,7 +11,13 @@ import jax.numpy as jnp
 
 from jaxforge.lowering.attention.attention import pallas_triton, xla
 from jaxforge.primitives import _core
-from jaxforge.primitives.attention.attention import attention_bwd_p, attention_fwd_p, attention_tangent_p, lse_dtype
+from jaxforge.primitives.attention.attention import (
+    attention_bwd_p,
+    attention_fwd_p,
+    attention_tangent_p,
+    lse_dtype,
+    shared_operands,
+)
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
 IMPLEMENTATIONS = {
@@ -22,7 +28,7 @@ IMPLEMENTATIONS = {
 
 
 def _dispatch(prim, platform: str | None):
-    def lowering(*args, mods, implementation, batch_shard_index, **params):
+    def lowering(*args, mods, implementation, shards, **params):
         name = implementation.name
         if platform == "cuda":
             if name is None:
@@ -36,12 +42,26 @@ def _dispatch(prim, platform: str | None):
         if args[0].shape[-3] == 0 or args[1].shape[-3] == 0:
             return _empty_sequence(prim, args, mods, params)
         extra = {"interpret": platform != "cuda"} if name == "pallas_triton" else {}
-        local_batch = math.prod(args[0].shape[:-3])
+        batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
-            *args, mods=mods, implementation=implementation, batch_offset=batch_shard_index * local_batch, **extra, **params
+            *args, mods=mods, implementation=implementation, batch_ids=batch_ids, head_offset=head_offset, **extra, **params
         )
 
     return lowering
+
+
+def _global_indices(q_shape, shards):
+    """For a shard's q block: the global flat batch index of each local item, and its first head."""
+    batch = q_shape[:-3]
+    local_ids = jnp.arange(math.prod(batch), dtype=jnp.int32)
+    if shards is None:
+        return local_ids, 0
+    *batch_shards, _, (head_index, _), _ = shards
+    local = jnp.unravel_index(local_ids, batch) if batch else ()
+    flat = jnp.zeros_like(local_ids)
+    for i, n, (index, count) in zip(local, batch, batch_shards):
+        flat = flat * (n * count) + index * n + i
+    return flat.astype(jnp.int32), head_index * q_shape[-2]
 
 
 def _empty_sequence(prim, args, mods, params):
@@ -60,6 +80,13 @@ def _empty_sequence(prim, args, mods, params):
     return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), *wanted)
 
 
+_SHARED = {
+    attention_fwd_p: shared_operands(3, 0),
+    attention_tangent_p: shared_operands(5, 3),
+    attention_bwd_p: shared_operands(5, 2),
+}
 for _prim in IMPLEMENTATIONS:
-    _core.register_lowering(_prim, _dispatch(_prim, None), shard_index=True)
-    _core.register_lowering(_prim, _dispatch(_prim, "cuda"), platform="cuda", shard_index=True)
+    for _platform in (None, "cuda"):
+        _core.register_lowering(
+            _prim, _dispatch(_prim, _platform), platform=_platform, shards=True, shared_operands=_SHARED[_prim]
+        )

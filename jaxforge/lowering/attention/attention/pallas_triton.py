@@ -92,6 +92,12 @@ def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, n
     )(*args)
 
 
+def _global_offsets(batch_ids, head_offset):
+    """One int32 array for every program: the global batch index of each local item, then the
+    global index of the first local query head (sharded calls see a block of the batch and heads)."""
+    return jnp.concatenate([batch_ids, jnp.asarray(head_offset, jnp.int32).reshape(1)])
+
+
 def _load(refs, j, size):
     return tuple(r[pl.ds(j * size, size), :] for r in refs)
 
@@ -111,9 +117,9 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
-def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_offset=0):
+def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
-    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
+    offset = _global_offsets(batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     qp, kp, vp = _seq_major(q, sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
@@ -123,7 +129,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         *const_refs, out_ref, lse_ref = refs
         consts = [r[...] for r in const_refs]
-        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
+        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, consts[:n_mask], consts[n_mask:])
         out_ref[...] = out.astype(out_ref.dtype)
@@ -142,9 +148,9 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
     return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
 
 
-def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_offset=0):
+def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
-    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
+    offset = _global_offsets(batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
@@ -158,7 +164,7 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         *in_refs, dout_ref, dlse_ref = refs
         values = [r[...] for r in in_refs]
         consts, dscore = values[:n_c], values[n_c:]
-        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
+        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
         dout, dlse = tangent_rows(
             geo, mods, q_ref[...], dq_ref[...], out_ref[...], lse_ref[...], load, b, h, i,
@@ -183,15 +189,15 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
 
 
 def attention_bwd_pallas(
-    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_offset=0
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
     if any(const_grads):  # cotangents of captured arrays reduce over every program: XLA does it
         return xla.attention_bwd_xla(
             q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
-            implementation=implementation, batch_offset=batch_offset,
+            implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
         )  # fmt: skip
     geo = xla.geometry("pallas_triton", q, k, scale, implementation)
-    offset = jnp.asarray(batch_offset, jnp.int32).reshape(1)  # first global batch item of this shard
+    offset = _global_offsets(batch_ids, head_offset)
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -205,7 +211,7 @@ def attention_bwd_pallas(
     def dq_kernel(offset_ref, q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
         *const_refs, gq_ref = refs
         c = [r[...] for r in const_refs]
-        b, h, i = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
+        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         gq = bwd_dq_rows(
             geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, c[:n_mask], c[n_mask:]
@@ -228,7 +234,7 @@ def attention_bwd_pallas(
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
         *const_refs, gk_ref, gv_ref = refs
         c = [r[...] for r in const_refs]
-        b, hk, j = pl.program_id(0) + offset_ref[0], pl.program_id(1), pl.program_id(2)
+        b, hk, j = offset_ref[pl.program_id(0)], offset_ref[bsz] // geo.group + pl.program_id(1), pl.program_id(2)
 
         def load_q(g, i):
             rows = pl.ds(i * geo.block_q, geo.block_q)

@@ -63,20 +63,20 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
-def _over_heads(fn, geo: Geometry, bsz: int, hkv: int, head_args, kv_args, batch_offset):
+def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head_offset):
     """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped;
-    ``b`` counts from ``batch_offset`` (this shard's first item in the global batch)."""
+    ``b`` and ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h``."""
     per_g = jax.vmap(fn, in_axes=(None, 0) + (0,) * len(head_args) + (None,) * len(kv_args))
     per_hk = jax.vmap(per_g, in_axes=(None, 0) + (0,) * len(head_args) + (0,) * len(kv_args))
     per_b = jax.vmap(per_hk, in_axes=(0, None) + (0,) * len(head_args) + (0,) * len(kv_args))
-    heads = jnp.arange(hkv * geo.group, dtype=jnp.int32).reshape(hkv, geo.group)
-    return per_b(jnp.arange(bsz, dtype=jnp.int32) + batch_offset, heads, *head_args, *kv_args)
+    heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset).reshape(hkv, geo.group)
+    return per_b(batch_ids, heads, *head_args, *kv_args)
 
 
-def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_offset=0):
+def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
     geo = geometry("xla", q, k, scale, implementation)
     mask_c, score_c = _split(consts, mods)
-    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
 
     def one_head(b, h, q_h, k_h, v_h):
@@ -87,21 +87,21 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
     out, lse = _over_heads(
         one_head,
         geo,
-        bsz,
         hkv,
         [heads_first(q, sq_pad, geo.group)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
-        batch_offset,
+        batch_ids,
+        head_offset,
     )
     return _back(out, batch, geo.sq).astype(q.dtype), _back(lse, batch, geo.sq)
 
 
-def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_offset=0):
+def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
     geo = geometry("xla", q, k, scale, implementation)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
     dq, dk, dv, *dscore = operands[n_consts:]
-    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
 
     def one_head(b, h, q_h, dq_h, out_h, lse_h, k_h, v_h, dk_h, dv_h):
@@ -116,11 +116,11 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
     dout, dlse = _over_heads(
         one_head,
         geo,
-        bsz,
         hkv,
         [heads_first(x, sq_pad, geo.group) for x in (q, dq, out)] + [seq_last(lse, sq_pad, geo.group)],
         [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
-        batch_offset,
+        batch_ids,
+        head_offset,
     )
     return _back(dout, batch, geo.sq).astype(out.dtype), _back(dlse, batch, geo.sq)
 
@@ -131,7 +131,7 @@ def bwd_delta(out, g_out, g_lse, acc_dtype):
 
 
 def attention_bwd_xla(
-    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, batch_offset=0
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, batch_ids, head_offset
 ):
     """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
@@ -140,7 +140,7 @@ def attention_bwd_xla(
     per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
-    batch, bsz, hkv = q.shape[:-3], math.prod(q.shape[:-3]), k.shape[-2]
+    batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
     wanted_consts = [c for c, w in zip(_floats(score_c), const_grads) if w]
@@ -162,11 +162,11 @@ def attention_bwd_xla(
     (gq, g_consts), (gk, gv) = _over_heads(
         one_head,
         geo,
-        bsz,
         hkv,
         [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [seq_last(x, sq_pad, geo.group) for x in (lse, delta)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
-        batch_offset,
+        batch_ids,
+        head_offset,
     )
     gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
