@@ -43,3 +43,36 @@ def device_name() -> str:
     """The default device's kind as a file-name slug: ``cpu``, ``h200``, ``a100-sxm4-80gb``."""
     slug = re.sub(r"[^a-z0-9]+", "-", jax.devices()[0].device_kind.lower()).strip("-")
     return slug.removeprefix("nvidia-")  # every GPU here is NVIDIA's; the model is what tells runs apart
+
+
+def ms(seconds: float) -> float:
+    """Seconds as milliseconds, rounded to 0.1 µs (finer digits are noise)."""
+    return round(seconds * 1e3, 4)
+
+
+def timed_record(first_s: float, timing: Timing, accuracy: dict, **extra) -> dict:
+    """The timing fields of a measured record; ``extra`` adds a family's own fields."""
+    return dict(
+        status="ok",
+        reason=None,
+        first_call_ms=ms(first_s),
+        times_ms=[ms(t) for t in timing.times],
+        median_ms=ms(timing.median),
+        ratio=None,
+        accuracy=accuracy,
+        **extra,
+    )
+
+
+def untimed_record(status: str, reason: str, first_s: float | None = None, **extra) -> dict:
+    """A record that was skipped or failed, with the reason."""
+    return dict(
+        status=status,
+        reason=reason,
+        first_call_ms=None if first_s is None else ms(first_s),
+        times_ms=[],
+        median_ms=None,
+        ratio=None,
+        accuracy=None,
+        **extra,
+    )

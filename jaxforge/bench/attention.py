@@ -43,7 +43,7 @@ import numpy as np
 from jax import lax
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_time, timed_call
+from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
 from jaxforge.primitives.attention.attention import SHAPES
 
 __all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure"]
@@ -229,35 +229,11 @@ def _measure(contender: Contender, case: Case, inputs: Inputs, mode: str, refere
         accuracy = _accuracy(mode, [contender.to_jax(x) for x in outputs], reference)
     except Exception as e:  # a contender's limits (a shape it refuses, no JVP rule) are data
         return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-    return dict(
-        status="ok",
-        reason=None,
-        first_call_ms=_ms(first_s),
-        times_ms=[_ms(t) for t in timing.times],
-        median_ms=_ms(timing.median),
-        ratio=None,
-        tflops=None,
-        time_over_fwd=None,
-        accuracy=accuracy,
-    )
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 4)  # 0.1 µs: finer digits are noise
+    return timed_record(first_s, timing, accuracy, tflops=None, time_over_fwd=None)
 
 
 def _not_timed(status: str, reason: str) -> dict:
-    return dict(
-        status=status,
-        reason=reason,
-        first_call_ms=None,
-        times_ms=[],
-        median_ms=None,
-        ratio=None,
-        tflops=None,
-        time_over_fwd=None,
-        accuracy=None,
-    )
+    return untimed_record(status, reason, tflops=None, time_over_fwd=None)
 
 
 def _add_ratios_and_tflops(group: list[dict], case: Case, mode: str, fraction: float) -> None:

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_time, timed_call
+from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
 from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES
 from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
 
@@ -128,45 +128,21 @@ def _measure(
             impl.fn(*one_matrix)  # compiles, so that the estimate is of a warm call
             estimate = timed_call(impl.fn, *one_matrix)[0] * batch
             if estimate > SKIP_SECONDS:
-                return _not_timed("skipped", f"estimated {estimate:.0f} s per call from one matrix")
+                return untimed_record("skipped", f"estimated {estimate:.0f} s per call from one matrix")
         return _time_and_check(op, impl, args, host64, repeats, skip_seconds=SKIP_SECONDS)
     except Exception as e:  # an anchor's limits (e.g. a driver refusing a shape) are data
-        return _not_timed("error", f"{type(e).__name__}: {str(e)[:200]}")
+        return untimed_record("error", f"{type(e).__name__}: {str(e)[:200]}")
 
 
 def _time_and_check(op: _Op, impl: Implementation, args, host64, repeats: dict, skip_seconds=None) -> dict:
     first_s, outputs = timed_call(impl.fn, *args)  # compiles, and gives the outputs to check
     if skip_seconds is not None and first_s > skip_seconds:
-        return _not_timed("skipped", f"first call took {first_s:.0f} s", first_call_ms=_ms(first_s))
+        return untimed_record("skipped", f"first call took {first_s:.0f} s", first_s)
     if first_s > repeats["max_seconds"]:  # a slow implementation is timed once, to keep the run short
         repeats = dict(repeats, min_repeats=1)
     timing = median_time(impl.fn, *args, **repeats)
     accuracy = op.accuracy(host64, [impl.fetch(x).astype(np.float64) for x in outputs])
-    return dict(
-        status="ok",
-        reason=None,
-        first_call_ms=_ms(first_s),
-        times_ms=[_ms(t) for t in timing.times],
-        median_ms=_ms(timing.median),
-        ratio=None,
-        accuracy=accuracy,
-    )
-
-
-def _ms(seconds: float) -> float:
-    return round(seconds * 1e3, 4)  # 0.1 µs: finer digits are noise
-
-
-def _not_timed(status: str, reason: str, first_call_ms: float | None = None) -> dict:
-    return dict(
-        status=status,
-        reason=reason,
-        first_call_ms=first_call_ms,
-        times_ms=[],
-        median_ms=None,
-        ratio=None,
-        accuracy=None,
-    )
+    return timed_record(first_s, timing, accuracy)
 
 
 def _add_ratios(records: list[dict]) -> None:

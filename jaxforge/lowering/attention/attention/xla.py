@@ -8,7 +8,6 @@ work. Runs on every platform; it is also the GPU fallback.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
