@@ -370,14 +370,14 @@ def _batch_rule(n_leading: int, n_trailing: int):
             return jnp.broadcast_to(x, (size, *x.shape)) if batched else x
 
         q_batch = _batch_shape(args[0], dims[0])
-        new_mods = mods.vmapped(
-            math.prod(q_batch), [d is not None for d in mask_d], score_batched
-        )
+        new_mods = mods.vmapped(math.prod(q_batch), [d is not None for d in mask_d], score_batched)
         moved = (
             [front(x, d) for x, d in zip(head, head_d)]
             + [front(x, d, batched=d is not None) for x, d in zip(mask_c, mask_d)]
             + [front(x, d, batched=b) for x, d, b in zip(score_c, score_d, score_batched)]
-            + [front(x, d) for x, d in zip(tail, tail_d)]
+            + [front(x, d) for x, d in zip(tail[:n_trailing], tail_d[:n_trailing])]
+            # the tangent primitive's trailing operands: tangents of the float consts, batched with them
+            + [front(x, d, batched=score_batched[i]) for x, d, i in zip(tail[n_trailing:], tail_d[n_trailing:], float_idx)]
         )
         outs = prim.bind(*moved, mods=new_mods, **params)
         return outs, [0] * len(outs)

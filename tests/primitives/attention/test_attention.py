@@ -798,3 +798,14 @@ def test_hvp_of_bias_read_at_captured_int_positions():
     ours_hvp = jax.jvp(jax.grad(ours, (0, 1)), args, tangents)
     theirs_hvp = jax.jvp(jax.grad(theirs, (0, 1)), args, tangents)
     jax.tree.map(lambda x, y: assert_close(x, y, **DTOL), ours_hvp, theirs_hvp)
+
+
+def test_vmap_of_jvp_with_an_unbatched_captured_bias():
+    """vmap over q only: the bias tangent is per item while the bias itself is shared."""
+    rng = np.random.default_rng(41)
+    q = jnp.asarray(rng.standard_normal((3, 2, 9, 2, 4)))
+    k = jnp.asarray(rng.standard_normal((2, 11, 2, 4)))
+    bias = jnp.asarray(rng.standard_normal((2, 20)))
+    f = lambda q, bias: jf.attention(q, k, k, score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 11], mask=jf.masks.causal(2))
+    jvp = lambda q: jax.jvp(f, (q, bias), (q, bias * 0.5))[1]
+    np.testing.assert_allclose(jax.vmap(jvp)(q), jnp.stack([jvp(x) for x in q]), atol=1e-12)
