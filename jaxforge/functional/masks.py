@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxforge.primitives.attention.mods import Band, ChunkSpan, FullSpan, Hull, Intersect, PrefixSpan, Span
+from jaxforge.primitives.attention.mods import AllVisible, Band, ChunkSpan, FullSpan, Hull, Intersect, PrefixSpan, Span
 
 __all__ = [
     "Mask",
@@ -157,6 +157,9 @@ class _FromFunction(Mask):
 class _Full(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx):
         return jnp.bool_(True)
+
+    def span(self):
+        return AllVisible()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

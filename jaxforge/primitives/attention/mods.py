@@ -24,15 +24,17 @@ import jax.numpy as jnp
 
 from jaxforge.primitives._core import StaticFunction
 
-__all__ = ["Band", "ChunkSpan", "FullSpan", "Hull", "Intersect", "Mods", "PrefixSpan", "Span"]
+__all__ = ["AllVisible", "Band", "ChunkSpan", "FullSpan", "Hull", "Intersect", "Mods", "PrefixSpan", "Span"]
 
 
 class Span:
     """The keys a block of queries may see, and the queries a block of keys may be seen by.
 
     ``kv(q_lo, q_hi, skv) -> (lo, hi)``: every visible key of the queries ``[q_lo, q_hi)`` lies in
-    ``[lo, hi)``. ``q(kv_lo, kv_hi, sq)`` is the converse. Bounds may be traced integers; an empty
-    range has ``lo >= hi``. Conservative: a span may include keys that the mask then hides.
+    ``[lo, hi)`` (a superset: the mask may hide some). ``full_kv(q_lo, q_hi, skv)``: every key in
+    the range is visible to every one of those queries (a subset, maybe empty), so tiles inside it
+    skip the mask arithmetic. ``q`` and ``full_q`` are the converses for a block of keys. Bounds
+    may be traced integers; an empty range has ``lo >= hi``.
     """
 
     def kv(self, q_lo, q_hi, skv):
@@ -41,10 +43,27 @@ class Span:
     def q(self, kv_lo, kv_hi, sq):
         return 0, sq
 
+    def full_kv(self, q_lo, q_hi, skv):
+        return 0, 0
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        return 0, 0
+
 
 @dataclasses.dataclass(frozen=True)
 class FullSpan(Span):
-    """No structure known: every key may be visible."""
+    """No structure known: every key may be visible, none is known to be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AllVisible(Span):
+    """Every key visible to every query."""
+
+    def full_kv(self, q_lo, q_hi, skv):
+        return 0, skv
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        return 0, sq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +83,16 @@ class Band(Span):
         hi = sq if self.lower is None else jnp.clip(kv_hi - self.lower, 0, sq)
         return lo, hi
 
+    def full_kv(self, q_lo, q_hi, skv):
+        lo = 0 if self.lower is None else jnp.maximum(q_hi - 1 + self.lower, 0)
+        hi = skv if self.upper is None else jnp.clip(q_lo + self.upper + 1, 0, skv)
+        return lo, hi
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        lo = 0 if self.upper is None else jnp.maximum(kv_hi - 1 - self.upper, 0)
+        hi = sq if self.lower is None else jnp.clip(kv_lo - self.lower + 1, 0, sq)
+        return lo, hi
+
 
 @dataclasses.dataclass(frozen=True)
 class ChunkSpan(Span):
@@ -77,9 +106,21 @@ class ChunkSpan(Span):
     def q(self, kv_lo, kv_hi, sq):
         return self._same_chunks(kv_lo, kv_hi, sq)
 
+    def full_kv(self, q_lo, q_hi, skv):
+        return self._one_chunk(q_lo, q_hi, skv)
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        return self._one_chunk(kv_lo, kv_hi, sq)
+
     def _same_chunks(self, lo, hi, size):
         c = self.chunk
         return (lo // c) * c, jnp.minimum(((hi - 1) // c + 1) * c, size)
+
+    def _one_chunk(self, lo, hi, size):
+        """A block inside one chunk sees all of that chunk; a block across chunks, nothing for sure."""
+        c = self.chunk
+        start = (lo // c) * c
+        return start, jnp.where(lo // c == (hi - 1) // c, jnp.minimum(start + c, size), start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,34 +135,57 @@ class PrefixSpan(Span):
     def q(self, kv_lo, kv_hi, sq):
         return jnp.where(kv_lo < self.prefix, 0, jnp.minimum(kv_lo, sq)), sq
 
+    def full_kv(self, q_lo, q_hi, skv):
+        return 0, jnp.minimum(jnp.maximum(q_lo + 1, self.prefix), skv)
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        return jnp.where(kv_hi <= self.prefix, 0, jnp.minimum(kv_hi - 1, sq)), sq
+
 
 @dataclasses.dataclass(frozen=True)
 class _Pair(Span):
-    """Two spans joined bound by bound: ``lower(lo_a, lo_b)``, ``upper(hi_a, hi_b)``."""
-
     a: Span
     b: Span
 
     def kv(self, q_lo, q_hi, skv):
-        return self._join(self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv))
+        return self._may(self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv))
 
     def q(self, kv_lo, kv_hi, sq):
-        return self._join(self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq))
+        return self._may(self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq))
 
-    def _join(self, range_a, range_b):
-        return self.lower(range_a[0], range_b[0]), self.upper(range_a[1], range_b[1])
+    def full_kv(self, q_lo, q_hi, skv):
+        return self._sure(self.a.full_kv(q_lo, q_hi, skv), self.b.full_kv(q_lo, q_hi, skv))
+
+    def full_q(self, kv_lo, kv_hi, sq):
+        return self._sure(self.a.full_q(kv_lo, kv_hi, sq), self.b.full_q(kv_lo, kv_hi, sq))
+
+
+def _intersection(a, b):
+    return jnp.maximum(a[0], b[0]), jnp.minimum(a[1], b[1])
+
+
+def _hull(a, b):
+    return jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])
+
+
+def _union_or_longer(a, b):
+    """An interval inside the union of two: their hull if they touch, else the longer one."""
+    touch = (a[0] <= b[1]) & (b[0] <= a[1]) & (a[0] < a[1]) & (b[0] < b[1])
+    longer = jnp.where(a[1] - a[0] >= b[1] - b[0], a[0], b[0]), jnp.where(a[1] - a[0] >= b[1] - b[0], a[1], b[1])
+    hull = _hull(a, b)
+    return jnp.where(touch, hull[0], longer[0]), jnp.where(touch, hull[1], longer[1])
 
 
 class Intersect(_Pair):
-    """Keys visible under both masks (``&``)."""
+    """Keys visible under both masks (``&``): may-ranges and sure-ranges intersect."""
 
-    lower, upper = staticmethod(jnp.maximum), staticmethod(jnp.minimum)
+    _may, _sure = staticmethod(_intersection), staticmethod(_intersection)
 
 
 class Hull(_Pair):
-    """Keys visible under either mask (``|``): the smallest range holding both."""
+    """Keys visible under either mask (``|``): the hull of the may-ranges, a sure part of the union."""
 
-    lower, upper = staticmethod(jnp.minimum), staticmethod(jnp.maximum)
+    _may, _sure = staticmethod(_hull), staticmethod(_union_or_longer)
 
 
 @dataclasses.dataclass(frozen=True)

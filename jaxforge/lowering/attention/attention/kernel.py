@@ -53,6 +53,32 @@ class Geometry:
         lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq)
         return lo // self.block_q, (hi + self.block_q - 1) // self.block_q
 
+    def full_kv_tiles(self, mods: Mods, i):
+        """Key tiles wholly visible to query tile ``i``: no mask arithmetic there."""
+        if mods.mask is None:
+            return 0, self.skv // self.block_kv
+        q_lo = i * self.block_q
+        lo, hi = mods.span.full_kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv)
+        return (lo + self.block_kv - 1) // self.block_kv, hi // self.block_kv
+
+    def full_q_tiles(self, mods: Mods, j):
+        """Query tiles that wholly see key tile ``j``."""
+        if mods.mask is None:
+            return 0, self.sq // self.block_q
+        kv_lo = j * self.block_kv
+        lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq)
+        return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
+
+
+def _tile_loop(tiles, full_tiles, body, carry):
+    """``body(t, carry, masked)`` over ``tiles``: the wholly visible ones in the middle unmasked."""
+    lo, hi = tiles
+    full_lo = jnp.clip(full_tiles[0], lo, hi)
+    full_hi = jnp.clip(full_tiles[1], full_lo, hi)
+    carry = lax.fori_loop(lo, full_lo, lambda t, c: body(t, c, True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, lambda t, c: body(t, c, False), carry)
+    return lax.fori_loop(full_hi, hi, lambda t, c: body(t, c, True), carry)
+
 
 def _dot(geo: Geometry, a, b, contract=((1,), (0,))):
     if a.dtype != b.dtype:  # probabilities meet bf16/f16 values: round p like FlashAttention
@@ -68,10 +94,16 @@ def _t_dot(geo, a, b):  # a.T @ b
     return _dot(geo, a, b, ((0,), (0,)))
 
 
-def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask_c):
-    """Query and key indices of tile (i, j) and the mask: user mask and sequence bounds."""
+def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask_c, masked: bool = True):
+    """Query and key indices of tile (i, j) and the mask: user mask and sequence bounds.
+
+    ``masked=False``: a wholly visible tile (``Geometry.full_kv_tiles``), inside the keys; only
+    padded query rows are hidden (they must not overflow in the backward).
+    """
     q_idx = i * geo.block_q + lax.broadcasted_iota(jnp.int32, (geo.block_q, 1), 0)
     kv_idx = j * geo.block_kv + lax.broadcasted_iota(jnp.int32, (1, geo.block_kv), 1)
+    if not masked:
+        return q_idx, kv_idx, jnp.broadcast_to(q_idx < geo.sq, (geo.block_q, geo.block_kv))
     visible = (q_idx < geo.sq) & (kv_idx < geo.skv)
     user = mods.allowed(b, h, q_idx, kv_idx, mask_c)
     if user is not None:
@@ -94,10 +126,10 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
     rows = q.shape[0]
     dv = load_kv(0)[1].shape[-1]
 
-    def body(j, carry):
+    def body(j, carry, masked):
         m, l, acc = carry
         k, v = load_kv(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
         s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h, q_idx, kv_idx, score_c)
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -111,7 +143,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    m, l, acc = lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+    m, l, acc = _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
@@ -122,10 +154,10 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
     """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
     floats = _floats(score_c)
 
-    def body(j, carry):
+    def body(j, carry, masked):
         r, acc = carry
         k, v, dk, dv = load(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
         raw = _dot_t(geo, q, k) * geo.scale
         draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
         modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
@@ -136,17 +168,17 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
-    r, acc = lax.fori_loop(*geo.kv_tiles(mods, i), body, init)
+    r, acc = _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 
-def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted):
+def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted, masked):
     """Tile (i, j) of the softmax backward: ``p``, the raw-score cotangent and float-const cotangents.
 
     ``g_s = p (g_out·v - delta)`` is pulled back through softcap/score_mod; ``wanted[c]`` selects
     the float score consts whose cotangents are returned.
     """
-    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c)
+    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
     raw = _dot_t(geo, q, k) * geo.scale
     floats = _floats(score_c)
     modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
@@ -169,12 +201,12 @@ def _wanted(score_c, const_grads):
 def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask_c, score_c):
     """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``."""
 
-    def body(j, gq):
+    def body(j, gq, masked):
         k, v = load_kv(j)
-        _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, [])
+        _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, [], masked)
         return gq + _dot(geo, g_raw, k) * geo.scale
 
-    return lax.fori_loop(*geo.kv_tiles(mods, i), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
 def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c, fused=None, const_grads=()):
@@ -191,10 +223,12 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, scor
     def head(g, carry):
         h = hk * geo.group + g
 
-        def body(i, carry):
+        def body(i, carry, masked):
             gk, gv, fused = carry
             q, g_out, lse, delta = load_q(g, i)
-            p, g_raw, g_floats = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted)
+            p, g_raw, g_floats = _score_grads(
+                geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted, masked
+            )
             gk, gv = gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
             if fused is not None:
                 gq, g_consts = fused
@@ -204,7 +238,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, scor
                 fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
             return gk, gv, fused
 
-        return lax.fori_loop(*geo.q_tiles(mods, j), body, carry)
+        return _tile_loop(geo.q_tiles(mods, j), geo.full_q_tiles(mods, j), body, carry)
 
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)
