@@ -255,9 +255,12 @@ def batch_sharded_avals(
         if own is not None:
             split_specs[name] = spec[own]
     for specs, what in ((batch_specs, "batch dims"), (split_specs, f"{label} dims")):
-        if len(set(specs.values())) > 1:
-            (first, a), (other, b) = next(iter(specs.items())), next((n, s) for n, s in specs.items() if s != next(iter(specs.values())))
-            raise ValueError(f"{fn}: the {what} of `{first}` and `{other}` are sharded differently, {a} and {b}")
+        (first, spec), *rest = specs.items() or [(None, None)]
+        for other, other_spec in rest:
+            if other_spec != spec:
+                raise ValueError(
+                    f"{fn}: the {what} of `{first}` and `{other}` are sharded differently, {spec} and {other_spec}"
+                )
     batch_spec = next(iter(batch_specs.values()))
     split_spec = next(iter(split_specs.values()), None)
     template = next(iter(operands.values()))
