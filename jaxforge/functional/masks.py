@@ -163,35 +163,29 @@ class _Full(Mask):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class _And(Mask):
+class _Combined(Mask):
+    """Two masks joined elementwise by ``logic``; their spans by ``span_join``."""
+
     a: Mask
     b: Mask
 
     def bind(self, batch_shape, sq, skv):
         fa, fb = self.a.bind(batch_shape, sq, skv), self.b.bind(batch_shape, sq, skv)
-        return lambda *idx: jnp.logical_and(fa(*idx), fb(*idx))
+        return lambda *idx: self.logic(fa(*idx), fb(*idx))
 
     def mask_mod(self, *idx):
-        return jnp.logical_and(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
+        return self.logic(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
 
     def span(self):
-        return Intersect(self.a.span(), self.b.span())
+        return self.span_join(self.a.span(), self.b.span())
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Or(Mask):
-    a: Mask
-    b: Mask
+class _And(_Combined):
+    logic, span_join = staticmethod(jnp.logical_and), Intersect
 
-    def bind(self, batch_shape, sq, skv):
-        fa, fb = self.a.bind(batch_shape, sq, skv), self.b.bind(batch_shape, sq, skv)
-        return lambda *idx: jnp.logical_or(fa(*idx), fb(*idx))
 
-    def mask_mod(self, *idx):
-        return jnp.logical_or(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
-
-    def span(self):
-        return Hull(self.a.span(), self.b.span())
+class _Or(_Combined):
+    logic, span_join = staticmethod(jnp.logical_or), Hull
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

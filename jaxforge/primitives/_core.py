@@ -36,7 +36,6 @@ __all__ = [
     "instantiate_zeros",
     "is_linear_input",
     "output_aval",
-    "is_zero",
     "register_lowering",
     "registered_primitives",
     "trace_function",
@@ -278,11 +277,6 @@ def batch_sharded_avals(
 def instantiate_zeros(tangent):
     """A symbolic-zero tangent as an array of zeros; any other tangent unchanged."""
     return ad.instantiate_zeros(tangent)
-
-
-def is_zero(tangent) -> bool:
-    """Whether a tangent or cotangent is JAX's symbolic zero."""
-    return type(tangent) is ad.Zero
 
 
 def is_linear_input(operand) -> bool:
