@@ -1,7 +1,12 @@
-"""Test set-up: float64 on, 8 CPU devices in one process for sharding tests, the `gpu` marker."""
+"""Test set-up: float64 on, 8 CPU devices in one process for sharding tests, the `gpu` marker,
+and jf.nn's shape annotations checked at run time (the hook must precede any import of jaxforge)."""
 
-import jax
-import pytest
+from jaxtyping import install_import_hook
+
+install_import_hook("jaxforge.functional.nn", "beartype.beartype")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import core
-from jax.extend.core import ClosedJaxpr, Primitive, jaxpr_as_fun, subjaxprs
+from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun, subjaxprs
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
 
@@ -294,15 +294,14 @@ class StaticFunction:
     """
 
     def __init__(self, closed: ClosedJaxpr, num_consts: int):
+        # ``closed`` takes the arguments followed by the constants, and closes over nothing.
         self._jaxpr = closed.jaxpr
         self.num_consts = num_consts
         self.out_avals = tuple(closed.out_avals)
         self._key = str(closed.jaxpr)
 
     def __call__(self, *args):
-        split = len(args) - self.num_consts
-        args, consts = args[:split], args[split:]
-        return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, list(consts)))(*args)
+        return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, []))(*args)
 
     def primitive_names(self) -> frozenset[str]:
         """Names of every primitive the function applies, nested calls included."""
@@ -330,7 +329,41 @@ def trace_function(fn: Callable, *avals) -> tuple[StaticFunction, list]:
     tracers of enclosing transforms (a bias under ``grad``) become consts too.
     """
     closed = jax.make_jaxpr(fn)(*avals)
-    return StaticFunction(closed, len(closed.consts)), list(closed.consts)
+    consts = list(closed.consts)
+    # Re-traced with the constants as plain arguments: inside shard_map a closed-over value (a
+    # shard's segment ids) varies over mesh axes, and tracing inserted casts of the indices to
+    # varying; kept, they would re-type values inside the lowering's loops, which are per-device
+    # code where that typing has no meaning.
+    const_avals = [jax.ShapeDtypeStruct(jnp.shape(c), jnp.result_type(c)) for c in consts]
+    hoisted = jax.make_jaxpr(lambda *a: _eval_without_varying_casts(closed.jaxpr, a[len(avals) :], a[: len(avals)]))(
+        *avals, *const_avals
+    )
+    return StaticFunction(hoisted, len(consts)), consts
+
+
+def _is_varying_cast(eqn) -> bool:
+    name = eqn.primitive.name
+    return name == "pvary" or (name == "pcast" and "varying" in str(eqn.params.get("to", "")).lower())
+
+
+def _eval_without_varying_casts(jaxpr, consts, args) -> list:
+    """Evaluates ``jaxpr`` with its casts to varying (identities on values) dropped, inlining jit calls."""
+    env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
+    read = lambda var: var.val if isinstance(var, Literal) else env[var]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(var) for var in eqn.invars]
+        if _is_varying_cast(eqn):
+            outs = ins
+        elif eqn.primitive.name in ("pjit", "jit", "closed_call"):
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            outs = _eval_without_varying_casts(inner.jaxpr, inner.consts, ins)
+        else:
+            bound = eqn.primitive.get_bind_params(eqn.params)  # params, or (subfuns, params) before jax 0.10
+            subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+            outs = eqn.primitive.bind(*subfuns, *ins, **params)
+            outs = outs if eqn.primitive.multiple_results else [outs]
+        env.update(zip(eqn.outvars, outs))
+    return [read(var) for var in jaxpr.outvars]
 
 
 @functools.lru_cache(maxsize=None)

@@ -261,3 +261,23 @@ def test_type_errors():
         jf.shard(lambda x: x, in_specs=("i",), out_specs=P())(np.ones(8))
     with pytest.raises(TypeError, match=r"shard: `out_specs` must hold PartitionSpecs"):
         jf.shard(lambda x: x, in_specs=P(), out_specs=[0])(np.ones(8))
+
+
+def test_attention_with_a_mask_capturing_sharded_segment_ids():
+    # Regression: the mask closes over a value that varies over the mesh axis; its casts to
+    # varying must not leak into the lowering's loops (they broke the carries' types).
+    q = jnp.asarray(rng_normal(8, 12, 2, 4))
+    segments = jnp.asarray(np.random.default_rng(1).integers(0, 3, (8, 12)).cumsum(-1) // 7)
+
+    def loss(q, segments):
+        mask = jf.masks.causal() & jf.masks.document(segments)
+        return jnp.sum(jf.attention(q, q, q, mask=mask) ** 2)
+
+    sharded = jf.shard(
+        lambda q, s: (C.all_reduce(loss(q, s), "data"), jax.grad(loss)(q, s)),
+        in_specs=(P("data"), P("data")),
+        out_specs=(P(), P("data")),
+    )
+    value, grad = sharded(q, segments)
+    np.testing.assert_allclose(value, loss(q, segments), **TOL)
+    np.testing.assert_allclose(grad, jax.grad(loss)(q, segments), **TOL)

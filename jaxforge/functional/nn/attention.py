@@ -1,0 +1,103 @@
+"""Multi-head attention on :func:`jf.attention <jaxforge.attention>`: GQA, masks, rotary embedding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from jaxforge.functional.attention import attention
+from jaxforge.functional.nn.layers import Params, check_features
+
+__all__ = ["init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
+
+
+def rotary_embedding(
+    x: Float[ArrayLike, "*batch seq heads head_dim"], positions: Int[ArrayLike, "*#batch seq"], *, base: float = 10000.0
+) -> Float[Array, "*batch seq heads head_dim"]:
+    r"""Rotates feature pairs :math:`(x_i, x_{i+D/2})` by :math:`p\,\theta_i`, :math:`\theta_i = \text{base}^{-2i/D}`.
+
+    So that :math:`\langle R_p q, R_{p'} k\rangle` depends on :math:`p - p'` only (RoFormer, 2021).
+    Angles are computed in float32 or wider.
+    """
+    head_dim = x.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"rotary_embedding: `x` needs an even head_dim, got shape {x.shape}")
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    frequencies = base ** (-jnp.arange(0, head_dim, 2, dtype=wide) / head_dim)
+    angles = jnp.asarray(positions, wide)[..., None, None] * frequencies  # (..., seq, 1, D/2)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    first, second = jnp.split(x.astype(wide), 2, axis=-1)
+    rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def init_multi_head_attention(
+    key: PRNGKeyArray,
+    features: int,
+    num_heads: int,
+    *,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    dtype=jnp.float32,
+) -> Params:
+    r"""Params of :func:`multi_head_attention`: projections ``q`` (features, Hq, D), ``k``/``v``
+    (features, Hkv, D), ``o`` (Hq, D, features), each :math:`\mathcal N(0, 1/\text{fan-in})`.
+
+    The head counts live in the shapes, so the params describe the layer completely.
+    ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``; ``head_dim`` defaults to
+    ``features // num_heads``.
+    """
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    head_dim = features // num_heads if head_dim is None else head_dim
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise ValueError(
+            f"init_multi_head_attention: `num_heads` ({num_heads}) must be a positive multiple of "
+            f"`num_kv_heads` ({num_kv_heads})"
+        )
+    if head_dim <= 0:
+        raise ValueError(f"init_multi_head_attention: `head_dim` must be positive, got {head_dim}")
+    kq, kk, kv, ko = jax.random.split(key, 4)
+
+    def normal(key, shape, fan_in):
+        return jax.random.normal(key, shape, dtype) / jnp.sqrt(fan_in).astype(dtype)
+
+    return {
+        "q": normal(kq, (features, num_heads, head_dim), features),
+        "k": normal(kk, (features, num_kv_heads, head_dim), features),
+        "v": normal(kv, (features, num_kv_heads, head_dim), features),
+        "o": normal(ko, (num_heads, head_dim, features), num_heads * head_dim),
+    }
+
+
+def multi_head_attention(
+    params: Params,
+    x: Float[ArrayLike, "*batch seq features"],
+    *,
+    mask=None,
+    positions: Int[ArrayLike, "*#batch seq"] | None = None,
+    rotary_base: float | None = 10000.0,
+    attention_fn: Callable = attention,
+) -> Float[Array, "*batch seq features"]:
+    r"""Self-attention :math:`\sum_h \operatorname{attn}(R x W^q_h, R x W^k_{g(h)}, x W^v_{g(h)})\, W^o_h`.
+
+    Args:
+      params: from :func:`init_multi_head_attention`; GQA when it has fewer k/v heads than q heads.
+      x: ``(..., seq, features)``.
+      mask: any ``mask=`` of :func:`jf.attention <jaxforge.attention>`, e.g.
+        ``jf.masks.causal() & jf.masks.document(segment_ids)``.
+      positions: ``(..., seq)`` token positions for the rotary embedding (default ``arange(seq)``).
+      rotary_base: the rotary base; None for no rotary embedding.
+      attention_fn: ``attention_fn(q, k, v, mask=mask)``; :func:`jf.attention` by default. Swap in
+        another implementation to compare against it.
+    """
+    x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
+    q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
+    if rotary_base is not None:
+        if positions is None:
+            positions = jnp.arange(x.shape[-2])
+        q, k = (rotary_embedding(t, positions, base=rotary_base) for t in (q, k))
+    out = attention_fn(q, k, v, mask=mask)
+    return jnp.einsum("...shd,hdf->...sf", out, params["o"])

@@ -1,0 +1,113 @@
+"""A decoder-only transformer (pre-norm, rotary, GQA) and the token cross-entropy."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
+
+from jaxforge.functional import masks
+from jaxforge.functional.attention import attention
+from jaxforge.functional.nn.attention import init_multi_head_attention, multi_head_attention
+from jaxforge.functional.nn.layers import (
+    NestedParams,
+    embedding,
+    init_embedding,
+    init_linear,
+    init_mlp,
+    init_rms_norm,
+    linear,
+    mlp,
+    rms_norm,
+)
+
+__all__ = ["cross_entropy", "init_transformer", "transformer"]
+
+
+def init_transformer(
+    key: PRNGKeyArray,
+    *,
+    vocab_size: int,
+    features: int,
+    depth: int,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    hidden_features: int | None = None,
+    dtype=jnp.float32,
+) -> NestedParams:
+    """Params of :func:`transformer`: ``embedding``, ``blocks`` (every leaf stacked over ``depth``),
+    the final ``norm`` and the output ``head`` (no bias). ``hidden_features`` defaults to 4 × features."""
+    if depth <= 0:
+        raise ValueError(f"init_transformer: `depth` must be positive, got {depth}")
+    hidden_features = 4 * features if hidden_features is None else hidden_features
+    k_embed, k_blocks, k_head = jax.random.split(key, 3)
+
+    def init_block(key):
+        k_attention, k_mlp = jax.random.split(key)
+        return {
+            "attention_norm": init_rms_norm(features, dtype=dtype),
+            "attention": init_multi_head_attention(k_attention, features, num_heads, num_kv_heads=num_kv_heads, dtype=dtype),
+            "mlp_norm": init_rms_norm(features, dtype=dtype),
+            "mlp": init_mlp(k_mlp, features, hidden_features, dtype=dtype),
+        }
+
+    return {
+        "embedding": init_embedding(k_embed, vocab_size, features, dtype=dtype),
+        "blocks": jax.vmap(init_block)(jax.random.split(k_blocks, depth)),
+        "norm": init_rms_norm(features, dtype=dtype),
+        "head": init_linear(k_head, features, vocab_size, bias=False, dtype=dtype),
+    }
+
+
+def transformer(
+    params: NestedParams,
+    tokens: Int[ArrayLike, "*batch seq"],
+    *,
+    mask=None,
+    positions: Int[ArrayLike, "*#batch seq"] | None = None,
+    attention_fn: Callable = attention,
+) -> Float[Array, "*batch seq vocab"]:
+    r"""Next-token logits of a pre-norm decoder: for each block,
+    :math:`x \mathrel{+}= \text{attn}(\text{rms}(x))`, :math:`x \mathrel{+}= \text{mlp}(\text{rms}(x))`.
+
+    Args:
+      params: from :func:`init_transformer`.
+      tokens: ``(..., seq)`` integer ids.
+      mask: the attention mask; default ``jf.masks.causal()``. For packed documents pass
+        ``jf.masks.causal() & jf.masks.document(segment_ids)``.
+      positions: rotary positions, default ``arange(seq)``.
+      attention_fn: passed to :func:`multi_head_attention`.
+
+    The blocks run as one ``lax.scan`` over depth, so compile time does not grow with depth.
+    """
+    mask = masks.causal() if mask is None else mask
+    x = embedding(params["embedding"], tokens)
+
+    def block(x, p):
+        x = x + multi_head_attention(
+            p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn
+        )
+        return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), None
+
+    x, _ = jax.lax.scan(block, x, params["blocks"])
+    return linear(params["head"], rms_norm(params["norm"], x))
+
+
+def cross_entropy(
+    logits: Float[ArrayLike, "*batch classes"], labels: Int[ArrayLike, "*batch"], *, where: Bool[ArrayLike, "*batch"] | None = None
+) -> Float[Array, ""]:
+    r"""Mean negative log-likelihood :math:`-\frac1N\sum_i \log \operatorname{softmax}(z_i)_{y_i}` over
+    the positions where ``where`` is True (all by default; 0 when none), in float32 or wider."""
+    labels = jnp.asarray(labels)
+    if not jnp.issubdtype(labels.dtype, jnp.integer):
+        raise TypeError(f"cross_entropy: `labels` must be integers, got dtype {labels.dtype}")
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(f"cross_entropy: `labels` shape {labels.shape} must equal logits' leading shape {logits.shape[:-1]}")
+    log_p = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+    if where is None:
+        return jnp.mean(nll)
+    where = jnp.broadcast_to(where, nll.shape)
+    return jnp.sum(jnp.where(where, nll, 0)) / jnp.maximum(jnp.sum(where), 1)
