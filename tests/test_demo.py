@@ -1,17 +1,61 @@
-"""The demo runs end to end (tiny benchmark) and every check in it passes."""
+"""The main job: the demo trains below the unigram baseline and writes its plot and sample; its
+data packing and baseline are checked against hand-made cases."""
 
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+from jaxforge.demo import data
+
+
+def test_pack_keeps_documents_apart():
+    packed = data.pack([b"ab", b"cde", b"f"], length=4)
+    # The stream: BOS a b BOS c d e BOS f -> two rows of 4; the last token is dropped.
+    np.testing.assert_array_equal(packed.tokens, [[256, 97, 98, 256], [99, 100, 101, 256]])
+    np.testing.assert_array_equal(packed.segments, [[0, 0, 0, 1], [1, 1, 1, 2]])
+    assert packed.num_targets == 4  # a<-BOS, b<-a, d<-c, e<-d; c<-BOS spans two rows, BOS<-b two documents
+    with pytest.raises(ValueError, match="fewer than one row"):
+        data.pack([b"ab"], length=8)
+
+
+def test_unigram_baseline_is_the_cross_entropy_of_training_frequencies():
+    train = data.pack([b"aab"] * 4, length=4)  # targets per row: a a b
+    validation = data.pack([b"abb"], length=4)
+    counts = np.ones(data.VOCAB_SIZE)
+    counts[ord("a")] += 8
+    counts[ord("b")] += 4
+    p = counts / counts.sum()
+    want = -np.mean(np.log([p[ord("a")], p[ord("b")], p[ord("b")]]))
+    assert data.unigram_cross_entropy(train, validation) == pytest.approx(want, rel=1e-12)
+
+
+def test_stdlib_documents_are_top_level_definitions():
+    documents = data.stdlib_documents(50_000)
+    assert 50_000 <= sum(map(len, documents)) < 50_000 + max(map(len, documents))
+    assert sum(d.lstrip().startswith((b"def ", b"class ", b"@")) for d in documents) > len(documents) // 2
+    train, validation = data.split(documents)
+    assert len(validation) == -(-len(documents) // 20) and len(train) + len(validation) == len(documents)
 
 
 @pytest.mark.slow
-def test_demo_quick_passes():
+def test_demo_trains_below_the_unigram_baseline(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "jaxforge.demo", "--quick"], capture_output=True, text=True, timeout=240
+        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--steps", "40", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "jf.linalg.svd" in done.stdout and "jf.linalg.lstsq" in done.stdout
-    assert "[FAIL]" not in done.stdout
-    assert "quick_tall" in done.stdout and "ratio" in done.stdout  # the benchmark table
+    assert "data-parallel over 4 cpu devices" in done.stdout
+    assert "validation loss below the unigram baseline: yes" in done.stdout
+    assert "attention fwd+bwd" in done.stdout and "lstsq" in done.stdout  # the benchmark tables
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sample = (tmp_path / "sample.txt").read_bytes()
+    assert sample.startswith(b"def ") and len(sample) == 4 + 300
+
+
+def test_demo_rejects_bad_flags():
+    done = subprocess.run([sys.executable, "-m", "jaxforge.demo", "--steps", "0"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--steps must be at least 1, got 0" in done.stderr
