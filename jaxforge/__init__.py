@@ -7,13 +7,17 @@ Public surface::
     jf.masks.causal(), sliding_window(w), document(segment_ids), prefix_lm(n), chunked(c), ...
     jf.collectives.all_reduce(x, axis_name, op="sum"), all_gather, reduce_scatter, all_to_all, ...
     jf.nn.linear, rms_norm, multi_head_attention, transformer, lstm, gru, cross_entropy, ... (+ init_*)
+    jf.export.save(fn, args, path), jf.export.load(path)  # jax.export artifacts, checked on load
     jf.shard(f, *, mesh=None, in_specs, out_specs)
     jf.parallel.column_parallel_linear, row_parallel_linear, sequence_parallel_rms_norm, ring_attention
     jf.linalg.svd(a, full_matrices=False, compute_uv=True, *, grad_eps=0.0)
     jf.linalg.lstsq(a, b, rcond=None) -> LstsqResult(solution, residuals, rank, singular_values)
 """
 
+__version__ = "0.1.0"  # before the imports: jaxforge.export records it
+
 from jaxforge import lowering as _lowering  # noqa: F401  (registers every lowering, once)
+from jaxforge import export as export
 from jaxforge.functional import collectives as collectives
 from jaxforge.functional import linalg as linalg
 from jaxforge.functional import masks as masks
@@ -22,5 +26,4 @@ from jaxforge.functional import parallel as parallel
 from jaxforge.functional.attention import attention as attention
 from jaxforge.transforms.shard import shard as shard
 
-__all__ = ["attention", "collectives", "linalg", "masks", "nn", "parallel", "shard"]
-__version__ = "0.1.0"
+__all__ = ["attention", "collectives", "export", "linalg", "masks", "nn", "parallel", "shard"]
