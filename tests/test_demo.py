@@ -42,7 +42,7 @@ def test_stdlib_documents_are_top_level_definitions():
 @pytest.mark.slow
 def test_demo_trains_below_the_unigram_baseline(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--steps", "40", "--out", str(tmp_path)],
+        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=240,

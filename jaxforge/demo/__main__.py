@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     train_docs, validation_docs = data.split(documents)
     train_data, validation = data.pack(train_docs, size.length + 1), data.pack(validation_docs, size.length + 1)
     baseline = data.unigram_cross_entropy(train_data, validation)
-    source = args.text or "the Python standard library (top-level definitions)"
+    source = args.text or "the Python standard library (its definitions)"
     print(f"jaxforge demo: a decoder-only transformer on {source}")
     print(
         f"  text      {sum(map(len, documents)):,} bytes in {len(documents):,} documents; "

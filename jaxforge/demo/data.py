@@ -1,13 +1,15 @@
 """The demo's text: documents of bytes, packed into fixed-length rows with segment ids.
 
 By default the documents are the top-level definitions (functions, classes and the code between
-them) of the Python standard library's own modules, read at run time, so nothing is downloaded.
+them; a long class split at its methods) of the Python standard library's own modules, read at
+run time, so nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import pathlib
+import random
 import re
 import sysconfig
 
@@ -16,19 +18,24 @@ import numpy as np
 BOS = 256  # begins every document; the other tokens are bytes
 VOCAB_SIZE = 257
 _TOP_LEVEL = re.compile(rb"\n(?=(?:def|class|async def|@)\b)")
+_NESTED = re.compile(rb"\n(?=[ \t]+(?:def|class|async def|@)\b)")
+LONG_DOCUMENT = 8192  # bytes; a longer definition (a big class) is split at its methods
 
 
-def stdlib_documents(max_bytes: int) -> list[bytes]:
-    """Top-level definitions of stdlib modules, in sorted file order, about ``max_bytes`` in all."""
+def stdlib_documents(max_bytes: int, seed: int = 0) -> list[bytes]:
+    """Definitions from stdlib modules (taken in a seeded random order), ``max_bytes`` or a little more."""
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    paths = sorted(root.glob("*.py"))
+    random.Random(seed).shuffle(paths)
     documents, total = [], 0
-    for path in sorted(root.glob("*.py")):
-        for document in _TOP_LEVEL.split(path.read_bytes()):
-            if document.strip():
+    for path in paths:
+        for definition in _TOP_LEVEL.split(path.read_bytes()):
+            parts = _NESTED.split(definition) if len(definition) > LONG_DOCUMENT else [definition]
+            for document in filter(bytes.strip, parts):
                 documents.append(document)
                 total += len(document)
-            if total >= max_bytes:
-                return documents
+                if total >= max_bytes:
+                    return documents
     return documents
 
 

@@ -37,8 +37,8 @@ class Size:
 
 
 SIZES = {
-    "tiny": Size(64, 2, 4, 2, length=64, batch=16, steps=60, text_bytes=150_000, learning_rate=3e-3),
-    "small": Size(128, 3, 4, 2, length=128, batch=16, steps=250, text_bytes=400_000, learning_rate=3e-3),
+    "tiny": Size(64, 2, 4, 2, length=64, batch=16, steps=100, text_bytes=150_000, learning_rate=3e-3),
+    "small": Size(128, 3, 4, 2, length=128, batch=16, steps=400, text_bytes=400_000, learning_rate=3e-3),
     "base": Size(512, 8, 8, 2, length=512, batch=32, steps=2000, text_bytes=4_000_000, learning_rate=1e-3),
 }
 
