@@ -24,7 +24,7 @@ VOCAB, SEQ = 20, 12
 def init(key):
     k_transformer, k_lstm, k_gru = jax.random.split(key, 3)
     return {
-        "transformer": nn.init_transformer(k_transformer, vocab_size=VOCAB, features=16, depth=2, num_heads=4, num_kv_heads=2),
+        "transformer": nn.init_transformer(k_transformer, vocab_size=VOCAB, features=16, depth=1, num_heads=4, num_kv_heads=2),
         "lstm": nn.init_lstm(k_lstm, 16, 8),
         "gru": nn.init_gru(k_gru, 16, 8),
     }
@@ -48,7 +48,7 @@ def batch(seed=0):
 
 
 def trained_params():
-    """A few Adam steps, so the saved params are not the initial ones."""
+    """Two Adam steps, so the saved params are not the initial ones."""
     params, opt = init(jax.random.key(0)), optax.adam(1e-2)
     state = opt.init(params)
     tokens, segments = batch()
@@ -57,7 +57,7 @@ def trained_params():
         out = model(params, tokens, segments)
         return nn.cross_entropy(out["logits"][:, :-1], tokens[:, 1:]) + jnp.mean(out["lstm"] ** 2) + jnp.mean(out["gru"] ** 2)
 
-    for _ in range(3):
+    for _ in range(2):
         updates, state = opt.update(jax.grad(loss)(params), state)
         params = optax.apply_updates(params, updates)
     return params

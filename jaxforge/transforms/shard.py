@@ -7,7 +7,8 @@ import math
 from collections.abc import Callable
 
 import jax
-from jax.sharding import Mesh, PartitionSpec
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 __all__ = ["default_mesh", "shard"]
 
@@ -19,7 +20,8 @@ def shard(f: Callable | None = None, *, mesh: Mesh | None = None, in_specs, out_
       f: the per-device function; it sees local shards and may call ``jf.collectives`` on the
         mesh's axis names. Usable as a decorator: ``@jf.shard(in_specs=..., out_specs=...)``.
       mesh: a ``jax.sharding.Mesh``. Default: all devices (of every process) on one axis, named
-        after the one axis name the specs use ("data" if they use none).
+        after the one axis name the specs use ("data" if they use none). On a mesh with explicit
+        axes the arguments (host arrays too) are first resharded as ``in_specs`` say.
       in_specs, out_specs: ``PartitionSpec`` pytrees (prefixes of the arguments / results).
       check_vma: track which values vary across devices (JAX's default); it is what makes every
         transpose exact, e.g. the gradient of a replicated parameter is summed once, never
@@ -38,6 +40,7 @@ def shard(f: Callable | None = None, *, mesh: Mesh | None = None, in_specs, out_
         the_mesh = mesh if mesh is not None else default_mesh(_axis_names((in_specs, out_specs)))
         _check_in_specs(args, in_specs, the_mesh)
         _check_axes("out_specs", out_specs, the_mesh)
+        args = _placed(args, in_specs, the_mesh)
         return jax.shard_map(f, mesh=the_mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)(*args)
 
     return sharded
@@ -77,6 +80,19 @@ def _check_axes(what: str, specs, mesh: Mesh):
         for axis in _spec_axes(spec):
             if axis not in mesh.axis_names:
                 raise ValueError(f"shard: {what} {spec} names axis {axis!r}, which the mesh {dict(mesh.shape)} lacks")
+
+
+def _placed(args, in_specs, mesh: Mesh) -> tuple:
+    """``args`` resharded to ``in_specs`` where ``mesh`` has explicit axes: there, shard_map takes
+    only inputs already laid out as the specs say, and a host array is laid out on no mesh."""
+    if jax.sharding.AxisType.Explicit not in tuple(mesh.axis_types):
+        return tuple(args)
+
+    def place(spec, sub):
+        target = NamedSharding(mesh, PartitionSpec() if spec is None else spec)
+        return jax.tree_util.tree_map(lambda leaf: jax.sharding.reshard(jnp.asarray(leaf), target), sub)
+
+    return jax.tree_util.tree_map(place, in_specs, tuple(args), is_leaf=_is_spec)
 
 
 def _check_in_specs(args, in_specs, mesh: Mesh):

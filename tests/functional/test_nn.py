@@ -272,7 +272,7 @@ def test_transformer_vmap_and_jit_match():
 
 
 def test_data_parallel_gradient_under_shard_equals_single_device():
-    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **dict(CONFIG, depth=1))
     tokens = jnp.asarray(RNG.integers(0, 13, (8, 10)))
     segments = jnp.tile(SEGMENTS_10, (4, 1))
 

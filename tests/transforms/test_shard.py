@@ -281,3 +281,16 @@ def test_attention_with_a_mask_capturing_sharded_segment_ids():
     value, grad = sharded(q, segments)
     np.testing.assert_allclose(value, loss(q, segments), **TOL)
     np.testing.assert_allclose(grad, jax.grad(loss)(q, segments), **TOL)
+
+
+def test_explicit_mesh_takes_host_arrays():
+    # shard_map alone refuses inputs not laid out as in_specs on an explicit mesh; jf.shard places them.
+    mesh = jax.make_mesh((4,), ("i",), axis_types=(jax.sharding.AxisType.Explicit,))
+    f = jf.shard(lambda x, y: C.all_reduce(x, "i") + y, mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    x = np.arange(8.0)
+    want = x.reshape(4, 2).sum(0) + 1.0
+    np.testing.assert_allclose(f(x, 1.0), want, **TOL)
+    np.testing.assert_allclose(jax.jit(f)(x, np.ones(2)), want, **TOL)
+    with jax.set_mesh(mesh):
+        grad = jax.grad(lambda x: jax.jit(f)(x, 1.0).sum())(jnp.asarray(x))
+    np.testing.assert_allclose(grad, np.ones(8), **TOL)
