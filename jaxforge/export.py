@@ -8,6 +8,10 @@ that ``jax.export`` serializes (a flatbuffer). Loading parses only those: nothin
 no code from the file runs on the host. It refuses a file that is not an artifact, is truncated or
 altered (sha256 of the payload), or calls a custom call outside :data:`ALLOWED_CUSTOM_CALLS` and
 jaxforge's own kernels; jaxforge's kernels an artifact needs are built and registered on load.
+Pallas kernels (Triton, Mosaic GPU) travel as IR inside the module, which only the jax version
+that wrote it is sure to read: such artifacts load under that version only.
+
+``platforms=("cpu", "cuda")`` exports for both from any machine (the GPU lowerings need no GPU).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from jaxforge import __version__
 from jaxforge.functional.linalg import LstsqResult
 from jaxforge.lowering import build
 
-__all__ = ["ALLOWED_CUSTOM_CALLS", "Artifact", "load", "save"]
+__all__ = ["ALLOWED_CUSTOM_CALLS", "VERSION_BOUND_CUSTOM_CALLS", "Artifact", "load", "save"]
 
 MAGIC = b"JAXFORGE-EXPORT\n"
 FORMAT = 1
@@ -41,6 +45,9 @@ ALLOWED_CUSTOM_CALLS = re.compile(
     r"|Sharding|SPMDFullToShardShape|SPMDShardToFullShape|shape_assertion|annotate_device_placement"
     r"|__gpu\$xla\.gpu\.triton|mosaic_gpu(_v2)?)"
 )
+# Kernels compiled from IR embedded in the module (Pallas): jax makes no promise that another
+# jaxlib reads that IR, so such artifacts load only under the jax version that saved them.
+VERSION_BOUND_CUSTOM_CALLS = frozenset({"__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2"})
 _CUSTOM_CALL = re.compile(r'custom_call @("[^"]+"|[\w.$]+)|call_target_name = "([^"]+)"')
 
 jax_export.register_namedtuple_serialization(LstsqResult, serialized_name="jaxforge.LstsqResult")
@@ -74,7 +81,7 @@ def save(fn: Callable, args: Sequence, path: str | os.PathLike, *, platforms: Se
         raise TypeError(f"export.save: `fn` must be callable, got {type(fn).__name__}")
     if not isinstance(args, (tuple, list)):
         raise TypeError(f"export.save: `args` must be a tuple or list of fn's arguments, got {type(args).__name__}")
-    ours = [jax_export.DisabledSafetyCheck.custom_call(t) for t in _kernel_targets()]
+    ours = [jax_export.DisabledSafetyCheck.custom_call(t) for t in (*_kernel_targets(), *VERSION_BOUND_CUSTOM_CALLS)]
     exported = jax_export.export(jax.jit(fn), platforms=platforms, disabled_checks=ours)(*args)
     _refuse_unknown_targets(custom_call_targets(exported), str(path))
     header = _write(exported, pathlib.Path(path))
@@ -95,6 +102,12 @@ def load(path: str | os.PathLike) -> Artifact:
     if targets != header["custom_calls"]:
         raise ValueError(f"export.load: {path} is corrupted: its header lists custom calls {header['custom_calls']}, the module {targets}")
     _refuse_unknown_targets(targets, str(path))
+    bound = sorted(VERSION_BOUND_CUSTOM_CALLS.intersection(targets))
+    if bound and header.get("jax") != jax.__version__:
+        raise ValueError(
+            f"export.load: {path} holds kernels compiled from embedded IR ({bound}) by jax {header.get('jax')}; "
+            f"this is jax {jax.__version__}, which may not read it: export it again with this version"
+        )
     kernels = _kernel_targets()
     for target in targets:
         if target in kernels and not build.ensure_loaded(kernels[target]):

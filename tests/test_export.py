@@ -203,3 +203,25 @@ def test_save_rejects_bad_arguments(tmp_path):
         export.save(3, (1.0,), tmp_path / "x.jfx")
     with pytest.raises(TypeError, match=r"export.save: `args` must be a tuple or list of fn's arguments, got ndarray"):
         export.save(jnp.sin, np.ones(3), tmp_path / "x.jfx")
+
+
+def test_export_for_cpu_and_cuda_from_a_cpu_machine(tmp_path):
+    q = np.random.default_rng(0).normal(size=(1, 64, 2, 32)).astype(np.float32)
+
+    def f(q):
+        return jf.attention(q, q, q, mask=jf.masks.causal())
+
+    saved = export.save(f, (q,), tmp_path / "both.jfx", platforms=("cpu", "cuda"))
+    assert saved.header["platforms"] == ["cpu", "cuda"]
+    assert "__gpu$xla.gpu.triton" in saved.header["custom_calls"]  # the Pallas Triton kernel, for cuda
+    np.testing.assert_array_equal(export.load(tmp_path / "both.jfx")(q), jax.jit(f)(q))
+    # Embedded Triton IR is only sure to be read by the jax that wrote it.
+    raw = (tmp_path / "both.jfx").read_bytes()
+    start = len(export.MAGIC) + 8
+    size = int.from_bytes(raw[len(export.MAGIC) : start], "little")
+    header = json.loads(raw[start : start + size])
+    header["jax"] = "0.0.1"
+    encoded = json.dumps(header).encode()
+    older = write(tmp_path, export.MAGIC + len(encoded).to_bytes(8, "little") + encoded + raw[start + size :])
+    with pytest.raises(ValueError, match=r"compiled from embedded IR \(\['__gpu\$xla.gpu.triton'\]\) by jax 0.0.1"):
+        export.load(older)
