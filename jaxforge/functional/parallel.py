@@ -136,7 +136,11 @@ def _nothing_visible(q, v):
 
 def load_balance(x, num_shards: int, *, axis: int = -3):
     """Reorders a global sequence into the head–tail layout: cut into ``2 * num_shards`` chunks,
-    shard ``r`` gets chunks ``r`` and ``2 * num_shards - 1 - r`` (then shard the axis evenly)."""
+    shard ``r`` gets chunks ``r`` and ``2 * num_shards - 1 - r`` (then shard the axis evenly).
+
+    Reorder once, on the host or where the data is made: applied to an array already sharded
+    along ``axis``, the reorder is a reshuffle across devices (all-to-alls and permutes), and so
+    is its transpose in the backward pass."""
     chunks = jnp.split(x, 2 * num_shards, axis=axis)
     order = [c for r in range(num_shards) for c in (chunks[r], chunks[2 * num_shards - 1 - r])]
     return jnp.concatenate(order, axis=axis)
