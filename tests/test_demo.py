@@ -59,3 +59,15 @@ def test_demo_trains_below_the_unigram_baseline(tmp_path):
 def test_demo_rejects_bad_flags():
     done = subprocess.run([sys.executable, "-m", "jaxforge.demo", "--steps", "0"], capture_output=True, text=True)
     assert done.returncode == 2 and "--steps must be at least 1, got 0" in done.stderr
+
+
+@pytest.mark.gpu
+def test_demo_trains_on_the_gpu(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--out", str(tmp_path), "--no-bench"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "gpu devices" in done.stdout and "validation loss below the unigram baseline: yes" in done.stdout
