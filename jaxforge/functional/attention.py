@@ -93,6 +93,7 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
         mask_fn, mask_consts = _core.trace_function(mask.bind(batch, sq, skv), _INT, _INT, _INT, _INT)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
+        mask_consts = [*mask_consts, *mask.span_arrays(batch, sq, skv)]  # Mods.num_mask_consts counts both
     score_fn, score_consts = None, []
     if score_mod is not None:
         if not callable(score_mod):

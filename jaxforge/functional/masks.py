@@ -22,7 +22,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxforge.primitives.attention.mods import AllVisible, Band, ChunkSpan, FullSpan, Hull, Intersect, PrefixSpan, Span
+from jaxforge.primitives.attention.mods import (
+    AllVisible,
+    Band,
+    ChunkSpan,
+    FullSpan,
+    Hull,
+    Intersect,
+    PrefixSpan,
+    SegmentSpan,
+    Span,
+    segment_ranges,
+)
 
 __all__ = [
     "Mask",
@@ -48,6 +59,10 @@ class Mask:
     def bind(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> Callable:
         """The scalar ``mask_mod`` for a call with q ``(*batch_shape, sq, ...)`` and ``skv`` keys."""
         return self.mask_mod
+
+    def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> list:
+        """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``: none for most masks."""
+        return []
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
@@ -140,9 +155,21 @@ class _Document(Mask):
                 raise ValueError(
                     f"document: `{name}` has shape {ids.shape}; its last dim must be the sequence length {length}"
                 )
+        q_seg, kv_seg = self._per_batch(batch_shape)
+        return lambda b, h, q_idx, kv_idx: q_seg[b, q_idx] == kv_seg[b, kv_idx]
+
+    def _per_batch(self, batch_shape):
         q_seg = _per_batch(self.q_segments, batch_shape, "document", "segment_ids", trailing=1)
         kv_seg = _per_batch(self.kv_segments, batch_shape, "document", "kv_segment_ids", trailing=1)
-        return lambda b, h, q_idx, kv_idx: q_seg[b, q_idx] == kv_seg[b, kv_idx]
+        return q_seg, kv_seg
+
+    def span(self):
+        return SegmentSpan()
+
+    def span_arrays(self, batch_shape, sq, skv):
+        # Which keys each query's document holds, and back: tiles across documents are skipped.
+        q_seg, kv_seg = self._per_batch(batch_shape)
+        return [*segment_ranges(q_seg, kv_seg), *segment_ranges(kv_seg, q_seg)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -178,6 +205,9 @@ class _Combined(Mask):
 
     def span(self):
         return self.span_join(self.a.span(), self.b.span())
+
+    def span_arrays(self, batch_shape, sq, skv):
+        return [*self.a.span_arrays(batch_shape, sq, skv), *self.b.span_arrays(batch_shape, sq, skv)]
 
 
 class _And(_Combined):

@@ -24,7 +24,19 @@ import jax.numpy as jnp
 
 from jaxforge.primitives._core import StaticFunction
 
-__all__ = ["AllVisible", "Band", "ChunkSpan", "FullSpan", "Hull", "Intersect", "Mods", "PrefixSpan", "Span"]
+__all__ = [
+    "AllVisible",
+    "Band",
+    "ChunkSpan",
+    "FullSpan",
+    "Hull",
+    "Intersect",
+    "Mods",
+    "PrefixSpan",
+    "SegmentSpan",
+    "Span",
+    "segment_ranges",
+]
 
 
 class Span:
@@ -35,18 +47,23 @@ class Span:
     the range is visible to every one of those queries (a subset, maybe empty), so tiles inside it
     skip the mask arithmetic. ``q`` and ``full_q`` are the converses for a block of keys. Bounds
     may be traced integers; an empty range has ``lo >= hi``.
+
+    A span built from runtime data (document segment ids) reads ``num_arrays`` per-position
+    arrays of one batch item, ``data``; without them it answers as :class:`FullSpan` does.
     """
 
-    def kv(self, q_lo, q_hi, skv):
+    num_arrays = 0
+
+    def kv(self, q_lo, q_hi, skv, data=()):
         return 0, skv
 
-    def q(self, kv_lo, kv_hi, sq):
+    def q(self, kv_lo, kv_hi, sq, data=()):
         return 0, sq
 
-    def full_kv(self, q_lo, q_hi, skv):
+    def full_kv(self, q_lo, q_hi, skv, data=()):
         return 0, 0
 
-    def full_q(self, kv_lo, kv_hi, sq):
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
         return 0, 0
 
 
@@ -59,10 +76,10 @@ class FullSpan(Span):
 class AllVisible(Span):
     """Every key visible to every query."""
 
-    def full_kv(self, q_lo, q_hi, skv):
+    def full_kv(self, q_lo, q_hi, skv, data=()):
         return 0, skv
 
-    def full_q(self, kv_lo, kv_hi, sq):
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
         return 0, sq
 
 
@@ -73,22 +90,22 @@ class Band(Span):
     lower: int | None
     upper: int | None
 
-    def kv(self, q_lo, q_hi, skv):
+    def kv(self, q_lo, q_hi, skv, data=()):
         lo = 0 if self.lower is None else jnp.maximum(q_lo + self.lower, 0)
         hi = skv if self.upper is None else jnp.clip(q_hi + self.upper, 0, skv)
         return lo, hi
 
-    def q(self, kv_lo, kv_hi, sq):
+    def q(self, kv_lo, kv_hi, sq, data=()):
         lo = 0 if self.upper is None else jnp.maximum(kv_lo - self.upper, 0)
         hi = sq if self.lower is None else jnp.clip(kv_hi - self.lower, 0, sq)
         return lo, hi
 
-    def full_kv(self, q_lo, q_hi, skv):
+    def full_kv(self, q_lo, q_hi, skv, data=()):
         lo = 0 if self.lower is None else jnp.maximum(q_hi - 1 + self.lower, 0)
         hi = skv if self.upper is None else jnp.clip(q_lo + self.upper + 1, 0, skv)
         return lo, hi
 
-    def full_q(self, kv_lo, kv_hi, sq):
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
         lo = 0 if self.upper is None else jnp.maximum(kv_hi - 1 - self.upper, 0)
         hi = sq if self.lower is None else jnp.clip(kv_lo - self.lower + 1, 0, sq)
         return lo, hi
@@ -100,16 +117,16 @@ class ChunkSpan(Span):
 
     chunk: int
 
-    def kv(self, q_lo, q_hi, skv):
+    def kv(self, q_lo, q_hi, skv, data=()):
         return self._same_chunks(q_lo, q_hi, skv)
 
-    def q(self, kv_lo, kv_hi, sq):
+    def q(self, kv_lo, kv_hi, sq, data=()):
         return self._same_chunks(kv_lo, kv_hi, sq)
 
-    def full_kv(self, q_lo, q_hi, skv):
+    def full_kv(self, q_lo, q_hi, skv, data=()):
         return self._one_chunk(q_lo, q_hi, skv)
 
-    def full_q(self, kv_lo, kv_hi, sq):
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
         return self._one_chunk(kv_lo, kv_hi, sq)
 
     def _same_chunks(self, lo, hi, size):
@@ -129,17 +146,75 @@ class PrefixSpan(Span):
 
     prefix: int
 
-    def kv(self, q_lo, q_hi, skv):
+    def kv(self, q_lo, q_hi, skv, data=()):
         return 0, jnp.minimum(jnp.maximum(q_hi, self.prefix), skv)
 
-    def q(self, kv_lo, kv_hi, sq):
+    def q(self, kv_lo, kv_hi, sq, data=()):
         return jnp.where(kv_lo < self.prefix, 0, jnp.minimum(kv_lo, sq)), sq
 
-    def full_kv(self, q_lo, q_hi, skv):
+    def full_kv(self, q_lo, q_hi, skv, data=()):
         return 0, jnp.minimum(jnp.maximum(q_lo + 1, self.prefix), skv)
 
-    def full_q(self, kv_lo, kv_hi, sq):
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
         return jnp.where(kv_hi <= self.prefix, 0, jnp.minimum(kv_hi - 1, sq)), sq
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSpan(Span):
+    """``segment[q_idx] == kv_segment[kv_idx]`` (document masks), from six per-position arrays
+    (:func:`segment_ranges` both ways): for each query, the range ``[lo, hi)`` of keys of its
+    segment and ``sure_hi`` (``hi`` if those keys are contiguous, else ``lo``); the same for each
+    key. A block may see the hull of its rows' ranges and surely sees their intersection."""
+
+    num_arrays = 6
+
+    def kv(self, q_lo, q_hi, skv, data=()):
+        return _hull_over(data[:3], q_lo, q_hi) if data else (0, skv)
+
+    def q(self, kv_lo, kv_hi, sq, data=()):
+        return _hull_over(data[3:], kv_lo, kv_hi) if data else (0, sq)
+
+    def full_kv(self, q_lo, q_hi, skv, data=()):
+        return _intersection_over(data[:3], q_lo, q_hi) if data else (0, 0)
+
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
+        return _intersection_over(data[3:], kv_lo, kv_hi) if data else (0, 0)
+
+
+def _rows(size, lo, hi):
+    index = jnp.arange(size)
+    return (index >= lo) & (index < hi)
+
+
+def _hull_over(ranges, lo, hi):
+    first, end, _ = ranges
+    inside = _rows(first.shape[0], lo, hi)
+    return jnp.min(jnp.where(inside, first, jnp.iinfo(first.dtype).max)), jnp.max(jnp.where(inside, end, 0))
+
+
+def _intersection_over(ranges, lo, hi):
+    first, _, sure_end = ranges
+    inside = _rows(first.shape[0], lo, hi)
+    return jnp.max(jnp.where(inside, first, 0)), jnp.min(jnp.where(inside, sure_end, jnp.iinfo(sure_end.dtype).max))
+
+
+def segment_ranges(ids, other):
+    """For each position of ``ids`` (``(B, S)``): ``[lo, hi)``, the first and one past the last
+    position of ``other`` (``(B, T)``) holding the same id, and ``sure_hi`` (``hi`` if those
+    positions are contiguous, else ``lo``). An id ``other`` lacks gives the empty ``[T, 0)``.
+    Int32, ``(B, S)`` each; one sort of ``other`` per row."""
+    size = other.shape[-1]
+    order = jnp.argsort(other, axis=-1, stable=True).astype(jnp.int32)
+    ordered = jnp.take_along_axis(other, order, axis=-1)
+    left = jax.vmap(lambda o, i: jnp.searchsorted(o, i, side="left"))(ordered, ids).astype(jnp.int32)
+    right = jax.vmap(lambda o, i: jnp.searchsorted(o, i, side="right"))(ordered, ids).astype(jnp.int32)
+    present = right > left
+    first = jnp.take_along_axis(order, jnp.clip(left, 0, size - 1), axis=-1)
+    last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, size - 1), axis=-1)
+    lo = jnp.where(present, first, size)
+    hi = jnp.where(present, last + 1, 0)
+    sure_hi = jnp.where(right - left == hi - lo, hi, lo)
+    return lo, hi, sure_hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,17 +222,28 @@ class _Pair(Span):
     a: Span
     b: Span
 
-    def kv(self, q_lo, q_hi, skv):
-        return self._may(self.a.kv(q_lo, q_hi, skv), self.b.kv(q_lo, q_hi, skv))
+    @property
+    def num_arrays(self) -> int:
+        return self.a.num_arrays + self.b.num_arrays
 
-    def q(self, kv_lo, kv_hi, sq):
-        return self._may(self.a.q(kv_lo, kv_hi, sq), self.b.q(kv_lo, kv_hi, sq))
+    def _parts(self, data):
+        return data[: self.a.num_arrays], data[self.a.num_arrays :]
 
-    def full_kv(self, q_lo, q_hi, skv):
-        return self._sure(self.a.full_kv(q_lo, q_hi, skv), self.b.full_kv(q_lo, q_hi, skv))
+    def kv(self, q_lo, q_hi, skv, data=()):
+        da, db = self._parts(data)
+        return self._may(self.a.kv(q_lo, q_hi, skv, da), self.b.kv(q_lo, q_hi, skv, db))
 
-    def full_q(self, kv_lo, kv_hi, sq):
-        return self._sure(self.a.full_q(kv_lo, kv_hi, sq), self.b.full_q(kv_lo, kv_hi, sq))
+    def q(self, kv_lo, kv_hi, sq, data=()):
+        da, db = self._parts(data)
+        return self._may(self.a.q(kv_lo, kv_hi, sq, da), self.b.q(kv_lo, kv_hi, sq, db))
+
+    def full_kv(self, q_lo, q_hi, skv, data=()):
+        da, db = self._parts(data)
+        return self._sure(self.a.full_kv(q_lo, q_hi, skv, da), self.b.full_kv(q_lo, q_hi, skv, db))
+
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
+        da, db = self._parts(data)
+        return self._sure(self.a.full_q(kv_lo, kv_hi, sq, da), self.b.full_q(kv_lo, kv_hi, sq, db))
 
 
 def _intersection(a, b):
@@ -207,7 +293,16 @@ class Mods:
 
     @property
     def num_mask_consts(self) -> int:
-        return 0 if self.mask is None else self.mask.num_consts
+        """The mask function's consts, then the span's arrays (both per batch item)."""
+        return 0 if self.mask is None else self.mask.num_consts + self.span.num_arrays
+
+    def span_data(self, b, mask_consts) -> tuple:
+        """The span's arrays for batch item ``b`` (a scalar index), as its methods take them."""
+        n = self.span.num_arrays if self.mask is not None else 0
+        if not n:
+            return ()
+        b, consts = self._unmap(b, mask_consts, "mask_flags")
+        return tuple(c[b] for c in consts[len(consts) - n :])
 
     @property
     def num_score_consts(self) -> int:
@@ -225,7 +320,7 @@ class Mods:
 
         def fn(b, h, q, kv):
             b, consts = self._unmap(b, mask_consts, "mask_flags")
-            return self.mask(b, h, q, kv, *consts)[0]
+            return self.mask(b, h, q, kv, *consts[: self.mask.num_consts])[0]
 
         return _elementwise(fn, *_indices(b, h, q_idx, kv_idx))
 

@@ -30,10 +30,10 @@ MASKS = {
 }
 
 
-def dense(mask):
+def dense(mask, batch_shape=(), b=0):
     q, kv = np.meshgrid(np.arange(SQ), np.arange(SKV), indexing="ij")
-    fn = mask.bind((), SQ, SKV)
-    return np.broadcast_to(np.asarray(fn(0, 0, jnp.asarray(q), jnp.asarray(kv)), bool), q.shape)
+    fn = mask.bind(batch_shape, SQ, SKV)
+    return np.broadcast_to(np.asarray(fn(b, 0, jnp.asarray(q), jnp.asarray(kv)), bool), q.shape)
 
 
 BLOCKS = [(lo, hi) for lo, hi in itertools.combinations(range(0, 32, 3), 2)]
@@ -42,23 +42,67 @@ BLOCKS = [(lo, hi) for lo, hi in itertools.combinations(range(0, 32, 3), 2)]
 @pytest.mark.parametrize("name", sorted(MASKS))
 def test_may_range_covers_and_sure_range_is_covered(name):
     mask = MASKS[name]
-    span, visible = mask.span(), dense(mask)
+    check_span(name, mask.span(), dense(mask), ())
+
+
+def _ids(kind, seed, length):
+    rng = np.random.default_rng(seed)
+    return {
+        "sorted": np.sort(rng.integers(0, 6, (2, length)), axis=-1),
+        "scattered": rng.integers(0, 4, (2, length)),  # a segment's positions need not be contiguous
+        "one": np.zeros((2, length), int),
+        "distinct": np.tile(np.arange(length), (2, 1)),
+    }[kind]
+
+
+LAYOUTS = [(q, kv) for q in ("sorted", "scattered", "one", "distinct") for kv in ("same", "sorted", "scattered")]
+
+
+@pytest.mark.parametrize("q_kind,kv_kind", LAYOUTS)
+@pytest.mark.parametrize("combine", ["alone", "&causal", "|window"])
+def test_document_spans_from_segment_ids(q_kind, kv_kind, combine):
+    """Document masks carry per-position ranges of each segment: blocks across documents are skipped."""
+    if kv_kind == "same":  # self-attention style: the queries are the first SQ keys
+        kv_ids = _ids(q_kind, 1, SKV)
+        q_ids = kv_ids[:, :SQ]
+    else:
+        q_ids, kv_ids = _ids(q_kind, 1, SQ), _ids(kv_kind, 2, SKV)
+    mask = jf.masks.document(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+    mask = {"alone": mask, "&causal": mask & jf.masks.causal(), "|window": mask | jf.masks.sliding_window(3)}[combine]
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays == 6
+    for b in range(2):
+        check_span(f"{q_kind}/{kv_kind}/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
+
+
+def test_document_span_skips_across_documents():
+    ids = jnp.asarray(np.repeat(np.arange(4), 8))  # four documents of 8
+    mask = jf.masks.document(ids)
+    data = tuple(a[0] for a in mask.span_arrays((), 32, 32))
+    assert tuple(int(x) for x in mask.span().kv(8, 16, 32, data)) == (8, 16)
+    assert tuple(int(x) for x in mask.span().full_kv(8, 16, 32, data)) == (8, 16)
+    assert tuple(int(x) for x in mask.span().kv(4, 12, 32, data)) == (0, 16)
+    f_lo, f_hi = (int(x) for x in mask.span().full_kv(4, 12, 32, data))
+    assert f_lo >= f_hi  # two documents: no key is seen by every row
+
+
+def check_span(name, span, visible, data):
     for lo, hi in BLOCKS:
         if lo < SQ:
             q_hi = min(hi, SQ)
             rows = visible[lo:q_hi]
-            kv_lo, kv_hi = (int(x) for x in span.kv(lo, q_hi, SKV))
+            kv_lo, kv_hi = (int(x) for x in span.kv(lo, q_hi, SKV, data))
             seen = np.flatnonzero(rows.any(axis=0))
             assert all(kv_lo <= j < kv_hi for j in seen), (name, lo, q_hi, kv_lo, kv_hi, seen)
-            f_lo, f_hi = (int(x) for x in span.full_kv(lo, q_hi, SKV))
+            f_lo, f_hi = (int(x) for x in span.full_kv(lo, q_hi, SKV, data))
             assert rows[:, max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, q_hi, f_lo, f_hi)
         if lo < SKV:
             kv_hi = min(hi, SKV)
             cols = visible[:, lo:kv_hi]
-            q_lo, q_hi = (int(x) for x in span.q(lo, kv_hi, SQ))
+            q_lo, q_hi = (int(x) for x in span.q(lo, kv_hi, SQ, data))
             seen = np.flatnonzero(cols.any(axis=1))
             assert all(q_lo <= i < q_hi for i in seen), (name, lo, kv_hi, q_lo, q_hi, seen)
-            f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, SQ))
+            f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, SQ, data))
             assert cols[max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, kv_hi, f_lo, f_hi)
 
 

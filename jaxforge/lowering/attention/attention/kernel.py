@@ -41,40 +41,51 @@ class Geometry:
     def num_kv_tiles(self) -> int:
         return -(-self.skv // self.block_kv)
 
-    def kv_tiles(self, mods: Mods, i):
+    def kv_tiles(self, mods: Mods, i, data=()):
         """Key tiles ``[lo, hi)`` that query tile ``i`` may see."""
         q_lo = i * self.block_q
-        lo, hi = mods.span.kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv)
+        lo, hi = mods.span.kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
         return lo // self.block_kv, (hi + self.block_kv - 1) // self.block_kv
 
-    def q_tiles(self, mods: Mods, j):
+    def q_tiles(self, mods: Mods, j, data=()):
         """Query tiles ``[lo, hi)`` that may see key tile ``j``."""
         kv_lo = j * self.block_kv
-        lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq)
+        lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
         return lo // self.block_q, (hi + self.block_q - 1) // self.block_q
 
-    def full_kv_tiles(self, mods: Mods, i):
+    def full_kv_tiles(self, mods: Mods, i, data=()):
         """Key tiles wholly visible to query tile ``i``: no mask arithmetic there."""
         if mods.mask is None:
             return 0, self.skv // self.block_kv
         q_lo = i * self.block_q
-        lo, hi = mods.span.full_kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv)
+        lo, hi = mods.span.full_kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
         return (lo + self.block_kv - 1) // self.block_kv, hi // self.block_kv
 
-    def full_q_tiles(self, mods: Mods, j):
+    def full_q_tiles(self, mods: Mods, j, data=()):
         """Query tiles that wholly see key tile ``j``."""
         if mods.mask is None:
             return 0, self.sq // self.block_q
         kv_lo = j * self.block_kv
-        lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq)
+        lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
         return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
+
+    def row_tiles(self, mods: Mods, i, b, mask_c):
+        """``(kv_tiles, full_kv_tiles)`` of query tile ``i`` of batch item ``b``."""
+        data = mods.span_data(b, mask_c)
+        return self.kv_tiles(mods, i, data), self.full_kv_tiles(mods, i, data)
+
+    def col_tiles(self, mods: Mods, j, b, mask_c):
+        """``(q_tiles, full_q_tiles)`` of key tile ``j`` of batch item ``b``."""
+        data = mods.span_data(b, mask_c)
+        return self.q_tiles(mods, j, data), self.full_q_tiles(mods, j, data)
 
 
 def _tile_loop(tiles, full_tiles, body, carry):
     """``body(t, carry, masked)`` over ``tiles``: the wholly visible ones in the middle unmasked."""
-    lo, hi = tiles
-    full_lo = jnp.clip(full_tiles[0], lo, hi)
-    full_hi = jnp.clip(full_tiles[1], full_lo, hi)
+    bounds = (*tiles, *full_tiles)
+    lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*bounds)) for x in bounds)  # spans mix int widths
+    full_lo = jnp.clip(full_lo, lo, hi)
+    full_hi = jnp.clip(full_hi, full_lo, hi)
     carry = lax.fori_loop(lo, full_lo, lambda t, c: body(t, c, True), carry)
     carry = lax.fori_loop(full_lo, full_hi, lambda t, c: body(t, c, False), carry)
     return lax.fori_loop(full_hi, hi, lambda t, c: body(t, c, True), carry)
@@ -143,7 +154,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    m, l, acc = _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, init)
+    m, l, acc = _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
@@ -168,7 +179,7 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
-    r, acc = _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, init)
+    r, acc = _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 
@@ -206,7 +217,7 @@ def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, 
         _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, [], masked)
         return gq + _dot(geo, g_raw, k) * geo.scale
 
-    return _tile_loop(geo.kv_tiles(mods, i), geo.full_kv_tiles(mods, i), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
 def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c, fused=None, const_grads=()):
@@ -232,13 +243,13 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, scor
             gk, gv = gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
             if fused is not None:
                 gq, g_consts = fused
-                rows = (g, i * geo.block_q, 0)
+                rows = tuple(jnp.asarray(x, jnp.int32) for x in (g, i * geo.block_q, 0))  # one index dtype
                 tile = lax.dynamic_slice(gq, rows, (1, geo.block_q, gq.shape[-1]))
                 tile = tile + (_dot(geo, g_raw, k) * geo.scale)[None]
                 fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
             return gk, gv, fused
 
-        return _tile_loop(geo.q_tiles(mods, j), geo.full_q_tiles(mods, j), body, carry)
+        return _tile_loop(*geo.col_tiles(mods, j, b, mask_c), body, carry)
 
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)
