@@ -39,18 +39,24 @@ def test_stdlib_documents_are_top_level_definitions():
     assert len(validation) == -(-len(documents) // 20) and len(train) + len(validation) == len(documents)
 
 
-@pytest.mark.slow
-def test_demo_trains_below_the_unigram_baseline(tmp_path):
+def run_tiny_demo(out) -> str:
+    """Runs ``python -m jaxforge.demo --size tiny`` (no benchmark tables); returns its stdout."""
     done = subprocess.run(
-        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--out", str(tmp_path), "--no-bench"],
+        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--out", str(out), "--no-bench"],
         capture_output=True,
         text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "data-parallel over 4 cpu devices" in done.stdout
-    assert "validation loss below the unigram baseline: yes" in done.stdout
-    assert "attention fwd+bwd" not in done.stdout  # --no-bench (the tables are bench's, tested there)
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_demo_trains_below_the_unigram_baseline(tmp_path):
+    stdout = run_tiny_demo(tmp_path)
+    assert "data-parallel over 4 cpu devices" in stdout
+    assert "validation loss below the unigram baseline: yes" in stdout
+    assert "attention fwd+bwd" not in stdout  # --no-bench (the tables are bench's, tested there)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     sample = (tmp_path / "sample.txt").read_bytes()
     assert sample.startswith(b"def ") and len(sample) == 4 + 300
@@ -63,11 +69,5 @@ def test_demo_rejects_bad_flags():
 
 @pytest.mark.gpu
 def test_demo_trains_on_the_gpu(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "jaxforge.demo", "--size", "tiny", "--out", str(tmp_path), "--no-bench"],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "gpu devices" in done.stdout and "validation loss below the unigram baseline: yes" in done.stdout
+    stdout = run_tiny_demo(tmp_path)
+    assert "gpu devices" in stdout and "validation loss below the unigram baseline: yes" in stdout
