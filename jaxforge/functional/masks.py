@@ -134,11 +134,17 @@ class _PrefixLM(Mask):
     def bind(self, batch_shape, sq, skv):
         if isinstance(self.prefix, int):
             return self.mask_mod
-        prefix = _per_batch(self.prefix, batch_shape, "prefix_lm", "prefix_len", trailing=0)
+        prefix = self._per_batch(batch_shape)
         return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (kv_idx <= q_idx)
 
+    def _per_batch(self, batch_shape):
+        return _per_batch(self.prefix, batch_shape, "prefix_lm", "prefix_len", trailing=0)
+
     def span(self):
-        return PrefixSpan(self.prefix) if isinstance(self.prefix, int) else FullSpan()
+        return PrefixSpan(self.prefix if isinstance(self.prefix, int) else None)
+
+    def span_arrays(self, batch_shape, sq, skv):
+        return [] if isinstance(self.prefix, int) else [self._per_batch(batch_shape)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -142,21 +142,39 @@ class ChunkSpan(Span):
 
 @dataclasses.dataclass(frozen=True)
 class PrefixSpan(Span):
-    """``kv_idx < prefix or kv_idx <= q_idx``: a bidirectional prefix, causal after it."""
+    """``kv_idx < prefix or kv_idx <= q_idx``: a bidirectional prefix, causal after it.
 
-    prefix: int
+    ``prefix=None``: one length per batch item, read from ``data`` (without it, a :class:`FullSpan`).
+    """
+
+    prefix: int | None
+
+    @property
+    def num_arrays(self) -> int:
+        return 0 if self.prefix is not None else 1
+
+    def _length(self, data):
+        return self.prefix if self.prefix is not None else (data[0] if data else None)
 
     def kv(self, q_lo, q_hi, skv, data=()):
-        return 0, jnp.minimum(jnp.maximum(q_hi, self.prefix), skv)
+        if (p := self._length(data)) is None:
+            return super().kv(q_lo, q_hi, skv)
+        return 0, jnp.minimum(jnp.maximum(q_hi, p), skv)
 
     def q(self, kv_lo, kv_hi, sq, data=()):
-        return jnp.where(kv_lo < self.prefix, 0, jnp.minimum(kv_lo, sq)), sq
+        if (p := self._length(data)) is None:
+            return super().q(kv_lo, kv_hi, sq)
+        return jnp.where(kv_lo < p, 0, jnp.minimum(kv_lo, sq)), sq
 
     def full_kv(self, q_lo, q_hi, skv, data=()):
-        return 0, jnp.minimum(jnp.maximum(q_lo + 1, self.prefix), skv)
+        if (p := self._length(data)) is None:
+            return super().full_kv(q_lo, q_hi, skv)
+        return 0, jnp.minimum(jnp.maximum(q_lo + 1, p), skv)
 
     def full_q(self, kv_lo, kv_hi, sq, data=()):
-        return jnp.where(kv_hi <= self.prefix, 0, jnp.minimum(kv_hi - 1, sq)), sq
+        if (p := self._length(data)) is None:
+            return super().full_q(kv_lo, kv_hi, sq)
+        return jnp.where(kv_hi <= p, 0, jnp.minimum(kv_hi - 1, sq)), sq
 
 
 @dataclasses.dataclass(frozen=True)

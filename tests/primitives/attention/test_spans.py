@@ -112,3 +112,21 @@ def test_structured_masks_have_non_trivial_sure_ranges():
     assert (f_lo, f_hi) == (0, 17)
     f_lo, f_hi = (int(x) for x in (jf.masks.causal() & jf.masks.sliding_window(100)).span().full_kv(200, 208, 512))
     assert (f_lo, f_hi) == (108, 201)
+
+
+@pytest.mark.parametrize("combine", ["alone", "&window", "|chunked", "&document"])
+def test_per_batch_prefix_spans(combine):
+    """prefix_lm with one length per batch item reads its length as span data."""
+    mask = jf.masks.prefix_lm(jnp.asarray([0, 4, 17, 31])[:2])
+    mask = {
+        "alone": mask,
+        "&window": mask & jf.masks.sliding_window(5),
+        "|chunked": mask | jf.masks.chunked(6),
+        "&document": mask & jf.masks.document(jnp.asarray(_ids("sorted", 3, SQ)), jnp.asarray(_ids("sorted", 4, SKV))),
+    }[combine]
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays
+    for b in range(2):
+        check_span(f"prefix/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
+    f_lo, f_hi = (int(x) for x in jf.masks.prefix_lm(jnp.asarray([12])).span().full_kv(0, 4, 31, (jnp.asarray(12),)))
+    assert (f_lo, f_hi) == (0, 12)
