@@ -25,6 +25,8 @@ nn, C = jf.nn, jf.collectives
 
 @dataclasses.dataclass(frozen=True)
 class Size:
+    """A model and a run: the transformer's shape, the batch, the steps and how much text."""
+
     features: int
     depth: int
     num_heads: int
@@ -135,6 +137,8 @@ def generate(params, prompt: bytes, length: int, *, window: int, temperature: fl
 
 @dataclasses.dataclass
 class History:
+    """Per-step training loss, validation loss at a few steps, and the speed of the steps."""
+
     steps: list[int] = dataclasses.field(default_factory=list)
     train: list[float] = dataclasses.field(default_factory=list)
     eval_steps: list[int] = dataclasses.field(default_factory=list)
