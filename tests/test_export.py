@@ -216,12 +216,6 @@ def test_export_for_cpu_and_cuda_from_a_cpu_machine(tmp_path):
     assert "__gpu$xla.gpu.triton" in saved.header["custom_calls"]  # the Pallas Triton kernel, for cuda
     np.testing.assert_array_equal(export.load(tmp_path / "both.jfx")(q), jax.jit(f)(q))
     # Embedded Triton IR is only sure to be read by the jax that wrote it.
-    raw = (tmp_path / "both.jfx").read_bytes()
-    start = len(export.MAGIC) + 8
-    size = int.from_bytes(raw[len(export.MAGIC) : start], "little")
-    header = json.loads(raw[start : start + size])
-    header["jax"] = "0.0.1"
-    encoded = json.dumps(header).encode()
-    older = write(tmp_path, export.MAGIC + len(encoded).to_bytes(8, "little") + encoded + raw[start + size :])
+    older = forge(tmp_path, bytes(saved.exported.serialize()), custom_calls=saved.header["custom_calls"], jax="0.0.1")
     with pytest.raises(ValueError, match=r"compiled from embedded IR \(\['__gpu\$xla.gpu.triton'\]\) by jax 0.0.1"):
         export.load(older)

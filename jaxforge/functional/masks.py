@@ -151,6 +151,7 @@ class _PrefixLM(Mask):
 class _Document(Mask):
     q_segments: jnp.ndarray
     kv_segments: jnp.ndarray
+    ranges: tuple  # SegmentSpan's six arrays, computed once per mask (not once per attention call)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.q_segments[..., q_idx] == self.kv_segments[..., kv_idx]
@@ -173,9 +174,7 @@ class _Document(Mask):
         return SegmentSpan()
 
     def span_arrays(self, batch_shape, sq, skv):
-        # Which keys each query's document holds, and back: tiles across documents are skipped.
-        q_seg, kv_seg = self._per_batch(batch_shape)
-        return [*segment_ranges(q_seg, kv_seg), *segment_ranges(kv_seg, q_seg)]
+        return [_per_batch(r, batch_shape, "document", "segment_ids", trailing=1) for r in self.ranges]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -273,7 +272,22 @@ def document(segment_ids, kv_segment_ids=None) -> Mask:
     """
     q_seg = _segments(segment_ids, "segment_ids")
     kv_seg = q_seg if kv_segment_ids is None else _segments(kv_segment_ids, "kv_segment_ids")
-    return _Document(q_seg, kv_seg)
+    return _Document(q_seg, kv_seg, _document_ranges(q_seg, kv_seg))
+
+
+def _document_ranges(q_seg, kv_seg) -> tuple:
+    """Which keys each query's document holds, and back (``SegmentSpan``'s arrays), over the
+    common leading dims of the two id arrays: tiles across documents are skipped."""
+    try:
+        lead = jnp.broadcast_shapes(q_seg.shape[:-1], kv_seg.shape[:-1])
+    except ValueError:
+        raise ValueError(
+            f"document: the leading dims of `segment_ids` {q_seg.shape} and `kv_segment_ids` "
+            f"{kv_seg.shape} do not broadcast"
+        ) from None
+    q_flat, kv_flat = (_replicated(jnp.broadcast_to(x, (*lead, x.shape[-1])).reshape(-1, x.shape[-1])) for x in (q_seg, kv_seg))
+    ranges = (*segment_ranges(q_flat, kv_flat), *segment_ranges(kv_flat, q_flat))
+    return tuple(r.reshape(*lead, r.shape[-1]) for r in ranges)
 
 
 def from_mask_mod(mask_mod: Callable) -> Mask:
@@ -315,9 +329,12 @@ def _per_batch(x, batch_shape, fn: str, name: str, trailing: int):
         raise ValueError(
             f"{fn}: `{name}` has leading dims {lead}, which do not broadcast to the batch dims {batch_shape} of q"
         ) from None
-    x = x.reshape(math.prod(batch_shape), *core)
-    # The mask reads x at a traced batch index; under explicit sharding that needs x replicated.
-    # (A few integers per token: small next to q, k and v.)
+    return _replicated(x.reshape(math.prod(batch_shape), *core))
+
+
+def _replicated(x):
+    """``x`` replicated where explicit sharding split it: masks and spans read it at traced batch
+    indices, and the span's sort needs whole rows. (A few integers per token: small next to q, k, v.)"""
     sharding = jax.typeof(x).sharding
     if any(p is not None for p in sharding.spec):
         x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))

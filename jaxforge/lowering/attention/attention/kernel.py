@@ -41,19 +41,19 @@ class Geometry:
     def num_kv_tiles(self) -> int:
         return -(-self.skv // self.block_kv)
 
-    def kv_tiles(self, mods: Mods, i, data=()):
+    def kv_tiles(self, mods: Mods, i, data):
         """Key tiles ``[lo, hi)`` that query tile ``i`` may see."""
         q_lo = i * self.block_q
         lo, hi = mods.span.kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
         return lo // self.block_kv, (hi + self.block_kv - 1) // self.block_kv
 
-    def q_tiles(self, mods: Mods, j, data=()):
+    def q_tiles(self, mods: Mods, j, data):
         """Query tiles ``[lo, hi)`` that may see key tile ``j``."""
         kv_lo = j * self.block_kv
         lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
         return lo // self.block_q, (hi + self.block_q - 1) // self.block_q
 
-    def full_kv_tiles(self, mods: Mods, i, data=()):
+    def full_kv_tiles(self, mods: Mods, i, data):
         """Key tiles wholly visible to query tile ``i``: no mask arithmetic there."""
         if mods.mask is None:
             return 0, self.skv // self.block_kv
@@ -61,7 +61,7 @@ class Geometry:
         lo, hi = mods.span.full_kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
         return (lo + self.block_kv - 1) // self.block_kv, hi // self.block_kv
 
-    def full_q_tiles(self, mods: Mods, j, data=()):
+    def full_q_tiles(self, mods: Mods, j, data):
         """Query tiles that wholly see key tile ``j``."""
         if mods.mask is None:
             return 0, self.sq // self.block_q
