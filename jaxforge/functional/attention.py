@@ -87,13 +87,15 @@ def attention(
 
 
 def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
-    mask_fn, mask_consts, span = None, [], Mods().span
+    mask_fn, mask_consts, span, rows, cols = None, [], Mods().span, [], []
     if mask is not None:
         mask = as_mask(mask)
-        mask_fn, mask_consts = _core.trace_function(mask.bind(batch, sq, skv), _INT, _INT, _INT, _INT)
+        fn, rows, cols = mask.bind_positional(batch, sq, skv)
+        values = [jax.ShapeDtypeStruct((), x.dtype) for x in (*rows, *cols)]
+        mask_fn, fn_consts = _core.trace_function(fn, _INT, _INT, _INT, _INT, *values)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
-        mask_consts = [*mask_consts, *mask.span_arrays(batch, sq, skv)]  # Mods.num_mask_consts counts both
+        mask_consts = [*fn_consts, *rows, *cols, *mask.span_arrays(batch, sq, skv)]  # Mods.num_mask_consts
     score_fn, score_consts = None, []
     if score_mod is not None:
         if not callable(score_mod):
@@ -101,7 +103,7 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
         score = jax.ShapeDtypeStruct((), score_dtype)
         score_fn, score_consts = _core.trace_function(score_mod, score, _INT, _INT, _INT, _INT)
         _check_output("score_mod", score_fn, None, "a floating-point")
-    mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap)
+    mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap, mask_rows=len(rows), mask_cols=len(cols))
     return mods, [*mask_consts, *score_consts]
 
 

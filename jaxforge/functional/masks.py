@@ -3,7 +3,9 @@
 True means "query ``q_idx`` may attend to key ``kv_idx``". Masks combine with ``&``, ``|`` and
 ``~``. Each carries a *span* — which keys a block of queries can possibly see — that the kernels
 use to skip tiles: ``causal()`` halves the work, ``sliding_window(w)`` makes it O(S·w).
-``b`` indexes the flattened leading (batch) dims of ``q``, ``h`` the query head.
+Runtime per-position data (``document``'s segment ids) is handed to the kernels as *positional*
+arrays (:meth:`Mask.bind_positional`): a kernel slices one tile of them, never gathers, so the
+GPU kernels run document masks. ``b`` indexes the flattened leading (batch) dims of ``q``, ``h`` the query head.
 
 >>> mask = jf.masks.causal() & jf.masks.document(segment_ids)   # packed causal training
 >>> out = jf.attention(q, k, v, mask=mask)
@@ -63,6 +65,13 @@ class Mask:
     def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> list:
         """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``: none for most masks."""
         return []
+
+    def bind_positional(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> tuple[Callable, list, list]:
+        """``(fn, rows, cols)``: the mask as ``fn(b, h, q_idx, kv_idx, *row_values, *col_values)``
+        and its positional arrays, ``(prod(batch_shape), sq)`` and ``(prod(batch_shape), skv)``,
+        whose values at ``(b, q_idx)`` and ``(b, kv_idx)`` ``fn`` receives (the form kernels run:
+        they slice a tile of each instead of gathering). Most masks have none."""
+        return self.bind(batch_shape, sq, skv), [], []
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
@@ -165,6 +174,11 @@ class _Document(Mask):
         q_seg, kv_seg = self._per_batch(batch_shape)
         return lambda b, h, q_idx, kv_idx: q_seg[b, q_idx] == kv_seg[b, kv_idx]
 
+    def bind_positional(self, batch_shape, sq, skv):
+        self.bind(batch_shape, sq, skv)  # checks the lengths
+        q_seg, kv_seg = self._per_batch(batch_shape)
+        return (lambda b, h, q_idx, kv_idx, q_id, kv_id: q_id == kv_id), [q_seg], [kv_seg]
+
     def _per_batch(self, batch_shape):
         q_seg = _per_batch(self.q_segments, batch_shape, "document", "segment_ids", trailing=1)
         kv_seg = _per_batch(self.kv_segments, batch_shape, "document", "kv_segment_ids", trailing=1)
@@ -208,6 +222,19 @@ class _Combined(Mask):
     def mask_mod(self, *idx):
         return self.logic(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
 
+    def bind_positional(self, batch_shape, sq, skv):
+        fa, rows_a, cols_a = self.a.bind_positional(batch_shape, sq, skv)
+        fb, rows_b, cols_b = self.b.bind_positional(batch_shape, sq, skv)
+        ra, ca = len(rows_a), len(cols_a)
+        nr = ra + len(rows_b)
+
+        def fn(b, h, q_idx, kv_idx, *values):
+            rows, cols = values[:nr], values[nr:]
+            idx = (b, h, q_idx, kv_idx)
+            return self.logic(fa(*idx, *rows[:ra], *cols[:ca]), fb(*idx, *rows[ra:], *cols[ca:]))
+
+        return fn, [*rows_a, *rows_b], [*cols_a, *cols_b]
+
     def span(self):
         return self.span_join(self.a.span(), self.b.span())
 
@@ -233,6 +260,10 @@ class _Not(Mask):
 
     def mask_mod(self, *idx):
         return jnp.logical_not(self.a.mask_mod(*idx))
+
+    def bind_positional(self, batch_shape, sq, skv):
+        fa, rows, cols = self.a.bind_positional(batch_shape, sq, skv)
+        return (lambda *args: jnp.logical_not(fa(*args))), rows, cols
 
 
 def causal(offset: int = 0) -> Mask:

@@ -2,7 +2,11 @@
 
 ``Mods`` is a static (hashable) parameter of the attention primitives. It holds
 
-* ``mask``: ``mask_mod(b, h, q_idx, kv_idx, *mask_consts) -> bool`` or None (everything visible);
+* ``mask``: ``mask_mod(b, h, q_idx, kv_idx, *row_values, *col_values, *mask_consts) -> bool`` or
+  None (everything visible). ``mask_rows`` (``mask_cols``) arrays of shape ``(B, Sq)``
+  (``(B, Skv)``) are *positional*: the function receives their values at ``(b, q_idx)``
+  (``(b, kv_idx)``), so a kernel hands it a contiguous slice per tile instead of gathering at
+  traced indices (document masks: the segment ids; the Triton backend cannot lower a gather);
 * ``score``: ``score_mod(score, b, h, q_idx, kv_idx, *score_consts) -> score`` or None;
 * ``span``: a conservative summary of the mask, :class:`Span`, giving for a range of queries the
   range of keys that may be visible (and back), so kernels never visit tiles that are masked out;
@@ -35,6 +39,7 @@ __all__ = [
     "PrefixSpan",
     "SegmentSpan",
     "Span",
+    "ItemMask",
     "segment_ranges",
 ]
 
@@ -302,25 +307,41 @@ class _BatchMap:
 
 
 @dataclasses.dataclass(frozen=True)
+class ItemMask:
+    """A mask's operands for one batch item: the function's own arrays (whole, for ``allowed``),
+    and the item's positional rows ``(Sq,)``, columns ``(Skv,)`` and span arrays."""
+
+    consts: tuple
+    rows: tuple
+    cols: tuple
+    span: tuple
+
+
+@dataclasses.dataclass(frozen=True)
 class Mods:
     mask: StaticFunction | None = None
     score: StaticFunction | None = None
     span: Span = FullSpan()
     softcap: float | None = None
     batch_maps: tuple[_BatchMap, ...] = ()
+    mask_rows: int = 0
+    mask_cols: int = 0
 
     @property
     def num_mask_consts(self) -> int:
-        """The mask function's consts, then the span's arrays (both per batch item)."""
-        return 0 if self.mask is None else self.mask.num_consts + self.span.num_arrays
+        """The mask function's consts, its positional rows and columns, then the span's arrays."""
+        if self.mask is None:
+            return 0
+        return self.mask.num_consts + self.mask_rows + self.mask_cols + self.span.num_arrays
 
-    def span_data(self, b, mask_consts) -> tuple:
-        """The span's arrays for batch item ``b`` (a scalar index), as its methods take them."""
-        n = self.span.num_arrays if self.mask is not None else 0
-        if not n:
-            return ()
-        b, consts = self._unmap(b, mask_consts, "mask_flags")
-        return tuple(c[b] for c in consts[len(consts) - n :])
+    def item_mask(self, b, mask_consts) -> ItemMask:
+        """The mask's operands for batch item ``b`` (a scalar global index)."""
+        if self.mask is None:
+            return ItemMask((), (), (), ())
+        inner, consts = self._unmap(b, mask_consts, "mask_flags")
+        n, r, c = self.mask.num_consts, self.mask_rows, self.mask_cols
+        item = [x[inner] for x in consts[n:]]
+        return ItemMask(tuple(mask_consts), tuple(item[:r]), tuple(item[r : r + c]), tuple(item[r + c :]))
 
     @property
     def num_score_consts(self) -> int:
@@ -331,16 +352,26 @@ class Mods:
         level = _BatchMap(inner, tuple(mask_flags), tuple(score_flags))
         return dataclasses.replace(self, batch_maps=self.batch_maps + (level,))
 
-    def allowed(self, b, h, q_idx, kv_idx, mask_consts):
-        """The mask on a tile: index arrays broadcast together; None when nothing is masked."""
+    def allowed(self, b, h, q_idx, kv_idx, mask_consts, rows=None, cols=None):
+        """The mask on a tile: index arrays broadcast together; None when nothing is masked.
+
+        ``rows``/``cols``: the positional values of the tile (broadcasting like ``q_idx`` and
+        ``kv_idx``), as a kernel slices them; None reads them from ``mask_consts`` by index.
+        """
         if self.mask is None:
             return None
+        n, r = self.mask.num_consts, self.mask_rows
+        sliced = rows is not None
 
-        def fn(b, h, q, kv):
+        def fn(b, h, q, kv, *values):
             b, consts = self._unmap(b, mask_consts, "mask_flags")
-            return self.mask(b, h, q, kv, *consts[: self.mask.num_consts])[0]
+            if not sliced:
+                positional = consts[n : n + r + self.mask_cols]
+                values = [x[b, q] for x in positional[:r]] + [x[b, kv] for x in positional[r:]]
+            return self.mask(b, h, q, kv, *values, *consts[:n])[0]
 
-        return _elementwise(fn, *_indices(b, h, q_idx, kv_idx))
+        values = [*rows, *cols] if sliced else []
+        return _elementwise(fn, *_indices(b, h, q_idx, kv_idx), *values)
 
     def modify(self, score, b, h, q_idx, kv_idx, score_consts):
         """Softcap, then ``score_mod``, elementwise on a tile of raw scores ``scale * q·k``."""

@@ -73,10 +73,20 @@ def test_mla_head_dims_and_gqa():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_gathering_masks_run_xla_by_default_and_refuse_pallas():
+def test_document_masks_run_in_the_triton_kernels():
     q, k, v = inputs(jnp.bfloat16)
     seg = jnp.asarray(np.repeat(np.arange(3), 111)[:300])
     mask = jf.masks.document(seg, jnp.asarray(np.repeat(np.arange(3), 111))) & jf.masks.causal()
+    for impl in (None, "pallas_triton"):
+        out = jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation=impl))(q, k, v)
+        ref, _ = reference(q, k, v, mask=mask)
+        np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
+
+
+def test_gathering_masks_run_xla_by_default_and_refuse_pallas():
+    q, k, v = inputs(jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(0).random((7, 5)) > 0.3)
+    mask = jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.causal()
     out = jax.jit(lambda *a: jf.attention(*a, mask=mask))(q, k, v)
     ref, _ = reference(q, k, v, mask=mask)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)

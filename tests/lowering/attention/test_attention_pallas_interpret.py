@@ -19,11 +19,13 @@ B, SQ, SKV, HQ, HKV, D, DV = 2, 19, 29, 4, 2, 8, 6
 rng = np.random.default_rng(0)
 SEGMENTS = jnp.asarray(np.sort(rng.integers(0, 3, (B, SQ)), axis=1))
 KV_SEGMENTS = jnp.asarray(np.sort(rng.integers(0, 3, (B, SKV)), axis=1))
+SCATTERED = jnp.asarray(rng.integers(0, 3, (B, SKV)))  # a document's positions need not be contiguous
 MASKS = {
     "none": lambda: None,
     "causal_bottom_right": lambda: jf.masks.causal(SKV - SQ),
     "window_causal": lambda: jf.masks.sliding_window(6) & jf.masks.causal(4),
     "document": lambda: jf.masks.document(SEGMENTS, KV_SEGMENTS),
+    "scattered_documents_causal": lambda: jf.masks.document(SCATTERED[:, :SQ], SCATTERED) & jf.masks.causal(),
     "prefix_lm": lambda: jf.masks.prefix_lm(5),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
@@ -78,6 +80,16 @@ def test_vmap_folds_into_the_kernel_grid():
     got = f(scales, q, stacked_k, v)
     for i, (c, ki) in enumerate(zip(scales, (k, 2 * k, -k))):
         np.testing.assert_allclose(got[:, i], run("xla", "causal_bottom_right")(c * q, ki, v), atol=1e-12)
+
+
+def test_vmapped_segment_ids_reach_each_program_sliced():
+    """Positional mask arrays (segment ids) with a vmapped axis: each program reads its own item's."""
+    q, k, v = inputs()
+    stacked = jnp.stack([SCATTERED, KV_SEGMENTS, jnp.zeros_like(SCATTERED)])
+    f = lambda seg, impl: jf.attention(q, k, v, mask=jf.masks.document(seg[:, :SQ], seg) & jf.masks.causal(), implementation=impl)
+    got = jax.vmap(lambda seg: f(seg, PALLAS))(stacked)
+    for i, seg in enumerate(stacked):
+        np.testing.assert_allclose(got[i], f(seg, "xla"), atol=1e-12)
 
 
 def test_float32_kernel_matches_the_float64_reference():

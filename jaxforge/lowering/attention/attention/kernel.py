@@ -10,6 +10,8 @@ visit the tiles that ``Mods.span`` says can be visible, so causal and windowed m
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +19,20 @@ from jax import lax
 
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["Geometry", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows"]
+__all__ = ["Geometry", "MaskTiles", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskTiles:
+    """What the mask reads for one batch item, as a driver provides it: the mask function's own
+    arrays (whole), the span's arrays, and ``rows(i)`` / ``cols(j)``, the positional values
+    (``Mods.mask_rows``/``maskols``) at the queries of tile ``i`` / the keys of tile ``j``,
+    each ``(block_q,)`` / ``(block_kv,)``: slices, never gathers."""
+
+    consts: Sequence
+    span: tuple
+    rows: Callable[[Any], Sequence]
+    cols: Callable[[Any], Sequence]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +84,13 @@ class Geometry:
         lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
         return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
 
-    def row_tiles(self, mods: Mods, i, b, mask_c):
-        """``(kv_tiles, full_kv_tiles)`` of query tile ``i`` of batch item ``b``."""
-        data = mods.span_data(b, mask_c)
-        return self.kv_tiles(mods, i, data), self.full_kv_tiles(mods, i, data)
+    def row_tiles(self, mods: Mods, i, mask: MaskTiles):
+        """``(kv_tiles, full_kv_tiles)`` of query tile ``i``."""
+        return self.kv_tiles(mods, i, mask.span), self.full_kv_tiles(mods, i, mask.span)
 
-    def col_tiles(self, mods: Mods, j, b, mask_c):
-        """``(q_tiles, full_q_tiles)`` of key tile ``j`` of batch item ``b``."""
-        data = mods.span_data(b, mask_c)
-        return self.q_tiles(mods, j, data), self.full_q_tiles(mods, j, data)
+    def col_tiles(self, mods: Mods, j, mask: MaskTiles):
+        """``(q_tiles, full_q_tiles)`` of key tile ``j``."""
+        return self.q_tiles(mods, j, mask.span), self.full_q_tiles(mods, j, mask.span)
 
 
 def _tile_loop(tiles, full_tiles, body, carry):
@@ -105,7 +118,7 @@ def _t_dot(geo, a, b):  # a.T @ b
     return _dot(geo, a, b, ((0,), (0,)))
 
 
-def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask_c, masked: bool = True):
+def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: bool = True):
     """Query and key indices of tile (i, j) and the mask: user mask and sequence bounds.
 
     ``masked=False``: a wholly visible tile (``Geometry.full_kv_tiles``), inside the keys; only
@@ -116,7 +129,8 @@ def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask_c, masked: bool = True)
     if not masked:
         return q_idx, kv_idx, jnp.broadcast_to(q_idx < geo.sq, (geo.block_q, geo.block_kv))
     visible = (q_idx < geo.sq) & (kv_idx < geo.skv)
-    user = mods.allowed(b, h, q_idx, kv_idx, mask_c)
+    rows, cols = [r[:, None] for r in mask.rows(i)], [c[None, :] for c in mask.cols(j)]
+    user = mods.allowed(b, h, q_idx, kv_idx, mask.consts, rows, cols)
     if user is not None:
         visible = visible & user
     return q_idx, kv_idx, visible
@@ -132,7 +146,7 @@ def _floats(score_c):
     return [c for c in score_c if jnp.issubdtype(c.dtype, jnp.inexact)]
 
 
-def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
+def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c):
     """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles)."""
     rows = q.shape[0]
     dv = load_kv(0)[1].shape[-1]
@@ -140,7 +154,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
     def body(j, carry, masked):
         m, l, acc = carry
         k, v = load_kv(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
         s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h, q_idx, kv_idx, score_c)
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -154,21 +168,21 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask_c, score_c):
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    m, l, acc = _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, init)
+    m, l, acc = _tile_loop(*geo.row_tiles(mods, i, mask), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
     return out, lse
 
 
-def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask_c, score_c, dscore):
+def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore):
     """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
     floats = _floats(score_c)
 
     def body(j, carry, masked):
         r, acc = carry
         k, v, dk, dv = load(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
         raw = _dot_t(geo, q, k) * geo.scale
         draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
         modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
@@ -179,17 +193,17 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
-    r, acc = _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, init)
+    r, acc = _tile_loop(*geo.row_tiles(mods, i, mask), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 
-def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted, masked):
+def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, wanted, masked):
     """Tile (i, j) of the softmax backward: ``p``, the raw-score cotangent and float-const cotangents.
 
     ``g_s = p (g_out·v - delta)`` is pulled back through softcap/score_mod; ``wanted[c]`` selects
     the float score consts whose cotangents are returned.
     """
-    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask_c, masked)
+    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
     raw = _dot_t(geo, q, k) * geo.scale
     floats = _floats(score_c)
     modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
@@ -209,18 +223,18 @@ def _wanted(score_c, const_grads):
     return [bool(w) for w in const_grads] + [False] * (n - len(const_grads))
 
 
-def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask_c, score_c):
+def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask: MaskTiles, score_c):
     """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``."""
 
     def body(j, gq, masked):
         k, v = load_kv(j)
-        _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, [], masked)
+        _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, [], masked)
         return gq + _dot(geo, g_raw, k) * geo.scale
 
-    return _tile_loop(*geo.row_tiles(mods, i, b, mask_c), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return _tile_loop(*geo.row_tiles(mods, i, mask), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
-def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, score_c, fused=None, const_grads=()):
+def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTiles, score_c, fused=None, const_grads=()):
     """``(gk, gv)`` of key tile ``j`` of key/value head ``hk``, over the ``group`` query heads.
 
     ``load_q(g, i) -> (q, g_out, lse, delta)`` for query head ``hk * group + g``, tile ``i``.
@@ -238,7 +252,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, scor
             gk, gv, fused = carry
             q, g_out, lse, delta = load_q(g, i)
             p, g_raw, g_floats = _score_grads(
-                geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask_c, score_c, wanted, masked
+                geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, wanted, masked
             )
             gk, gv = gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
             if fused is not None:
@@ -249,7 +263,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask_c, scor
                 fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
             return gk, gv, fused
 
-        return _tile_loop(*geo.col_tiles(mods, j, b, mask_c), body, carry)
+        return _tile_loop(*geo.col_tiles(mods, j, mask), body, carry)
 
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)

@@ -6,8 +6,10 @@ key tiles; the backward runs two kernels, dq over query tiles and (dk, dv) over 
 over the query heads of its GQA group), so no program needs atomics. Head dims are padded to a
 power of two of at least 16, the MMA shapes Triton wants.
 
-Arrays a score_mod closes over are handed to every program whole. Their cotangents need a
-reduction over all programs, so a backward that wants them runs the XLA lowering instead.
+Arrays a mask or score_mod closes over are handed to every program whole. Their cotangents need a
+reduction over all programs, so a backward that wants them runs the XLA lowering instead. A mask's
+positional arrays (document segment ids) and span arrays are gathered per batch item before the
+call; a program slices one tile of them at a time, so document masks run in the Triton kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxforge.lowering.attention.attention import xla
 from jaxforge.lowering.attention.attention.kernel import (
     Geometry,
+    MaskTiles,
     bwd_dkv_cols,
     bwd_dq_rows,
     fwd_rows,
@@ -112,9 +115,37 @@ def _rows_back(x, batch, s):
     return jnp.swapaxes(x[:, :, :s], 1, 2).reshape(*batch, s, x.shape[1])
 
 
-def _split(consts, mods: Mods):
-    n = mods.num_mask_consts
-    return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
+def _pow2_pad(x):
+    """Pads the last axis to a power of two: a block a Triton program loads whole."""
+    n = x.shape[-1]
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
+
+
+def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
+    """``(operands, specs, tiles)``: the mask's operands of every program and ``tiles(refs, consts)``,
+    the :class:`MaskTiles` a program builds from its refs of them. The function's own arrays go
+    whole; positional and span arrays one row per local batch item, padded."""
+    n_fn = mods.mask.num_consts if mods.mask is not None else 0
+    rows, cols, span = jax.vmap(lambda b: (lambda m: (m.rows, m.cols, m.span))(mods.item_mask(b, mask_c)))(batch_ids)
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    scalar = [x.ndim == 1 for x in span]
+    rows = [jnp.pad(r, ((0, 0), (0, sq_pad - r.shape[1]))) for r in rows]
+    cols = [jnp.pad(c, ((0, 0), (0, skv_pad - c.shape[1]))) for c in cols]
+    span = [x.reshape(-1, 1) if one else _pow2_pad(x) for x, one in zip(span, scalar)]  # per-item scalars as (B, 1)
+    per_item = [*rows, *cols, *span]
+    specs = [_whole(c) for c in mask_c[:n_fn]] + [pl.BlockSpec((_SQ, x.shape[1]), lambda b, *_: (b, 0)) for x in per_item]
+    nr, nc = len(rows), len(cols)
+
+    def tiles(refs):
+        fn_refs, row_refs, col_refs, span_refs = refs[:n_fn], refs[n_fn : n_fn + nr], refs[n_fn + nr : n_fn + nr + nc], refs[n_fn + nr + nc :]
+        return MaskTiles(
+            [r[...] for r in fn_refs],
+            tuple(r[0] if one else r[...] for r, one in zip(span_refs, scalar)),
+            lambda i: [r[pl.ds(i * geo.block_q, geo.block_q)] for r in row_refs],
+            lambda j: [r[pl.ds(j * geo.block_kv, geo.block_kv)] for r in col_refs],
+        )
+
+    return [*mask_c[:n_fn], *per_item], specs, tiles
 
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
@@ -125,13 +156,15 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
     qp, kp, vp = _seq_major(q, sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
+    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
+    score_c, n_m = consts[n_mask:], len(mask_ops)
 
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
-        *const_refs, out_ref, lse_ref = refs
-        consts = [r[...] for r in const_refs]
+        *in_refs, out_ref, lse_ref = refs
+        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, consts[:n_mask], consts[n_mask:])
+        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score)
         out_ref[...] = out.astype(out_ref.dtype)
         lse_ref[...] = lse
 
@@ -139,10 +172,12 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
         kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles),
-        [_whole(offset), _q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)] + [_whole(c) for c in consts],
+        [_whole(offset), _q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
+        + mask_specs
+        + [_whole(c) for c in score_c],
         [_q_block(geo, dv), _row_block(geo)],
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
-        (offset, qp, kp, vp, *consts),
+        (offset, qp, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_fwd",
     )
     return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
@@ -158,17 +193,18 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
     rows = [_seq_major(x, sq_pad) for x in (q, dq, out)] + [xla.seq_last(lse, sq_pad)]
     cols = [_seq_major(x, skv_pad) for x in (k, v, dk, dv)]
     d, dvp = rows[0].shape[-1], cols[1].shape[-1]
-    n_mask, n_c = mods.num_mask_consts, len(consts)
+    n_mask = mods.num_mask_consts
+    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
+    score_c, n_m, n_s = consts[n_mask:], len(mask_ops), len(consts) - n_mask
 
     def kernel(offset_ref, q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
         *in_refs, dout_ref, dlse_ref = refs
-        values = [r[...] for r in in_refs]
-        consts, dscore = values[:n_c], values[n_c:]
+        mask, values = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
         dout, dlse = tangent_rows(
             geo, mods, q_ref[...], dq_ref[...], out_ref[...], lse_ref[...], load, b, h, i,
-            consts[:n_mask], consts[n_mask:], dscore,
+            mask, values[:n_s], values[n_s:],
         )  # fmt: skip
         dout_ref[...] = dout.astype(dout_ref.dtype)
         dlse_ref[...] = dlse
@@ -179,10 +215,11 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         (bsz, hq, geo.num_q_tiles),
         [_whole(offset), _q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo)]
         + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
-        + [_whole(c) for c in (*consts, *dscore)],
+        + mask_specs
+        + [_whole(c) for c in (*score_c, *dscore)],
         [_q_block(geo, dvp), _row_block(geo)],
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
-        (offset, *rows, *cols, *consts, *dscore),
+        (offset, *rows, *cols, *mask_ops, *score_c, *dscore),
         "jaxforge_attention_tangent",
     )
     return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
@@ -207,15 +244,15 @@ def attention_bwd_pallas(
     kp, vp = _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
+    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
+    score_c, n_m = consts[n_mask:], len(mask_ops)
 
     def dq_kernel(offset_ref, q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
-        *const_refs, gq_ref = refs
-        c = [r[...] for r in const_refs]
+        *in_refs, gq_ref = refs
+        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        gq = bwd_dq_rows(
-            geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, c[:n_mask], c[n_mask:]
-        )
+        gq = bwd_dq_rows(geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score)
         gq_ref[...] = gq.astype(gq_ref.dtype)
 
     gq = _call(
@@ -224,23 +261,24 @@ def attention_bwd_pallas(
         (bsz, hq, geo.num_q_tiles),
         [_whole(offset), _q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
         + [_kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
-        + [_whole(c) for c in consts],
+        + mask_specs
+        + [_whole(c) for c in score_c],
         _q_block(geo, d),
         jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        (offset, qp, gp, lse_p, delta_p, kp, vp, *consts),
+        (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dq",
     )
 
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
-        *const_refs, gk_ref, gv_ref = refs
-        c = [r[...] for r in const_refs]
+        *in_refs, gk_ref, gv_ref = refs
+        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
         b, hk, j = offset_ref[pl.program_id(0)], offset_ref[bsz] // geo.group + pl.program_id(1), pl.program_id(2)
 
         def load_q(g, i):
             rows = pl.ds(i * geo.block_q, geo.block_q)
             return q_ref[rows, g, :], g_ref[rows, g, :], lse_ref[g, rows], delta_ref[g, rows]
 
-        gk, gv = bwd_dkv_cols(geo, mods, k_ref[...], v_ref[...], load_q, b, hk, j, c[:n_mask], c[n_mask:])
+        gk, gv = bwd_dkv_cols(geo, mods, k_ref[...], v_ref[...], load_q, b, hk, j, mask, score)
         gk_ref[...] = gk.astype(gk_ref.dtype)
         gv_ref[...] = gv.astype(gv_ref.dtype)
 
@@ -252,10 +290,11 @@ def attention_bwd_pallas(
         interpret,
         (bsz, hkv, geo.num_kv_tiles),
         [_whole(offset), kv_block(d), kv_block(dv), group_q(d), group_q(dv), group_rows, group_rows]
-        + [_whole(c) for c in consts],
+        + mask_specs
+        + [_whole(c) for c in score_c],
         [kv_block(d), kv_block(dv)],
         [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
-        (offset, kp, vp, qp, gp, lse_p, delta_p, *consts),
+        (offset, kp, vp, qp, gp, lse_p, delta_p, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dkv",
     )
     return (

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.lowering.attention.attention import config
-from jaxforge.lowering.attention.attention.kernel import Geometry, bwd_dkv_cols, fwd_rows, tangent_rows
+from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_rows
 from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
 from jaxforge.primitives.attention.mods import Mods
 
@@ -57,6 +57,20 @@ def _slice(x, i, size):
     return lax.dynamic_slice_in_dim(x, i * size, size, axis=0)
 
 
+def _mask_tiles(geo: Geometry, mods: Mods, b, mask_c) -> MaskTiles:
+    """The mask's operands of batch item ``b``, its positional arrays padded to whole tiles."""
+    item = mods.item_mask(b, mask_c)
+    pad = lambda x, size: jnp.pad(x, (0, size - x.shape[0]))
+    rows = [pad(r, geo.num_q_tiles * geo.block_q) for r in item.rows]
+    cols = [pad(c, geo.num_kv_tiles * geo.block_kv) for c in item.cols]
+    return MaskTiles(
+        item.consts,
+        item.span,
+        lambda i: [_slice(r, i, geo.block_q) for r in rows],
+        lambda j: [_slice(c, j, geo.block_kv) for c in cols],
+    )
+
+
 def _split(consts, mods: Mods):
     n = mods.num_mask_consts
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
@@ -80,7 +94,8 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
 
     def one_head(b, h, q_h, k_h, v_h):
         load_kv = lambda j: (_slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv))
-        tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask_c, score_c)
+        mask = _mask_tiles(geo, mods, b, mask_c)
+        tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask, score_c)
         return lax.map(tile, jnp.arange(geo.num_q_tiles))
 
     out, lse = _over_heads(
@@ -105,10 +120,11 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
 
     def one_head(b, h, q_h, dq_h, out_h, lse_h, k_h, v_h, dk_h, dv_h):
         load = lambda j: tuple(_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h))
+        mask = _mask_tiles(geo, mods, b, mask_c)
 
         def tile(i):
             rows = [_slice(x, i, geo.block_q) for x in (q_h, dq_h, out_h, lse_h)]
-            return tangent_rows(geo, mods, *rows, load, b, h, i, mask_c, score_c, dscore)
+            return tangent_rows(geo, mods, *rows, load, b, h, i, mask, score_c, dscore)
 
         return lax.map(tile, jnp.arange(geo.num_q_tiles))
 
@@ -148,10 +164,12 @@ def attention_bwd_xla(
         def load_q(_, i):
             return tuple(_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h))
 
+        mask = _mask_tiles(geo, mods, b, mask_c)
+
         def tile(fused, j):
             k_t, v_t = _slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv)
             gk, gv, fused = bwd_dkv_cols(
-                per_head, mods, k_t, v_t, load_q, b, h, j, mask_c, score_c, fused=fused, const_grads=const_grads
+                per_head, mods, k_t, v_t, load_q, b, h, j, mask, score_c, fused=fused, const_grads=const_grads
             )
             return fused, (gk, gv)
 

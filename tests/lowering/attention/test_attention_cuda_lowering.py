@@ -1,0 +1,55 @@
+"""Which kernels a GPU would run, decided on CPU: the attention primitives lowered for cuda
+(``jax.export`` with ``platforms=("cuda",)`` lowers the Pallas kernels to Triton IR here)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+
+KERNELS = {"jaxforge_attention_fwd", "jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+B, S, HQ, HKV, D = 2, 200, 4, 2, 64
+
+
+def triton_kernels(mask_fn, implementation=None):
+    """Names of the Pallas Triton kernels in the cuda lowering of forward, jvp and grad."""
+
+    def f(q, k, v, seg):
+        att = lambda q, k, v: jf.attention(q, k, v, mask=mask_fn(seg), implementation=implementation)
+        _, tangent = jax.jvp(att, (q, k, v), (q, k, v))
+        grads = jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+        return tangent, grads
+
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, seg)
+    return set(re.findall(r'name = "(jaxforge_attention_\w+)"', exported.mlir_module()))
+
+
+@pytest.mark.parametrize(
+    "mask_fn",
+    [
+        lambda seg: jf.masks.causal() & jf.masks.document(seg),
+        lambda seg: ~jf.masks.document(seg) | jf.masks.sliding_window(16),
+        lambda seg: jf.masks.document(seg, jnp.flip(seg, axis=-1)),
+    ],
+    ids=["document_causal", "not_document_or_window", "cross_documents"],
+)
+def test_document_masks_run_the_triton_kernels(mask_fn):
+    """Segment ids are positional mask operands: each program slices a tile of them, no gather."""
+    assert triton_kernels(mask_fn) == KERNELS
+
+
+def test_masks_reading_a_table_at_traced_indices_fall_back_to_xla():
+    table = jnp.asarray(np.random.default_rng(0).random((7, 5)) > 0.3)
+    gathering = lambda seg: jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.document(seg)
+    assert triton_kernels(gathering) == set()
+    with pytest.raises(ValueError, match="pallas_triton"):
+        triton_kernels(gathering, implementation="pallas_triton")
