@@ -28,6 +28,7 @@ from jaxforge.primitives.attention.mods import (
     AllVisible,
     Band,
     ChunkSpan,
+    Complement,
     FullSpan,
     Hull,
     Intersect,
@@ -264,6 +265,12 @@ class _Not(Mask):
     def bind_positional(self, batch_shape, sq, skv):
         fa, rows, cols = self.a.bind_positional(batch_shape, sq, skv)
         return (lambda *args: jnp.logical_not(fa(*args))), rows, cols
+
+    def span(self):
+        return Complement(self.a.span())
+
+    def span_arrays(self, batch_shape, sq, skv):
+        return self.a.span_arrays(batch_shape, sq, skv)
 
 
 def causal(offset: int = 0) -> Mask:

@@ -32,6 +32,7 @@ __all__ = [
     "AllVisible",
     "Band",
     "ChunkSpan",
+    "Complement",
     "FullSpan",
     "Hull",
     "Intersect",
@@ -295,6 +296,48 @@ class Hull(_Pair):
     """Keys visible under either mask (``|``): the hull of the may-ranges, a sure part of the union."""
 
     _may, _sure = staticmethod(_hull), staticmethod(_union_or_longer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Complement(Span):
+    """Keys the other mask hides (``~``): a block may see what the other does not surely show, and
+    surely sees what the other cannot show. Each is the complement of an interval, two pieces:
+    the may-range takes their hull, the sure-range the longer piece."""
+
+    a: Span
+
+    @property
+    def num_arrays(self) -> int:
+        return self.a.num_arrays
+
+    def kv(self, q_lo, q_hi, skv, data=()):
+        return _outside_hull(self.a.full_kv(q_lo, q_hi, skv, data), skv)
+
+    def q(self, kv_lo, kv_hi, sq, data=()):
+        return _outside_hull(self.a.full_q(kv_lo, kv_hi, sq, data), sq)
+
+    def full_kv(self, q_lo, q_hi, skv, data=()):
+        return _outside_longer(self.a.kv(q_lo, q_hi, skv, data), skv)
+
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
+        return _outside_longer(self.a.q(kv_lo, kv_hi, sq, data), sq)
+
+
+def _outside_hull(r, size):
+    """An interval holding ``[0, size)`` minus ``r``: one piece when ``r`` touches an end."""
+    lo, hi = r
+    cut = lo < hi
+    return jnp.where(cut & (lo <= 0), hi, 0), jnp.where(cut & (hi >= size) & (lo > 0), lo, size)
+
+
+def _outside_longer(r, size):
+    """An interval inside ``[0, size)`` minus ``r``: the longer of the two pieces."""
+    lo, hi = r
+    cut = lo < hi
+    left = jnp.clip(lo, 0, size)
+    right = jnp.clip(hi, 0, size)
+    take_left = left >= size - right
+    return jnp.where(cut & ~take_left, right, 0), jnp.where(cut & take_left, left, size)
 
 
 @dataclasses.dataclass(frozen=True)

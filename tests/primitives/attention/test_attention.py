@@ -168,6 +168,11 @@ def _document_causal(rng):
     return masks.causal() & masks.document(jnp.asarray(ids)), lambda b, h, i, j: j <= i and ids[b, i] == ids[b, j]
 
 
+def _not_document_or_causal(rng):
+    ids = segments(rng, B, 37)
+    return ~masks.document(jnp.asarray(ids)) | masks.causal(), lambda b, h, i, j: j <= i or ids[b, i] != ids[b, j]
+
+
 def _padding(rng):
     lens = np.array([30, 45])
     lens_j = jnp.asarray(lens)
@@ -195,6 +200,7 @@ MASK_CASES = [
     ("chunked", CROSS, lambda r: (masks.chunked(8), lambda b, h, i, j: i // 8 == j // 8)),
     ("causal_or_window", SELF, lambda r: (masks.causal() | masks.sliding_window(3), lambda b, h, i, j: j <= i or abs(i - j) < 3)),
     ("not_causal", CROSS, lambda r: (~masks.causal(), lambda b, h, i, j: j > i)),
+    ("not_document_or_causal", SELF, _not_document_or_causal),
     ("chunked_and_not_window", CROSS, lambda r: (
         masks.chunked(8) & ~masks.sliding_window(2), lambda b, h, i, j: i // 8 == j // 8 and abs(i - j) >= 2)),
     ("lambda_padding_captured", CROSS, _padding),

@@ -25,6 +25,10 @@ MASKS = {
     "chunked|window": jf.masks.chunked(8) | jf.masks.sliding_window(2),
     "causal|prefix": jf.masks.causal(-10) | jf.masks.prefix_lm(3),
     "not_causal": ~jf.masks.causal(),
+    "not_window": ~jf.masks.sliding_window(5),
+    "not_chunked&causal": ~jf.masks.chunked(6) & jf.masks.causal(),
+    "not(causal|prefix)": ~(jf.masks.causal(-3) | jf.masks.prefix_lm(4)),
+    "not_not_causal": ~~jf.masks.causal(2),
     "full": jf.masks.full(),
     "document": jf.masks.document(jnp.asarray(np.repeat(np.arange(5), 5)[:SQ]), jnp.asarray(np.repeat(np.arange(5), 7)[:SKV])),
 }
@@ -59,7 +63,7 @@ LAYOUTS = [(q, kv) for q in ("sorted", "scattered", "one", "distinct") for kv in
 
 
 @pytest.mark.parametrize("q_kind,kv_kind", LAYOUTS)
-@pytest.mark.parametrize("combine", ["alone", "&causal", "|window"])
+@pytest.mark.parametrize("combine", ["alone", "&causal", "|window", "~"])
 def test_document_spans_from_segment_ids(q_kind, kv_kind, combine):
     """Document masks carry per-position ranges of each segment: blocks across documents are skipped."""
     if kv_kind == "same":  # self-attention style: the queries are the first SQ keys
@@ -68,7 +72,12 @@ def test_document_spans_from_segment_ids(q_kind, kv_kind, combine):
     else:
         q_ids, kv_ids = _ids(q_kind, 1, SQ), _ids(kv_kind, 2, SKV)
     mask = jf.masks.document(jnp.asarray(q_ids), jnp.asarray(kv_ids))
-    mask = {"alone": mask, "&causal": mask & jf.masks.causal(), "|window": mask | jf.masks.sliding_window(3)}[combine]
+    mask = {
+        "alone": mask,
+        "&causal": mask & jf.masks.causal(),
+        "|window": mask | jf.masks.sliding_window(3),
+        "~": ~mask,
+    }[combine]
     span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
     assert len(arrays) == span.num_arrays == 6
     for b in range(2):
@@ -104,6 +113,18 @@ def check_span(name, span, visible, data):
             assert all(q_lo <= i < q_hi for i in seen), (name, lo, kv_hi, q_lo, q_hi, seen)
             f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, SQ, data))
             assert cols[max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, kv_hi, f_lo, f_hi)
+
+
+def test_negated_masks_skip_tiles():
+    """``~causal`` (keys after the query) skips every tile below the diagonal and knows the ones above."""
+    span = (~jf.masks.causal()).span()
+    assert tuple(int(x) for x in span.kv(16, 24, 64)) == (17, 64)
+    assert tuple(int(x) for x in span.full_kv(16, 24, 64)) == (24, 64)
+    ids = jnp.asarray(np.repeat(np.arange(4), 8))
+    mask = ~jf.masks.document(ids)
+    data = tuple(a[0] for a in mask.span_arrays((), 32, 32))
+    assert len(data) == mask.span().num_arrays == 6
+    assert tuple(int(x) for x in mask.span().full_kv(8, 16, 32, data)) == (16, 32)  # the longer side
 
 
 def test_structured_masks_have_non_trivial_sure_ranges():
