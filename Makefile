@@ -16,7 +16,7 @@ demo: $(STAMP)
 	$(PY) -m jaxforge.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 tests
+	$(PY) -m pytest -q -n 2 --dist worksteal tests
 
 bench: $(STAMP)
 	$(PY) -m jaxforge.bench linalg
