@@ -147,6 +147,13 @@ class _PrefixLM(Mask):
         prefix = self._per_batch(batch_shape)
         return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (kv_idx <= q_idx)
 
+    def bind_positional(self, batch_shape, sq, skv):
+        if isinstance(self.prefix, int):
+            return self.mask_mod, [], []
+        # One length per item, handed over as a row (its value at every query) so kernels slice it.
+        rows = jnp.broadcast_to(self._per_batch(batch_shape)[:, None], (math.prod(batch_shape), sq))
+        return (lambda b, h, q_idx, kv_idx, prefix: (kv_idx < prefix) | (kv_idx <= q_idx)), [rows], []
+
     def _per_batch(self, batch_shape):
         return _per_batch(self.prefix, batch_shape, "prefix_lm", "prefix_len", trailing=0)
 

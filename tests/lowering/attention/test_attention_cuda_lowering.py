@@ -39,11 +39,13 @@ def triton_kernels(mask_fn, implementation=None):
         lambda seg: jf.masks.causal() & jf.masks.document(seg),
         lambda seg: ~jf.masks.document(seg) | jf.masks.sliding_window(16),
         lambda seg: jf.masks.document(seg, jnp.flip(seg, axis=-1)),
+        lambda seg: jf.masks.prefix_lm(seg[:, 0] + 7),
     ],
-    ids=["document_causal", "not_document_or_window", "cross_documents"],
+    ids=["document_causal", "not_document_or_window", "cross_documents", "prefix_per_item"],
 )
-def test_document_masks_run_the_triton_kernels(mask_fn):
-    """Segment ids are positional mask operands: each program slices a tile of them, no gather."""
+def test_runtime_data_masks_run_the_triton_kernels(mask_fn):
+    """Segment ids and per-item prefix lengths are positional mask operands: each program slices a
+    tile of them, no gather."""
     assert triton_kernels(mask_fn) == KERNELS
 
 

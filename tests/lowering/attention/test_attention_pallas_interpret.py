@@ -27,6 +27,7 @@ MASKS = {
     "document": lambda: jf.masks.document(SEGMENTS, KV_SEGMENTS),
     "scattered_documents_causal": lambda: jf.masks.document(SCATTERED[:, :SQ], SCATTERED) & jf.masks.causal(),
     "prefix_lm": lambda: jf.masks.prefix_lm(5),
+    "prefix_per_item": lambda: jf.masks.prefix_lm(jnp.asarray([3, 11])),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
 }
