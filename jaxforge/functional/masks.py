@@ -59,10 +59,6 @@ class Mask:
     def span(self) -> Span:
         return FullSpan()
 
-    def bind(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> Callable:
-        """The scalar ``mask_mod`` for a call with q ``(*batch_shape, sq, ...)`` and ``skv`` keys."""
-        return self.mask_mod
-
     def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> list:
         """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``: none for most masks."""
         return []
@@ -72,7 +68,15 @@ class Mask:
         and its positional arrays, ``(prod(batch_shape), sq)`` and ``(prod(batch_shape), skv)``,
         whose values at ``(b, q_idx)`` and ``(b, kv_idx)`` ``fn`` receives (the form kernels run:
         they slice a tile of each instead of gathering). Most masks have none."""
-        return self.bind(batch_shape, sq, skv), [], []
+        return self.mask_mod, [], []
+
+    def bind(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> Callable:
+        """The scalar ``mask_mod`` for a call with q ``(*batch_shape, sq, ...)`` and ``skv`` keys:
+        :meth:`bind_positional`'s function, reading its positional arrays by index."""
+        fn, rows, cols = self.bind_positional(batch_shape, sq, skv)
+        return lambda b, h, q_idx, kv_idx: fn(
+            b, h, q_idx, kv_idx, *(r[b, q_idx] for r in rows), *(c[b, kv_idx] for c in cols)
+        )
 
     def __call__(self, b, h, q_idx, kv_idx):
         return self.mask_mod(b, h, q_idx, kv_idx)
@@ -141,15 +145,9 @@ class _PrefixLM(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx):
         return (kv_idx < self.prefix) | (kv_idx <= q_idx)
 
-    def bind(self, batch_shape, sq, skv):
-        if isinstance(self.prefix, int):
-            return self.mask_mod
-        prefix = self._per_batch(batch_shape)
-        return lambda b, h, q_idx, kv_idx: (kv_idx < prefix[b]) | (kv_idx <= q_idx)
-
     def bind_positional(self, batch_shape, sq, skv):
         if isinstance(self.prefix, int):
-            return self.mask_mod, [], []
+            return super().bind_positional(batch_shape, sq, skv)
         # One length per item, handed over as a row (its value at every query) so kernels slice it.
         rows = jnp.broadcast_to(self._per_batch(batch_shape)[:, None], (math.prod(batch_shape), sq))
         return (lambda b, h, q_idx, kv_idx, prefix: (kv_idx < prefix) | (kv_idx <= q_idx)), [rows], []
@@ -173,17 +171,12 @@ class _Document(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.q_segments[..., q_idx] == self.kv_segments[..., kv_idx]
 
-    def bind(self, batch_shape, sq, skv):
+    def bind_positional(self, batch_shape, sq, skv):
         for name, ids, length in (("segment_ids", self.q_segments, sq), ("kv_segment_ids", self.kv_segments, skv)):
             if ids.shape[-1] != length:
                 raise ValueError(
                     f"document: `{name}` has shape {ids.shape}; its last dim must be the sequence length {length}"
                 )
-        q_seg, kv_seg = self._per_batch(batch_shape)
-        return lambda b, h, q_idx, kv_idx: q_seg[b, q_idx] == kv_seg[b, kv_idx]
-
-    def bind_positional(self, batch_shape, sq, skv):
-        self.bind(batch_shape, sq, skv)  # checks the lengths
         q_seg, kv_seg = self._per_batch(batch_shape)
         return (lambda b, h, q_idx, kv_idx, q_id, kv_id: q_id == kv_id), [q_seg], [kv_seg]
 
@@ -223,10 +216,6 @@ class _Combined(Mask):
     a: Mask
     b: Mask
 
-    def bind(self, batch_shape, sq, skv):
-        fa, fb = self.a.bind(batch_shape, sq, skv), self.b.bind(batch_shape, sq, skv)
-        return lambda *idx: self.logic(fa(*idx), fb(*idx))
-
     def mask_mod(self, *idx):
         return self.logic(self.a.mask_mod(*idx), self.b.mask_mod(*idx))
 
@@ -261,10 +250,6 @@ class _Or(_Combined):
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Not(Mask):
     a: Mask
-
-    def bind(self, batch_shape, sq, skv):
-        fa = self.a.bind(batch_shape, sq, skv)
-        return lambda *idx: jnp.logical_not(fa(*idx))
 
     def mask_mod(self, *idx):
         return jnp.logical_not(self.a.mask_mod(*idx))

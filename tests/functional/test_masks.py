@@ -11,26 +11,43 @@ import jaxforge as jf
 B, SQ, SKV = 2, 13, 17
 rng = np.random.default_rng(0)
 Q_IDS, KV_IDS = jnp.asarray(rng.integers(0, 4, (B, SQ))), jnp.asarray(rng.integers(0, 4, (B, SKV)))
+QI, KI = np.asarray(Q_IDS), np.asarray(KV_IDS)
+PREFIX = np.asarray([3, 9])
+# name: (mask, the same mask written independently in numpy on (b, q, kv) index grids)
 MASKS = {
-    "document": lambda: jf.masks.document(Q_IDS, KV_IDS),
-    "causal": jf.masks.causal,
-    "document&causal": lambda: jf.masks.document(Q_IDS, KV_IDS) & jf.masks.causal(),
-    "~document|window": lambda: ~jf.masks.document(Q_IDS, KV_IDS) | jf.masks.sliding_window(3),
-    "two_documents": lambda: jf.masks.document(Q_IDS, KV_IDS) & jf.masks.document(Q_IDS % 2, KV_IDS % 2),
-    "prefix_per_item": lambda: jf.masks.prefix_lm(jnp.asarray([3, 9])),
+    "document": (lambda: jf.masks.document(Q_IDS, KV_IDS), lambda b, q, kv: QI[b, q] == KI[b, kv]),
+    "causal": (jf.masks.causal, lambda b, q, kv: kv <= q),
+    "document&causal": (
+        lambda: jf.masks.document(Q_IDS, KV_IDS) & jf.masks.causal(),
+        lambda b, q, kv: (QI[b, q] == KI[b, kv]) & (kv <= q),
+    ),
+    "~document|window": (
+        lambda: ~jf.masks.document(Q_IDS, KV_IDS) | jf.masks.sliding_window(3),
+        lambda b, q, kv: (QI[b, q] != KI[b, kv]) | (np.abs(q - kv) < 3),
+    ),
+    "two_documents": (
+        lambda: jf.masks.document(Q_IDS, KV_IDS) & jf.masks.document(Q_IDS % 2, KV_IDS % 2),
+        lambda b, q, kv: (QI[b, q] == KI[b, kv]) & (QI[b, q] % 2 == KI[b, kv] % 2),
+    ),
+    "prefix_per_item": (lambda: jf.masks.prefix_lm(jnp.asarray(PREFIX)), lambda b, q, kv: (kv < PREFIX[b]) | (kv <= q)),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))
-def test_positional_form_equals_the_mask_mod(name):
-    mask = MASKS[name]()
+def test_positional_form_equals_the_mask(name):
+    """The kernels' form (positional values sliced per tile) and ``bind`` (which reads them by
+    index) both equal the mask written out in numpy, at every (b, q, kv)."""
+    build, expected = MASKS[name]
+    mask = build()
     fn, rows, cols = mask.bind_positional((B,), SQ, SKV)
-    plain = mask.bind((B,), SQ, SKV)
     assert all(r.shape == (B, SQ) for r in rows) and all(c.shape == (B, SKV) for c in cols)
     b, q, kv = np.meshgrid(np.arange(B), np.arange(SQ), np.arange(SKV), indexing="ij")
+    want = expected(b, q, kv)
+    assert want.any() and not want.all()
     b, q, kv = (jnp.asarray(x) for x in (b, q, kv))
     values = [r[b, q] for r in rows] + [c[b, kv] for c in cols]
-    np.testing.assert_array_equal(fn(b, 0, q, kv, *values), plain(b, 0, q, kv))
+    np.testing.assert_array_equal(np.broadcast_to(fn(b, 0, q, kv, *values), want.shape), want)
+    np.testing.assert_array_equal(np.broadcast_to(mask.bind((B,), SQ, SKV)(b, 0, q, kv), want.shape), want)
 
 
 def test_document_masks_hand_their_ids_over_as_positional_arrays():

@@ -278,10 +278,15 @@ def _hull(a, b):
     return jnp.minimum(a[0], b[0]), jnp.maximum(a[1], b[1])
 
 
+def _longer(a, b):
+    take_a = a[1] - a[0] >= b[1] - b[0]
+    return jnp.where(take_a, a[0], b[0]), jnp.where(take_a, a[1], b[1])
+
+
 def _union_or_longer(a, b):
     """An interval inside the union of two: their hull if they touch, else the longer one."""
     touch = (a[0] <= b[1]) & (b[0] <= a[1]) & (a[0] < a[1]) & (b[0] < b[1])
-    longer = jnp.where(a[1] - a[0] >= b[1] - b[0], a[0], b[0]), jnp.where(a[1] - a[0] >= b[1] - b[0], a[1], b[1])
+    longer = _longer(a, b)
     hull = _hull(a, b)
     return jnp.where(touch, hull[0], longer[0]), jnp.where(touch, hull[1], longer[1])
 
@@ -333,11 +338,9 @@ def _outside_hull(r, size):
 def _outside_longer(r, size):
     """An interval inside ``[0, size)`` minus ``r``: the longer of the two pieces."""
     lo, hi = r
+    piece = _longer((0, jnp.clip(lo, 0, size)), (jnp.clip(hi, 0, size), size))
     cut = lo < hi
-    left = jnp.clip(lo, 0, size)
-    right = jnp.clip(hi, 0, size)
-    take_left = left >= size - right
-    return jnp.where(cut & ~take_left, right, 0), jnp.where(cut & take_left, left, size)
+    return jnp.where(cut, piece[0], 0), jnp.where(cut, piece[1], size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -351,8 +354,9 @@ class _BatchMap:
 
 @dataclasses.dataclass(frozen=True)
 class ItemMask:
-    """A mask's operands for one batch item: the function's own arrays (whole, for ``allowed``),
-    and the item's positional rows ``(Sq,)``, columns ``(Skv,)`` and span arrays."""
+    """A mask's operands for one batch item: the function's own arrays (whole, for ``allowed``,
+    which indexes them by ``b``), and the item's positional rows ``(Sq,)``, columns ``(Skv,)``
+    and span arrays."""
 
     consts: tuple
     rows: tuple
@@ -384,7 +388,7 @@ class Mods:
         inner, consts = self._unmap(b, mask_consts, "mask_flags")
         n, r, c = self.mask.num_consts, self.mask_rows, self.mask_cols
         item = [x[inner] for x in consts[n:]]
-        return ItemMask(tuple(mask_consts), tuple(item[:r]), tuple(item[r : r + c]), tuple(item[r + c :]))
+        return ItemMask(tuple(mask_consts[:n]), tuple(item[:r]), tuple(item[r : r + c]), tuple(item[r + c :]))
 
     @property
     def num_score_consts(self) -> int:
@@ -399,7 +403,8 @@ class Mods:
         """The mask on a tile: index arrays broadcast together; None when nothing is masked.
 
         ``rows``/``cols``: the positional values of the tile (broadcasting like ``q_idx`` and
-        ``kv_idx``), as a kernel slices them; None reads them from ``mask_consts`` by index.
+        ``kv_idx``), as a kernel slices them; ``mask_consts`` then need only hold the function's
+        own arrays. None (the dense reference) reads them from ``mask_consts`` by index.
         """
         if self.mask is None:
             return None

@@ -34,6 +34,16 @@ class MaskTiles:
     rows: Callable[[Any], Sequence]
     cols: Callable[[Any], Sequence]
 
+    def rows_loaded(self, i) -> MaskTiles:
+        """Query tile ``i``'s values read once, for a loop over key tiles that reuses them."""
+        rows = self.rows(i)
+        return dataclasses.replace(self, rows=lambda _: rows)
+
+    def cols_loaded(self, j) -> MaskTiles:
+        """Key tile ``j``'s values read once, for a loop over query tiles that reuses them."""
+        cols = self.cols(j)
+        return dataclasses.replace(self, cols=lambda _: cols)
+
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
@@ -148,7 +158,7 @@ def _floats(score_c):
 
 def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c):
     """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles)."""
-    rows = q.shape[0]
+    rows, mask = q.shape[0], mask.rows_loaded(i)
     dv = load_kv(0)[1].shape[-1]
 
     def body(j, carry, masked):
@@ -177,7 +187,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
 
 def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore):
     """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
-    floats = _floats(score_c)
+    floats, mask = _floats(score_c), mask.rows_loaded(i)
 
     def body(j, carry, masked):
         r, acc = carry
@@ -225,6 +235,7 @@ def _wanted(score_c, const_grads):
 
 def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask: MaskTiles, score_c):
     """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``."""
+    mask = mask.rows_loaded(i)
 
     def body(j, gq, masked):
         k, v = load_kv(j)
@@ -243,7 +254,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
     ``const_grads``, and returns ``(gk, gv, (gq, g_consts))``: one pass instead of two, for
     drivers that can hold ``gq`` (XLA; a GPU program would need atomics).
     """
-    wanted = _wanted(score_c, const_grads)
+    wanted, mask = _wanted(score_c, const_grads), mask.cols_loaded(j)
 
     def head(g, carry):
         h = hk * geo.group + g

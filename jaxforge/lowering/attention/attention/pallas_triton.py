@@ -53,10 +53,16 @@ def triton_can_run(mods: Mods) -> bool:
 _SQ = pl.squeezed
 
 
+def _pad_last(x, size: int):
+    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _pad_dim(x):
-    d = x.shape[-1]
-    target = max(16, 1 << max(d - 1, 0).bit_length())
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, target - d)])
+    return _pad_last(x, max(16, _pow2(x.shape[-1])))
 
 
 def _seq_major(x, padded: int):
@@ -115,29 +121,29 @@ def _rows_back(x, batch, s):
     return jnp.swapaxes(x[:, :, :s], 1, 2).reshape(*batch, s, x.shape[1])
 
 
-def _pow2_pad(x):
-    """Pads the last axis to a power of two: a block a Triton program loads whole."""
-    n = x.shape[-1]
-    return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
-
-
 def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
-    """``(operands, specs, tiles)``: the mask's operands of every program and ``tiles(refs, consts)``,
-    the :class:`MaskTiles` a program builds from its refs of them. The function's own arrays go
-    whole; positional and span arrays one row per local batch item, padded."""
+    """``(operands, specs, tiles)``: the mask's operands of every program and ``tiles(refs)``, the
+    :class:`MaskTiles` a program builds from its refs of them. The function's own arrays go whole;
+    positional and span arrays one row per local batch item, padded to whole tiles (span arrays,
+    loaded whole, to a power of two; per-item scalars as ``(B, 1)``)."""
     n_fn = mods.mask.num_consts if mods.mask is not None else 0
-    rows, cols, span = jax.vmap(lambda b: (lambda m: (m.rows, m.cols, m.span))(mods.item_mask(b, mask_c)))(batch_ids)
+
+    def per_item(b):
+        item = mods.item_mask(b, mask_c)
+        return item.rows, item.cols, item.span
+
+    rows, cols, span = jax.vmap(per_item)(batch_ids)
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     scalar = [x.ndim == 1 for x in span]
-    rows = [jnp.pad(r, ((0, 0), (0, sq_pad - r.shape[1]))) for r in rows]
-    cols = [jnp.pad(c, ((0, 0), (0, skv_pad - c.shape[1]))) for c in cols]
-    span = [x.reshape(-1, 1) if one else _pow2_pad(x) for x, one in zip(span, scalar)]  # per-item scalars as (B, 1)
-    per_item = [*rows, *cols, *span]
-    specs = [_whole(c) for c in mask_c[:n_fn]] + [pl.BlockSpec((_SQ, x.shape[1]), lambda b, *_: (b, 0)) for x in per_item]
-    nr, nc = len(rows), len(cols)
+    rows = [_pad_last(r, sq_pad) for r in rows]
+    cols = [_pad_last(c, skv_pad) for c in cols]
+    span = [x.reshape(-1, 1) if one else _pad_last(x, _pow2(x.shape[1])) for x, one in zip(span, scalar)]
+    blocks = [*rows, *cols, *span]
+    specs = [_whole(c) for c in mask_c[:n_fn]] + [pl.BlockSpec((_SQ, x.shape[1]), lambda b, *_: (b, 0)) for x in blocks]
+    ends = [n_fn, n_fn + len(rows), n_fn + len(rows) + len(cols)]
 
     def tiles(refs):
-        fn_refs, row_refs, col_refs, span_refs = refs[:n_fn], refs[n_fn : n_fn + nr], refs[n_fn + nr : n_fn + nr + nc], refs[n_fn + nr + nc :]
+        fn_refs, row_refs, col_refs, span_refs = refs[: ends[0]], refs[ends[0] : ends[1]], refs[ends[1] : ends[2]], refs[ends[2] :]
         return MaskTiles(
             [r[...] for r in fn_refs],
             tuple(r[0] if one else r[...] for r, one in zip(span_refs, scalar)),
@@ -145,7 +151,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
             lambda j: [r[pl.ds(j * geo.block_kv, geo.block_kv)] for r in col_refs],
         )
 
-    return [*mask_c[:n_fn], *per_item], specs, tiles
+    return [*mask_c[:n_fn], *blocks], specs, tiles
 
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
