@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # The GPU check, from a fresh checkout on the GPU machine (nothing installed; PYTHONPATH=.):
 # builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; logs and
-# JSON go to $OUT (7 files: the device tool brings back at most 8). Prints short tables last.
+# JSON go to $OUT (at most 8 files, what the device tool brings back). Prints short tables last.
 #
 #   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention (default: all four)
+#
+# BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
+# --budget). The gpu tests run as three pytest processes side by side (linalg, attention, the demo),
+# each with its own log, so one slow group cannot cut off another's failure report.
 #
 # The whole run keeps under GPU_CHECK_BUDGET_S (default 450 s): each phase has a cap, cut to what
 # is left; the benchmarks keep their own budgets inside theirs (GPU_BUDGET_S in jaxforge/bench).
@@ -39,31 +43,39 @@ fi
 
 if wants tests; then
   echo "== gpu tests"
-  timeout "$(cap 150)" python3 -m pytest -q -m gpu -p no:cacheprovider -n 4 --timeout 120 tests 2>&1 \
-    | tee "$OUT/gpu-tests.log" | tail -25
-  rc[tests]=${PIPESTATUS[0]}
+  limit=$(cap 120)
+  for group in linalg attention demo; do
+    case $group in
+      linalg) paths=tests/lowering/linalg workers=4 ;;
+      attention) paths=tests/lowering/attention workers=4 ;;
+      demo) paths=tests/test_demo.py workers=0 ;;
+    esac
+    timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -n "$workers" --timeout 120 $paths \
+      >"$OUT/tests-$group.log" 2>&1 &
+  done
+  wait
+  for group in linalg attention demo; do
+    echo "$group: $(grep -E "passed|failed|error" "$OUT/tests-$group.log" | tail -1)"
+    grep -E "^(FAILED|ERROR)" "$OUT/tests-$group.log" | cut -c1-200
+  done
 fi
 
 if wants linalg; then
   echo "== linalg benchmark"
-  timeout "$(cap 130)" python3 -m jaxforge.bench linalg --out "$OUT" 2>>"$OUT/progress.log" \
-    | tee "$OUT/bench-linalg.txt" >/dev/null
+  timeout "$(cap 130)" python3 -m jaxforge.bench linalg ${BENCH_LINALG_ARGS:-} --out "$OUT" 2>>"$OUT/progress.log" \
+    | tee -a "$OUT/bench.txt" >/dev/null
   rc[linalg]=${PIPESTATUS[0]}
 fi
 
 if wants attention; then
   echo "== attention benchmark"
-  timeout "$(cap 170)" python3 -m jaxforge.bench attention --out "$OUT" 2>>"$OUT/progress.log" \
-    | tee "$OUT/bench-attention.txt" >/dev/null
+  timeout "$(cap 170)" python3 -m jaxforge.bench attention ${BENCH_ATTENTION_ARGS:-} --out "$OUT" 2>>"$OUT/progress.log" \
+    | tee -a "$OUT/bench.txt" >/dev/null
   rc[attention]=${PIPESTATUS[0]}
 fi
 
 echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s ' "$p" "${rc[$p]}"; done))"
-if wants tests; then grep -E "passed|failed|error" "$OUT/gpu-tests.log" | tail -1; fi
-if wants linalg; then cat "$OUT/bench-linalg.txt"; fi
-# attention: the timed rows of jaxforge and of the anchors with ANCHORS.md targets (the whole table
-# is in bench-attention.txt, every field in the JSON)
-if wants attention; then
-  grep -E "^op |^attention .* (jaxforge|jaxforge-xla|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
-    "$OUT/bench-attention.txt"
-fi
+# linalg: every row; attention: the timed rows of jaxforge and of the anchors with ANCHORS.md
+# targets (every row is in bench.txt, every field in the JSON)
+[[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq) |^attention .* (jaxforge|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
+  "$OUT/bench.txt"

@@ -36,15 +36,17 @@ def run(
     out_dir: str | Path | None = None,
     tag: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
+    budget_s=None,
 ) -> list[dict]:
     """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given.
 
     ``shapes`` selects named shapes (default: those tagged for this device), ``quick`` uses tiny
-    shapes and one or two repeats, ``progress(done, total, label)`` follows the run.
+    shapes and one or two repeats, ``progress(done, total, label)`` follows the run, ``budget_s``
+    is the family's time budget (see its ``measure``; default: its own on a GPU).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown benchmark family {family!r}; known families: {sorted(FAMILIES)}")
-    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress)
+    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s)
     if out_dir is not None:
         write_results(records, family, out_dir, quick=quick, tag=tag)
     return records
@@ -98,7 +100,8 @@ def _row(record: dict) -> tuple[str, ...]:
     accuracy = "  ".join(f"{name} {value:.1e}" for name, value in record["accuracy"].items())
     if record.get("tflops"):
         accuracy = f"{record['tflops']:.3g} TFLOP/s  {accuracy}"
-    return (*where, f"{record['median_ms']:.3f}", f"{record['ratio']:.2f}x", accuracy)
+    ratio = "-" if record["ratio"] is None else f"{record['ratio']:.2f}x"  # None: jaxforge has no time here
+    return (*where, f"{record['median_ms']:.3f}", ratio, accuracy)
 
 
 class ProgressBar:

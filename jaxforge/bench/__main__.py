@@ -1,4 +1,4 @@
-"""Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--out DIR] [--tag TAG]``."""
+"""Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--budget S[,S]] [--out DIR] [--tag TAG]``."""
 
 from __future__ import annotations
 
@@ -25,12 +25,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", type=Path, default=Path("benchmarks/results"), help="folder for the JSON file (%(default)s)"
     )
+    parser.add_argument(
+        "--budget",
+        type=lambda text: tuple(float(x) for x in text.split(",")),
+        help="seconds into the run after which anchors are skipped: linalg takes one number, attention "
+        "SOFT,HARD (optional contenders, then all) (default: the family's own on a GPU, none elsewhere)",
+    )
     parser.add_argument("--tag", help="a word added to the file name and stored in the JSON")
     args = parser.parse_args(argv)
 
+    budget = args.budget
+    if budget is not None and len(budget) != (2 if args.family == "attention" else 1):
+        parser.error(f"--budget for {args.family} takes {'SOFT,HARD' if args.family == 'attention' else 'one number'}")
+    if budget is not None and args.family != "attention":
+        budget = budget[0]
     start = time.perf_counter()
     try:
-        records = run(args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar())
+        records = run(args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar(), budget_s=budget)
     except ValueError as e:  # an unknown shape name: a usage error, not a crash
         parser.error(str(e))
     path = write_results(records, args.family, args.out, quick=args.quick, tag=args.tag)

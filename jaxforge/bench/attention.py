@@ -535,7 +535,8 @@ def _cuda_torch():
 def _torch_bhsd(torch, x):
     """A jax ``(B, S, H, D)`` array as a contiguous torch CUDA ``(B, H, S, D)`` tensor, same dtype."""
     dtype = getattr(torch, np.dtype(x.dtype).name)
-    host = np.asarray(x.astype(jnp.float32)) if np.issubdtype(x.dtype, np.floating) else np.asarray(x)
+    # through float32: torch takes no numpy bfloat16 (and numpy's issubdtype does not see it as a float)
+    host = np.asarray(x.astype(jnp.float32)) if jnp.issubdtype(x.dtype, jnp.floating) else np.asarray(x)
     return torch.as_tensor(host, device="cuda").to(dtype).transpose(1, 2).contiguous()
 
 

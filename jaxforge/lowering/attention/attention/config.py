@@ -16,13 +16,57 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def tiles(name: str, sq: int, skv: int, impl: Implementation) -> tuple[int, int]:
-    """``(block_q, block_kv)`` for one call of lowering ``name``."""
+# Shared memory a Triton program's tiles may take: sm90 gives a block 227 KiB, less Triton's own
+# scratch (row statistics, layout conversions: about 17 KiB more than the estimate below on the H200).
+TRITON_SMEM_BYTES = 200 * 1024
+TRITON_STAGES = 2  # copies of each inner-loop tile that Triton's software pipelining keeps
+# Per kernel, in head dims (d of q/k, dv of v): the width of the program's own tile rows and of the
+# rows its inner loop loads. fwd owns q and loads k, v; tangent owns q, dq, out and loads k, v, dk,
+# dv; bwd_dq owns q, dout and loads k, v; bwd_dkv owns k, v and loads q, dout.
+_TRITON_WIDTHS = {
+    "fwd": (lambda d, dv: d, lambda d, dv: d + dv),
+    "tangent": (lambda d, dv: 2 * d + dv, lambda d, dv: 2 * (d + dv)),
+    "bwd_dq": (lambda d, dv: d + dv, lambda d, dv: d + dv),
+    "bwd_dkv": (lambda d, dv: d + dv, lambda d, dv: d + dv),
+}
+_TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False}
+
+
+def tiles(
+    name: str, sq: int, skv: int, impl: Implementation, *, kernels=(), d: int = 0, dv: int = 0, itemsize: int = 2
+) -> tuple[int, int]:
+    """``(block_q, block_kv)`` for one call of lowering ``name``.
+
+    Triton: ``kernels`` (names of ``_TRITON_WIDTHS``) share the tiles; ``d``, ``dv`` are the padded
+    head dims. Tiles start at 128 x 64 and the larger one (else the inner loop's) is halved until
+    every kernel's estimated shared memory fits ``TRITON_SMEM_BYTES``.
+    """
     if name == "xla":
         block_q, block_kv = min(128, _round_up(sq, 8)), min(256, _round_up(skv, 8))
-    else:  # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
-        block_q, block_kv = min(128, max(16, _pow2_at_least(sq))), min(64, max(16, _pow2_at_least(skv)))
-    return impl.block_q or block_q, impl.block_kv or block_kv
+        return impl.block_q or block_q, impl.block_kv or block_kv
+    # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
+    block_q, block_kv = min(128, max(16, _pow2_at_least(sq))), min(64, max(16, _pow2_at_least(skv)))
+    block_q, block_kv = impl.block_q or block_q, impl.block_kv or block_kv
+    while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize) > TRITON_SMEM_BYTES]:
+        loop_is_kv = _TRITON_OWNS_Q[over[0]]
+        if block_q > block_kv or (block_q == block_kv and not loop_is_kv):
+            block_q //= 2
+        else:
+            block_kv //= 2
+        if min(block_q, block_kv) < 16:
+            raise ValueError(
+                f"attention: no Triton tiles fit {TRITON_SMEM_BYTES} bytes of shared memory for head dims "
+                f"{d}/{dv} and {itemsize}-byte elements (block_q/block_kv given: {impl.block_q}/{impl.block_kv})"
+            )
+    return block_q, block_kv
+
+
+def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, itemsize: int) -> int:
+    """Estimated shared memory of one Triton program: ``TRITON_STAGES`` copies of the inner loop's
+    tiles plus the program's own tile."""
+    own_width, loop_width = (w(d, dv) for w in _TRITON_WIDTHS[kernel])
+    own, loop = (block_q, block_kv) if _TRITON_OWNS_Q[kernel] else (block_kv, block_q)
+    return (TRITON_STAGES * loop * loop_width + own * own_width) * itemsize
 
 
 def _round_up(n: int, m: int) -> int:

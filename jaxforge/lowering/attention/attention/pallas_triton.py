@@ -61,8 +61,20 @@ def _pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def _padded_dim(n: int) -> int:
+    return max(16, _pow2(n))
+
+
 def _pad_dim(x):
-    return _pad_last(x, max(16, _pow2(x.shape[-1])))
+    return _pad_last(x, _padded_dim(x.shape[-1]))
+
+
+def _geometry(kernels, q, k, v, scale: float, implementation: Implementation) -> Geometry:
+    """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles)."""
+    d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
+    return xla.geometry(
+        "pallas_triton", q, k, scale, implementation, kernels=kernels, d=d, dv=dv, itemsize=q.dtype.itemsize
+    )
 
 
 def _seq_major(x, padded: int):
@@ -155,7 +167,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
 
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    geo = _geometry(("fwd",), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -190,7 +202,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    geo = _geometry(("tangent",), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
@@ -239,7 +251,7 @@ def attention_bwd_pallas(
             q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
             implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
         )  # fmt: skip
-    geo = xla.geometry("pallas_triton", q, k, scale, implementation)
+    geo = _geometry(("bwd_dq", "bwd_dkv"), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]

@@ -21,10 +21,11 @@ from jaxforge.primitives.attention.mods import Mods
 __all__ = ["attention_bwd_xla", "attention_fwd_xla", "attention_tangent_xla", "geometry", "heads_first", "seq_last"]
 
 
-def geometry(name: str, q, k, scale: float, impl: Implementation) -> Geometry:
+def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -> Geometry:
+    """``tile_args``: config.tiles' keywords (the Triton kernels' shared-memory sizes)."""
     sq, hq, _ = q.shape[-3:]
     skv, hkv, _ = k.shape[-3:]
-    block_q, block_kv = config.tiles(name, sq, skv, impl)
+    block_q, block_kv = config.tiles(name, sq, skv, impl, **tile_args)
     precise = q.dtype.itemsize >= 4  # f32/f64 products in full precision; bf16/f16 on tensor cores
     return Geometry(sq, skv, block_q, block_kv, hq // hkv, scale, accumulation_dtype(q.dtype), "highest" if precise else None)
 
