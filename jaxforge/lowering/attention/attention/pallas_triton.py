@@ -101,6 +101,10 @@ def _whole(x):
 
 
 def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str):
+    # Inside shard_map (check_vma) pallas_call wants each output's varying mesh axes. The lowering
+    # traces on untyped avals (primitives._core), so the outputs take the operands' (empty) ones.
+    mat = jax.typeof(args[1]).manual_axis_type
+    out_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
