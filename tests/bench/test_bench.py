@@ -47,6 +47,22 @@ def test_shapes_filter_by_name():
     assert {r["shape_name"] for r in records} == {"quick_wide"}
 
 
+def test_past_the_budget_only_jaxforge_is_measured():
+    records = run("linalg", quick=True, shapes=["quick_tall"], budget_s=0.0)
+    for r in records:
+        if r["implementation"] == "jaxforge":
+            assert r["status"] == "ok" and r["ratio"] == 1.0
+        else:
+            assert r["status"] == "skipped" and "time budget" in r["reason"], r
+    assert len(records) > 2  # both ops, with their anchors
+
+
+def test_a_timed_row_without_a_jaxforge_time_has_no_ratio():
+    record = dict(op="attention", mode="fwd", shape_name="s", shape=[1], implementation="x", status="ok",
+                  median_ms=1.0, ratio=None, accuracy={"out": 1e-3}, tflops=None)  # fmt: skip
+    assert format_table([record]).splitlines()[1].split()[-4:] == ["1.000", "-", "out", "1.0e-03"]
+
+
 def test_unknown_family_or_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown benchmark family 'nope'.*linalg"):
         run("nope")
@@ -93,6 +109,24 @@ def test_attention_results_are_written_as_json(attention_run):
     saved = json.loads(path.read_text())
     assert saved["family"] == "attention" and saved["records"] == records
     assert len(format_table(records).splitlines()) == len(records) + 1
+
+
+def test_attention_budget_measures_the_essential_contenders_of_every_case_first():
+    # soft limit 0: the optional contenders (everything but jaxforge on CPU) are skipped, on every
+    # case, while jaxforge is measured on both cases; the records keep the case/mode/contender order
+    records = run("attention", quick=True, budget_s=(0.0, float("inf")))
+    cases = ["quick_causal", "quick_gqa_document"]
+    assert list(dict.fromkeys(r["shape_name"] for r in records)) == cases
+    for case in cases:
+        rows = [r for r in records if r["shape_name"] == case]
+        assert [r["mode"] for r in rows if r["implementation"] == "jaxforge"] == ["fwd", "fwd+bwd", "jvp"]
+        for r in rows:
+            if r["implementation"] == "jaxforge":
+                assert r["status"] == "ok" and r["ratio"] == 1.0, r
+            else:
+                assert r["status"] == "skipped" and "soft limit" in r["reason"], r
+    hard = run("attention", quick=True, shapes=["quick_causal"], budget_s=(0.0, 0.0))
+    assert all(r["status"] == "skipped" for r in hard) and len(format_table(hard).splitlines()) == len(hard) + 1
 
 
 def test_attention_flops_count_the_visible_scores():
