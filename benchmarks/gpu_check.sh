@@ -3,7 +3,8 @@
 # builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; logs and
 # JSON go to $OUT (at most 8 files, what the device tool brings back). Prints short tables last.
 #
-#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention (default: all four)
+#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention tune
+#                                        (default: the first four; tune is the Triton tile sweep)
 #
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
 # --budget). The gpu tests run as three pytest processes side by side (linalg, attention, the demo),
@@ -22,6 +23,10 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false  # test workers and torch share the o
 export PYTHONUNBUFFERED=1
 
 phases=${*:-build tests linalg attention}
+# The tuning sweep: each variant (block_q x block_kv, warps, stages) against the default and the
+# essential anchors on the cases that matter most (ANCHORS.md); results go to *-attention-tune.json.
+TUNE_SHAPES=${TUNE_SHAPES:-short_d64,long_d128_causal}
+TUNE_VARIANTS=${TUNE_VARIANTS:-128x64w8s2,128x128w8s2,128x64w4s3,64x64w4s2,128x32w4s2,64x128w8s2}
 budget=${GPU_CHECK_BUDGET_S:-360}
 cap() {  # seconds a phase may take: its own cap, or what is left of the budget
   local left=$((budget - SECONDS))
@@ -78,8 +83,16 @@ if wants attention; then
   rc[attention]=${PIPESTATUS[0]}
 fi
 
+if wants tune; then
+  echo "== attention tuning sweep"
+  limit=$(cap 240)
+  timeout "$limit" python3 -m jaxforge.bench attention --shapes "$TUNE_SHAPES" --variants "$TUNE_VARIANTS" \
+    --budget 0,$((limit - 40)) --tag tune --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
+  rc[tune]=${PIPESTATUS[0]}
+fi
+
 echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s ' "$p" "${rc[$p]}"; done))"
 # linalg: every row; attention: the timed rows of jaxforge and of the anchors with ANCHORS.md
 # targets (every row is in bench.txt, every field in the JSON)
-[[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq) |^attention .* (jaxforge|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
+[[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq) |^attention .* (jaxforge(\[[^]]*\])?|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
   "$OUT/bench.txt"

@@ -37,16 +37,18 @@ def run(
     tag: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     budget_s=None,
+    **options,
 ) -> list[dict]:
     """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given.
 
     ``shapes`` selects named shapes (default: those tagged for this device), ``quick`` uses tiny
     shapes and one or two repeats, ``progress(done, total, label)`` follows the run, ``budget_s``
-    is the family's time budget (see its ``measure``; default: its own on a GPU).
+    is the family's time budget (see its ``measure``; default: its own on a GPU); ``options``
+    go to the family's ``measure`` (attention: ``variants``).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown benchmark family {family!r}; known families: {sorted(FAMILIES)}")
-    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s)
+    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s, **options)
     if out_dir is not None:
         write_results(records, family, out_dir, quick=quick, tag=tag)
     return records

@@ -1,4 +1,5 @@
-"""Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--budget S[,S]] [--out DIR] [--tag TAG]``."""
+"""Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--budget S[,S]]
+[--variants BQxBKVwWsS,...] [--out DIR] [--tag TAG]``."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds into the run after which anchors are skipped: linalg takes one number, attention "
         "SOFT,HARD (optional contenders, then all) (default: the family's own on a GPU, none elsewhere)",
     )
+    parser.add_argument(
+        "--variants",
+        type=lambda text: [v for v in text.split(",") if v],
+        help="attention only: Triton configurations BQxBKVwWARPSsSTAGES, e.g. 128x64w4s2,128x128w8s3 "
+        "('-' keeps config.py's), each timed as a contender beside the default",
+    )
     parser.add_argument("--tag", help="a word added to the file name and stored in the JSON")
     args = parser.parse_args(argv)
 
@@ -39,9 +46,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budget for {args.family} takes {'SOFT,HARD' if args.family == 'attention' else 'one number'}")
     if budget is not None and args.family != "attention":
         budget = budget[0]
+    options = {}
+    if args.variants:
+        if args.family != "attention":
+            parser.error("--variants is for the attention family")
+        from jaxforge.bench.attention import parse_variant
+
+        try:
+            options["variants"] = [parse_variant(v) for v in args.variants]
+        except ValueError as e:
+            parser.error(str(e))
     start = time.perf_counter()
     try:
-        records = run(args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar(), budget_s=budget)
+        records = run(
+            args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar(), budget_s=budget, **options
+        )
     except ValueError as e:  # an unknown shape name: a usage error, not a crash
         parser.error(str(e))
     path = write_results(records, args.family, args.out, quick=args.quick, tag=args.tag)

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -46,7 +47,7 @@ import jaxforge as jf
 from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
 from jaxforge.primitives.attention.attention import SHAPES
 
-__all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure"]
+__all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
 
 MODES = ("fwd", "fwd+bwd", "jvp")
 WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
@@ -140,9 +141,12 @@ class _Op:
 
 
 def measure(
-    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None
+    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None, variants=()
 ) -> list[dict]:
     """Times every contender on each selected case in each mode; one record per triple.
+
+    ``variants``: ``jf.attention`` Implementations (Triton tiles, warps, stages) measured as
+    essential contenders beside the default one, named by ``variant_name``: a tuning sweep.
 
     ``shapes`` names entries of ``SHAPES`` or ``QUICK_SHAPES``; the default is every case tagged
     for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere). Cases run
@@ -167,6 +171,9 @@ def measure(
     repeats = _REPEATS["quick" if quick else "gpu" if backend == "gpu" else "cpu"]
 
     contenders = op.contenders(backend)
+    contenders[1:1] = [
+        _jax_contender(variant_name(v), _jf_forward(v), essential=lambda case: True) for v in variants
+    ]
     total = len(cases) * len(MODES) * len(contenders)
     measured: dict[tuple[str, str, str], dict] = {}
     # Two passes: the essential contenders (jaxforge and the anchors with targets) on every case,
@@ -451,7 +458,23 @@ def _jax_contender(name: str, forward: Callable[[Case], Callable | str], *, no_j
     return Contender(name, prepare, **kw)
 
 
-def _jf_forward(implementation: str | None):
+def variant_name(impl) -> str:
+    """``jaxforge[128x64w4s2]``: block_q x block_kv, warps, stages (``-`` where config.py decides)."""
+    field = lambda v: "-" if v is None else str(v)  # noqa: E731
+    bq, bkv, w, st = (field(getattr(impl, n)) for n in ("block_q", "block_kv", "num_warps", "num_stages"))
+    return f"jaxforge[{bq}x{bkv}w{w}s{st}]"
+
+
+def parse_variant(text: str):
+    """``"128x64w4s2"`` (any field may be ``-``) as a Triton ``Implementation``."""
+    match = re.fullmatch(r"(\d+|-)x(\d+|-)w(\d+|-)s(\d+|-)", text)
+    if match is None:
+        raise ValueError(f"a variant is BQxBKVwWARPSsSTAGES such as 128x64w4s2 ('-' keeps config.py's), got {text!r}")
+    bq, bkv, w, st = (None if g == "-" else int(g) for g in match.groups())
+    return jf.functional.attention.Implementation("pallas_triton", block_q=bq, block_kv=bkv, num_warps=w, num_stages=st)
+
+
+def _jf_forward(implementation):
     def forward(case: Case):
         def attend(q, k, v, seg):
             return jf.attention(q, k, v, mask=_jf_mask(case.mask, seg), implementation=implementation)

@@ -139,8 +139,11 @@ def _implementation(impl) -> Implementation:
             f"attention: `implementation` must be None, one of {IMPLEMENTATION_NAMES} or an "
             f"Implementation, got {impl!r}"
         )
-    for name in ("block_q", "block_kv"):
+    for name in ("block_q", "block_kv", "num_stages"):
         size = getattr(impl, name)
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"attention: Implementation.{name} must be a positive int, got {size!r}")
+    warps = impl.num_warps
+    if warps is not None and (not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16)):
+        raise ValueError(f"attention: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")
     return impl

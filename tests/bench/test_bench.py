@@ -153,3 +153,17 @@ def test_attention_flops_count_the_visible_scores():
 def test_attention_unknown_shape_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown shape name"):
         run("attention", quick=True, shapes=["no_such_shape"])
+
+
+def test_attention_variants_are_timed_beside_the_default():
+    from jaxforge.bench.attention import parse_variant, variant_name
+
+    variant = parse_variant("32x16w2s3")
+    assert (variant.name, variant.block_q, variant.block_kv, variant.num_warps, variant.num_stages) == ("pallas_triton", 32, 16, 2, 3)
+    assert variant_name(parse_variant("-x64w-s-")) == "jaxforge[-x64w-s-]"
+    with pytest.raises(ValueError, match="a variant is BQxBKVwWARPSsSTAGES"):
+        parse_variant("128x64")
+    records = run("attention", quick=True, shapes=["quick_causal"], variants=[variant])
+    rows = [r for r in records if r["implementation"] == "jaxforge[32x16w2s3]"]
+    assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "jvp"]
+    assert all(r["status"] == "ok" and all(v < 1e-4 for v in r["accuracy"].values()) for r in rows), rows

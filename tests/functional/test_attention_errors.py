@@ -259,11 +259,17 @@ def test_unknown_implementation_name_in_an_implementation():
         jf.attention(*qkv(), implementation=Implementation("mosaic"))
 
 
-@pytest.mark.parametrize("field", ["block_q", "block_kv"])
+@pytest.mark.parametrize("field", ["block_q", "block_kv", "num_stages"])
 @pytest.mark.parametrize("size", [0, -8, 16.0])
 def test_implementation_tile_sizes(field, size):
     with pytest.raises(ValueError, match=rf"attention: Implementation\.{field} must be a positive int, got"):
         jf.attention(*qkv(), implementation=Implementation("xla", **{field: size}))
+
+
+@pytest.mark.parametrize("warps", [0, 3, 32, 4.0])
+def test_implementation_num_warps(warps):
+    with pytest.raises(ValueError, match=r"attention: Implementation\.num_warps must be one of 1, 2, 4, 8, 16, got"):
+        jf.attention(*qkv(), implementation=Implementation("pallas_triton", num_warps=warps))
 
 
 # --- at trace time -----------------------------------------------------------------------------------

@@ -75,11 +75,16 @@ class Implementation:
 
     ``name=None`` picks the platform's best: "pallas_triton" on GPU, "xla" elsewhere. On CPU,
     "pallas_triton" runs the kernels in Pallas interpret mode (slow: for testing kernel logic).
+    ``block_q``/``block_kv`` (tile rows) and, for Triton, ``num_warps`` (a power of two) and
+    ``num_stages`` (software-pipelining depth) override config.py's choice for every kernel of the
+    call: for tuning sweeps (``python -m jaxforge.bench attention --variants``).
     """
 
     name: str | None = None
     block_q: int | None = None
     block_kv: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
 
 # Named cases shared by tests and benchmarks: (batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags.
 # "bench_gpu" are ANCHORS.md cases (bf16 on the H200).

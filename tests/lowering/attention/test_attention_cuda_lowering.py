@@ -55,3 +55,21 @@ def test_masks_reading_a_table_at_traced_indices_fall_back_to_xla():
     assert triton_kernels(gathering) == set()
     with pytest.raises(ValueError, match="pallas_triton"):
         triton_kernels(gathering, implementation="pallas_triton")
+
+
+def triton_compiler_params(implementation):
+    """``(kernel name, num_warps, num_stages)`` of each Triton kernel in the cuda lowering of grad and jvp."""
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
+    att = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), implementation=implementation)
+    f = lambda q, k, v: (jax.jvp(att, (q, k, v), (q, k, v))[1], jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), (0, 1, 2))(q, k, v))
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv).mlir_module()
+    calls = re.findall(r'name = "(jaxforge_attention_\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
+    return {(name, int(warps), int(stages)) for name, stages, warps in calls}
+
+
+def test_num_warps_and_num_stages_reach_every_triton_kernel():
+    tuned = jf.functional.attention.Implementation("pallas_triton", num_warps=8, num_stages=3)
+    assert triton_compiler_params(tuned) == {(name, 8, 3) for name in KERNELS}
+    assert triton_compiler_params(None) == {(name, 4, 2) for name in KERNELS}

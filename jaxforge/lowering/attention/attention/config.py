@@ -9,23 +9,25 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["tiles"]
+__all__ = ["tiles", "triton_compiler", "triton_smem"]
 
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# Shared memory a Triton program's tiles may take: sm90 gives a block 227 KiB, less Triton's own
-# scratch (row statistics, layout conversions: about 17 KiB more than the estimate below on the H200).
-TRITON_SMEM_BYTES = 200 * 1024
+# Shared memory a Triton program may take: sm90 gives a block 227 KiB (sm80: 163 KiB); the margin
+# is for what the estimate below does not count.
+TRITON_SMEM_BYTES = 220 * 1024
 TRITON_STAGES = 2  # copies of each inner-loop tile that Triton's software pipelining keeps
+TRITON_NUM_WARPS = 4
 # Per kernel, in head dims (d of q/k, dv of v): the width of the program's own tile rows and of the
-# rows its inner loop loads. fwd owns q and loads k, v; tangent owns q, dq, out and loads k, v, dk,
-# dv; bwd_dq owns q, dout and loads k, v; bwd_dkv owns k, v and loads q, dout.
+# rows its inner loop loads, the matmul operands that go through shared memory. fwd owns q and loads
+# k, v; tangent owns q, dq and loads k, v, dk, dv; bwd_dq owns q, dout and loads k, v; bwd_dkv owns
+# k, v and loads q, dout (and its lse, delta rows, 8 bytes a row).
 _TRITON_WIDTHS = {
     "fwd": (lambda d, dv: d, lambda d, dv: d + dv),
-    "tangent": (lambda d, dv: 2 * d + dv, lambda d, dv: 2 * (d + dv)),
+    "tangent": (lambda d, dv: 2 * d, lambda d, dv: 2 * (d + dv)),
     "bwd_dq": (lambda d, dv: d + dv, lambda d, dv: d + dv),
     "bwd_dkv": (lambda d, dv: d + dv, lambda d, dv: d + dv),
 }
@@ -47,7 +49,8 @@ def tiles(
     # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
     block_q, block_kv = min(128, max(16, _pow2_at_least(sq))), min(64, max(16, _pow2_at_least(skv)))
     block_q, block_kv = impl.block_q or block_q, impl.block_kv or block_kv
-    while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize) > TRITON_SMEM_BYTES]:
+    stages = triton_compiler(impl)[1]
+    while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize, stages) > TRITON_SMEM_BYTES]:
         loop_is_kv = _TRITON_OWNS_Q[over[0]]
         if block_q > block_kv or (block_q == block_kv and not loop_is_kv):
             block_q //= 2
@@ -56,17 +59,28 @@ def tiles(
         if min(block_q, block_kv) < 16:
             raise ValueError(
                 f"attention: no Triton tiles fit {TRITON_SMEM_BYTES} bytes of shared memory for head dims "
-                f"{d}/{dv} and {itemsize}-byte elements (block_q/block_kv given: {impl.block_q}/{impl.block_kv})"
+                f"{d}/{dv}, {itemsize}-byte elements and {stages} pipeline stages (Implementation's block_q, "
+                f"block_kv, num_stages: {impl.block_q}, {impl.block_kv}, {impl.num_stages}); ask for fewer stages"
             )
     return block_q, block_kv
 
 
-def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, itemsize: int) -> int:
-    """Estimated shared memory of one Triton program: ``TRITON_STAGES`` copies of the inner loop's
-    tiles plus the program's own tile."""
+def triton_compiler(impl: Implementation) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the Triton kernels."""
+    return impl.num_warps or TRITON_NUM_WARPS, impl.num_stages or TRITON_STAGES
+
+
+def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, itemsize: int, stages: int) -> int:
+    """Estimated shared memory of one Triton program: ``stages`` copies of the inner loop's tiles
+    plus the program's own tile; bwd_dkv also transposes its probabilities through shared memory
+    and loads its rows' lse and delta. It reproduces the requests the H200 refused for head dims
+    256/128 in bf16 at 128 x 64 tiles (tangent 327680 bytes, backward 263168)."""
     own_width, loop_width = (w(d, dv) for w in _TRITON_WIDTHS[kernel])
     own, loop = (block_q, block_kv) if _TRITON_OWNS_Q[kernel] else (block_kv, block_q)
-    return (TRITON_STAGES * loop * loop_width + own * own_width) * itemsize
+    size = (stages * loop * loop_width + own * own_width) * itemsize
+    if kernel == "bwd_dkv":
+        size += block_q * block_kv * itemsize + 8 * block_q
+    return size
 
 
 def _round_up(n: int, m: int) -> int:

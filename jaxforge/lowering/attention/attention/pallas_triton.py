@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxforge.lowering.attention.attention import xla
+from jaxforge.lowering.attention.attention import config, xla
 from jaxforge.lowering.attention.attention.kernel import (
     Geometry,
     MaskTiles,
@@ -100,11 +100,12 @@ def _whole(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str):
+def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, impl: Implementation):
     # Inside shard_map (check_vma) pallas_call wants each output's varying mesh axes. The lowering
     # traces on untyped avals (primitives._core), so the outputs take the operands' (empty) ones.
     mat = jax.typeof(args[1]).manual_axis_type
     out_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
+    warps, stages = config.triton_compiler(impl)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -113,7 +114,7 @@ def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, n
         out_specs=out_specs,
         interpret=interpret,
         name=name,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4, num_stages=2),
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages),
     )(*args)
 
 
@@ -201,6 +202,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
         (offset, qp, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_fwd",
+        implementation,
     )
     return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
 
@@ -243,6 +245,7 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
         (offset, *rows, *cols, *mask_ops, *score_c, *dscore),
         "jaxforge_attention_tangent",
+        implementation,
     )
     return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
 
@@ -289,6 +292,7 @@ def attention_bwd_pallas(
         jax.ShapeDtypeStruct(qp.shape, q.dtype),
         (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dq",
+        implementation,
     )
 
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
@@ -318,6 +322,7 @@ def attention_bwd_pallas(
         [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         (offset, kp, vp, qp, gp, lse_p, delta_p, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dkv",
+        implementation,
     )
     return (
         _back(gq, batch, geo.sq, q.shape[-1]),
