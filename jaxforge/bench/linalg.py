@@ -61,6 +61,7 @@ class Implementation:
     fn: Callable[..., Sequence]
     prepare: Callable[..., tuple] = _unchanged  # moves the inputs where fn wants them, untimed
     fetch: Callable[[Any], np.ndarray] = np.asarray  # one output back to a host array
+    applies: Callable[[tuple[int, ...]], bool] = lambda shape: True  # else recorded as skipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +111,9 @@ def measure(
                 progress(len(records), total, f"{op.name} {name} {impl.name}")
             record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl.name)
             elapsed = time.perf_counter() - start
-            if impl.name != "jaxforge" and elapsed > budget_s:
+            if not impl.applies(shape):
+                record.update(untimed_record("skipped", "measured on large matrices only (a dispatch choice there)"))
+            elif impl.name != "jaxforge" and elapsed > budget_s:
                 reason = f"time budget: {elapsed:.0f} s into the run, past its limit of {budget_s:.0f} s"
                 record.update(untimed_record("skipped", reason))
             else:
@@ -216,7 +219,31 @@ def _svd_implementations(backend: str) -> list[Implementation]:
     torch = _cuda_torch() if backend == "gpu" else None
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
+    if backend == "gpu":
+        impls += _svd_algorithms()
     return impls
+
+
+def _large(shape) -> bool:
+    return min(shape[-2:]) >= 512
+
+
+def _svd_algorithms() -> list[Implementation]:
+    """cuSOLVER's SVDs by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) and QR-first (``A = QR``, SVD
+    of ``R``) on the large shapes: what the dispatch of large SVDs is to choose from (issue 3)."""
+    algorithms = jax.lax.linalg.SvdAlgorithm
+    svd = lambda a, algorithm=None: jax.lax.linalg.svd(a, full_matrices=False, algorithm=algorithm)  # noqa: E731
+
+    def qr_first(a):
+        q, r = jnp.linalg.qr(a)
+        u, s, vh = svd(r)
+        return _matmul(q, u), s, vh
+
+    impls = [
+        Implementation(f"jnp-{name}", jax.jit(functools.partial(svd, algorithm=getattr(algorithms, alg))), applies=_large)
+        for name, alg in (("gesvd", "QR"), ("gesvdj", "JACOBI"), ("gesvdp", "POLAR"))
+    ]
+    return impls + [Implementation("jnp-qr-svd", jax.jit(qr_first), applies=lambda shape: _large(shape) and shape[-2] >= 2 * shape[-1])]
 
 
 def _qr_lstsq(a, b):

@@ -167,3 +167,18 @@ def test_attention_variants_are_timed_beside_the_default():
     rows = [r for r in records if r["implementation"] == "jaxforge[32x16w2s3]"]
     assert [r["mode"] for r in rows] == ["fwd", "fwd+bwd", "jvp"]
     assert all(r["status"] == "ok" and all(v < 1e-4 for v in r["accuracy"].values()) for r in rows), rows
+
+
+def test_gpu_svd_algorithm_variants_are_accurate_and_gated_to_large_shapes():
+    # On a GPU they are timed beside jnp's default; gesvd (algorithm=QR) and QR-first also run on CPU.
+    from jaxforge.bench import linalg
+
+    variants = {impl.name: impl for impl in linalg._svd_algorithms()}
+    assert set(variants) == {"jnp-gesvd", "jnp-gesvdj", "jnp-gesvdp", "jnp-qr-svd"}
+    assert not any(v.applies((8192, 32, 32)) for v in variants.values())
+    assert not variants["jnp-qr-svd"].applies((1, 2048, 2048)) and variants["jnp-qr-svd"].applies((1, 8192, 512))
+    (a,) = linalg._svd_inputs((1, 1024, 512))
+    for name in ("jnp-gesvd", "jnp-qr-svd"):
+        outputs = [np.asarray(x, np.float64) for x in variants[name].fn(a)]
+        accuracy = linalg._svd_accuracy((np.asarray(a, np.float64),), outputs)
+        assert accuracy["reconstruction"] < 1e-5 and accuracy["orthogonality"] < 2e-4, (name, accuracy)
