@@ -1,4 +1,5 @@
-"""The CUDA Jacobi svd kernel against float64 numpy on the GPU (skipped without one)."""
+"""The CUDA Jacobi svd kernels (one warp, one block per matrix) against float64 numpy on the GPU
+(skipped without one)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,37 @@ def test_gradients_through_the_kernel():
     loss = lambda a: jnp.sum(jf.linalg.svd(a, compute_uv=False) ** 2)  # = ‖A‖_F², gradient 2A
     grad = jax.jit(jax.grad(loss))(on_gpu(a))
     np.testing.assert_allclose(grad, 2 * a, rtol=1e-10, atol=1e-10)
+
+
+# ---------------------------------------------------------------- the one-block kernel (float32)
+
+BLOCK_SHAPES = [(1024, 64, 64), (64, 128, 128), (50, 200, 37), (30, 45, 130), (16, 33, 33), (7, 256, 100)]
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+def test_block_kernel_is_used_and_matches_numpy(shape):
+    a = random(np.random.default_rng(4), shape, np.float32)
+    f, (u, s, vh) = gpu_svd(a)
+    assert "jaxforge_svd_jacobi_block" in f.lower(on_gpu(a)).as_text()
+    check_against_numpy(a, u, s, vh)
+
+
+def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64():
+    rng = np.random.default_rng(5)
+    ill = with_singular_values(rng, (16,), 96, 64, np.logspace(0, -6, 64)).astype(np.float32)
+    check_against_numpy(ill, *gpu_svd(ill)[1])
+    deficient = with_singular_values(rng, (16,), 70, 70, np.r_[np.linspace(2, 1, 35), np.zeros(35)]).astype(np.float32)
+    f, (u, s, vh) = gpu_svd(deficient)
+    assert "jaxforge_svd_jacobi_block" in f.lower(on_gpu(deficient)).as_text()
+    np.testing.assert_allclose(s[:, 35:], 0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(u[:, :, :35]) * np.asarray(s[:, None, :35]) @ np.asarray(vh[:, :35]), deficient, atol=1e-5)
+    bad = random(rng, (8, 70, 40), np.float32)
+    bad[3, 5, 7], bad[6, 0, 0] = np.nan, -np.inf
+    _, (u, s, vh) = gpu_svd(bad)
+    for i in (3, 6):
+        assert np.all(np.isnan(s[i])) and np.all(np.isnan(u[i])) and np.all(np.isnan(vh[i]))
+    check_against_numpy(np.delete(bad, [3, 6], 0), *(np.delete(x, [3, 6], 0) for x in (u, s, vh)))
+    double = random(rng, (4, 64, 64), np.float64)  # float64 stays with cuSOLVER
+    f, (u, s, vh) = gpu_svd(double)
+    assert "jaxforge_svd_jacobi" not in f.lower(on_gpu(double)).as_text()
+    np.testing.assert_allclose(s, np.linalg.svd(double, compute_uv=False), rtol=1e-10)

@@ -1,17 +1,43 @@
 """Dispatch of svd_p on CUDA: which kernel serves which shape.
 
 The one-warp Jacobi kernel holds a matrix's rows in the 32 lanes of a warp, so both dims are at most
-32. Larger shapes use the default lowering (cuSOLVER through jax.lax.linalg) until the blocked and
-QR-preconditioned kernels land; the thresholds are to be measured on the H200, not guessed.
+32. The one-block kernel keeps a float32 matrix and its float64 rotations in a block's shared
+memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Other shapes
+use the default lowering (cuSOLVER through jax.lax.linalg); the thresholds are to be measured on
+the H200, not guessed.
 """
 
 from jaxforge.lowering import build
 
 JACOBI_WARP_MAX_DIM = 32
 JACOBI_WARP_VALIDATED = False  # not yet run on a GPU: see build.enabled
+JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
+JACOBI_BLOCK_VALIDATED = False  # written and compiled, never run: see build.enabled
+# Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
+# sm_80 163 KiB, sm_86/sm_89 99 KiB.
+MAX_SHARED_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
+
+
+def _thin(m: int, n: int, full_matrices: bool) -> bool:
+    return m == n or not full_matrices  # the kernels compute thin factors only
 
 
 def use_jacobi_warp(m: int, n: int, dtype, full_matrices: bool) -> bool:
     fits = 0 < m <= JACOBI_WARP_MAX_DIM and 0 < n <= JACOBI_WARP_MAX_DIM
-    thin = m == n or not full_matrices  # the kernel computes thin factors only
-    return build.enabled(JACOBI_WARP_VALIDATED) and fits and thin and dtype.name in ("float32", "float64")
+    return build.enabled(JACOBI_WARP_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name in ("float32", "float64")
+
+
+def jacobi_block_bytes(rows: int, cols: int) -> int:
+    """The block kernel's shared memory for an R x C work matrix (``block_layout<float>`` in
+    csrc/svd_jacobi_block.cuh): V in float64, W, norms, 8 reduction slots, perm, flag."""
+    v = (cols | 1) * cols * 8
+    w = (rows | 1) * cols * 4
+    return (v + w + cols * 4 + 8 * 4 + cols * 4 + 4 + 15) // 16 * 16
+
+
+def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
+    """For float32 matrices past the warp kernel that fit the block kernel on GPU ``arch``."""
+    rows, cols = max(m, n), min(m, n)
+    fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and rows <= JACOBI_BLOCK_MAX_ROWS and rows > JACOBI_WARP_MAX_DIM
+    fits = fits and jacobi_block_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
+    return build.enabled(JACOBI_BLOCK_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"

@@ -56,6 +56,7 @@ struct Real<float> {
   // rounding would differ per lane (see warp_sum).
   static __device__ float mul_rn(float x, float y) { return __fmul_rn(x, y); }
   static __device__ float add_rn(float x, float y) { return __fadd_rn(x, y); }
+  static __device__ float fma_rn(float x, float y, float z) { return __fmaf_rn(x, y, z); }
 };
 
 template <>
@@ -70,6 +71,7 @@ struct Real<double> {
   static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
   static __device__ double mul_rn(double x, double y) { return __dmul_rn(x, y); }
   static __device__ double add_rn(double x, double y) { return __dadd_rn(x, y); }
+  static __device__ double fma_rn(double x, double y, double z) { return __fma_rn(x, y, z); }
 };
 
 // Per-warp slice of dynamic shared memory. W (R x C work matrix) and V (C x C) are column-major so
@@ -183,27 +185,28 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
 }
 
 // dst holds k vectors of length len, the r-th being column perm[r] of src (column-major, leading
-// dim ld), divided by its norm sv[perm[r]] when `normalize` (0 where that norm is 0). The vectors
-// are the columns of dst (len x k) or, with `as_rows`, its rows (k x len). The loop runs over dst's
-// linear index so that global stores coalesce.
-template <typename T>
-__device__ void store_vectors(T* dst, int len, int k, bool as_rows, const T* src, int ld,
-                              const T* sv, bool normalize, const int* perm, int lane) {
+// dim ld, elements of T or wider), divided by its norm sv[perm[r]] when `normalize` (0 where that
+// norm is 0). The vectors are the columns of dst (len x k) or, with `as_rows`, its rows (k x len).
+// The loop runs over dst's linear index so that global stores coalesce; `threads` threads share
+// it, this one being `tid`.
+template <typename T, typename S>
+__device__ void store_vectors(T* dst, int len, int k, bool as_rows, const S* src, int ld,
+                              const T* sv, bool normalize, const int* perm, int tid, int threads) {
 #pragma unroll 1
-  for (int idx = lane; idx < len * k; idx += 32) {
+  for (int idx = tid; idx < len * k; idx += threads) {
     const int r = as_rows ? idx / len : idx % k;
     const int i = as_rows ? idx % len : idx / k;
     const int j = perm[r];
-    T x = src[j * ld + i];
+    T x = static_cast<T>(src[j * ld + i]);
     if (normalize) x = sv[j] > T(0) ? x / sv[j] : T(0);
     dst[idx] = x;
   }
 }
 
 template <typename T>
-__device__ void fill(T* dst, int count, T value, int lane) {
+__device__ void fill(T* dst, int count, T value, int tid, int threads) {
 #pragma unroll 1
-  for (int idx = lane; idx < count; idx += 32) dst[idx] = value;
+  for (int idx = tid; idx < count; idx += threads) dst[idx] = value;
 }
 
 // One matrix, executed by a whole warp (all control flow is warp-uniform).
@@ -246,9 +249,9 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   }
   if (lane == 0) *info = sweeps;
   if (sweeps < 0) {
-    fill(s, k, Real<T>::nan(), lane);
-    fill(u, m * k, Real<T>::nan(), lane);
-    fill(vt, k * n, Real<T>::nan(), lane);
+    fill(s, k, Real<T>::nan(), lane, 32);
+    fill(u, m * k, Real<T>::nan(), lane, 32);
+    fill(vt, k * n, Real<T>::nan(), lane, 32);
     return;
   }
 
@@ -271,9 +274,9 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
 
   if (lane < k) s[lane] = Real<T>::ldexp(sv[perm[lane]], e);
   store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
-                perm, lane);
+                perm, lane, 32);
   store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
-                perm, lane);
+                perm, lane, 32);
 }
 
 // Grid-stride over matrices, one per warp; the dynamic shared memory is blockDim.x / 32 slices of

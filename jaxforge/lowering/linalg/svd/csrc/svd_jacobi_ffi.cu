@@ -1,55 +1,73 @@
-// XLA FFI handlers for the batched one-warp Jacobi SVD (svd_jacobi.cuh), float32 and float64.
+// XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
+// float32 and float64) and one block per matrix (svd_jacobi_block.cuh, float32, max(m, n) <= 256,
+// min(m, n) <= 128, within the device's shared memory per block).
 //
-// Operand a: (*batch, m, n), row-major, m, n <= 32. Results, in order: s (*batch, k) descending,
+// Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
 // info (*batch) int32: sweeps used, or -1 where the matrix held NaN/Inf or did not converge
-// (s, u, vt all NaN there). Shapes beyond the limit are rejected with InvalidArgument.
+// (s, u, vt all NaN there). Shapes beyond a kernel's limit are rejected with InvalidArgument.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "csrc/xla_ffi.h"
 #include "svd_jacobi.cuh"
+#include "svd_jacobi_block.cuh"
 
 namespace ffi = xla::ffi;
 using jaxforge::ShapeString;
 namespace sj = jaxforge::svd_jacobi;
+namespace sjb = jaxforge::svd_jacobi_block;
 
 namespace {
 
-template <ffi::DataType DT>
+enum class Kernel { kWarp, kBlock };
+
+template <ffi::DataType DT, Kernel K>
 ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuffer<DT> s,
                          ffi::ResultBuffer<DT> u, ffi::ResultBuffer<DT> vt,
                          ffi::ResultBuffer<ffi::S32> info) {
+  const std::string name = K == Kernel::kWarp ? "svd_jacobi" : "svd_jacobi_block";
   const auto dims = a.dimensions();
   if (dims.size() < 2) {
-    return ffi::Error::InvalidArgument("svd_jacobi: operand must have rank >= 2, got shape " +
+    return ffi::Error::InvalidArgument(name + ": operand must have rank >= 2, got shape " +
                                        ShapeString(dims));
   }
   const int64_t m = dims[dims.size() - 2];
   const int64_t n = dims[dims.size() - 1];
-  if (m > sj::kMaxDim || n > sj::kMaxDim) {
-    return ffi::Error::InvalidArgument("svd_jacobi: operand shape " + ShapeString(dims) +
-                                       " exceeds the one-warp limit m, n <= " +
-                                       std::to_string(sj::kMaxDim));
+  const bool fits = K == Kernel::kWarp
+                        ? m <= sj::kMaxDim && n <= sj::kMaxDim
+                        : std::max(m, n) <= sjb::kMaxRows && std::min(m, n) <= sjb::kMaxCols;
+  if (!fits) {
+    const std::string limit = K == Kernel::kWarp ? "m, n <= 32" : "max(m, n) <= 256, min(m, n) <= 128";
+    return ffi::Error::InvalidArgument(name + ": operand shape " + ShapeString(dims) +
+                                       " exceeds the limit " + limit);
   }
   int64_t batch = 1;
   for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
-  const int64_t k = m < n ? m : n;
+  const int64_t k = std::min(m, n);
   // Guards against a caller whose result shapes disagree with the kernel's writes.
   if (s->element_count() != static_cast<size_t>(batch * k) ||
       u->element_count() != static_cast<size_t>(batch * m * k) ||
       vt->element_count() != static_cast<size_t>(batch * k * n) ||
       info->element_count() != static_cast<size_t>(batch)) {
-    return ffi::Error::InvalidArgument("svd_jacobi: result shapes do not match operand shape " +
+    return ffi::Error::InvalidArgument(name + ": result shapes do not match operand shape " +
                                        ShapeString(dims));
   }
-  const cudaError_t err =
-      sj::launch(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
-                 info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
+  using T = ffi::NativeType<DT>;
+  const auto launch = [&] {  // instantiates only this kernel's launcher (the block one is f32 only)
+    if constexpr (K == Kernel::kWarp) {
+      return sj::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
+                           info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
+    } else {
+      return sjb::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
+                            info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
+    }
+  };
+  const cudaError_t err = launch();
   if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("svd_jacobi: CUDA launch failed: ") +
-                                cudaGetErrorString(err));
+    return ffi::Error::Internal(name + ": CUDA launch failed: " + cudaGetErrorString(err));
   }
   return ffi::Error::Success();
 }
@@ -67,7 +85,9 @@ auto SvdJacobiBinding() {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF32, SvdJacobiImpl<ffi::F32>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF32, (SvdJacobiImpl<ffi::F32, Kernel::kWarp>),
                               SvdJacobiBinding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF64, SvdJacobiImpl<ffi::F64>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF64, (SvdJacobiImpl<ffi::F64, Kernel::kWarp>),
                               SvdJacobiBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32, (SvdJacobiImpl<ffi::F32, Kernel::kBlock>),
+                              SvdJacobiBinding<ffi::F32>());

@@ -1,0 +1,280 @@
+// Batched thin SVD of medium float32 matrices (max(m, n) <= 256, min(m, n) <= 128) by one-sided
+// (Hestenes) Jacobi, one thread block per matrix, the column pairs in the round-robin parallel
+// order. Same contract as svd_jacobi.cuh (layout, descending s, info = sweeps used or -1 with NaN
+// results, zero vectors for zero singular values in the normalised factor).
+//
+// W = A (m >= n) or A^T (m < n), R x C with R >= C, and the rotation accumulator V (C x C) live in
+// the block's shared memory, column-major. V is accumulated in float64, the rotations computed in
+// float64 from W's float32 sums: a column of V takes (C - 1) rotations a sweep, and in float32
+// their rounding left V's orthogonality at 8e-5 (C = 64) to 3e-4 (C = 128), over the 50 eps
+// sqrt(n) accuracy bar, in a float32 model of this kernel; in float64 it stays near 3e-7, and the
+// factor from W (limited by the tolerance below) decides the accuracy. A sweep is P - 1 steps of the circle method over
+// P = C rounded up to even columns (an odd C adds a dummy that pairs with nothing). The P / 2
+// pairs of one step are disjoint, so the block's warps rotate them concurrently, one pair per warp
+// at a time, lane i taking rows i, i + 32, ...; a __syncthreads separates the steps.
+//
+// Tolerance: a pair is skipped when |gamma| <= tol ||a_p|| ||a_q|| with
+// tol = max(sqrt(R), ceil(R / 32) + 7) eps. The dot product's rounding error is at most
+// (ceil(R / 32) + 5) eps ||a_p|| ||a_q|| (ceil(R / 32) fused products per lane, then 5 butterfly
+// levels), so rounding alone cannot keep a sweep rotating; sqrt(R) eps (LAPACK gesvj's) keeps
+// ||U^T U - I|| near the 50 eps sqrt(n) accuracy bar, which the warp kernel's 2 R eps would miss
+// by about R / 8 at these sizes.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "svd_jacobi.cuh"
+
+namespace jaxforge::svd_jacobi_block {
+
+using svd_jacobi::Real;
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxRows = 256;  // R = max(m, n)
+constexpr int kMaxCols = 128;  // C = min(m, n)
+// The sweep cap. A float32 model of this kernel took 7-12 sweeps at condition 100, up to 24 at 1e6
+// (C = 128) and 13-18 on rank-deficient matrices.
+constexpr int kMaxSweeps = 40;
+
+using Acc = double;  // V and the rotations
+
+// The block's dynamic shared memory, in bytes from its start: V (C x C of Acc) first, for its
+// alignment, then W (R x C of T), the C column norms and kWarps reduction slots (T), perm (C ints:
+// perm[r] = column holding the r-th largest norm) and the flag (whether a sweep rotated). V and W
+// are column-major with odd leading dims, as in the warp kernel: a column is stride-1 across lanes,
+// a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py mirrors `bytes`.
+struct BlockLayout {
+  int ldw, ldv;
+  int w_byte, s_byte, red_byte, perm_byte, flag_byte;
+  int bytes;  // a multiple of 16
+};
+
+template <typename T>
+__host__ __device__ inline BlockLayout block_layout(int rows, int cols) {
+  BlockLayout l;
+  l.ldw = rows | 1;
+  l.ldv = cols | 1;
+  l.w_byte = l.ldv * cols * static_cast<int>(sizeof(Acc));
+  l.s_byte = l.w_byte + l.ldw * cols * static_cast<int>(sizeof(T));
+  l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(T));
+  l.perm_byte = l.red_byte + kWarps * static_cast<int>(sizeof(T));
+  l.flag_byte = l.perm_byte + cols * static_cast<int>(sizeof(int));
+  l.bytes = (l.flag_byte + static_cast<int>(sizeof(int)) + 15) & ~15;
+  return l;
+}
+
+// The player at position `pos` in round `t` of the circle method over `players` (even): position 0
+// keeps player 0, the others turn by one each round; round t pairs positions i and players-1-i.
+__device__ __forceinline__ int player(int pos, int t, int players) {
+  return pos == 0 ? 0 : (pos - 1 + t) % (players - 1) + 1;
+}
+
+// Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
+// of V (cols long); one warp, warp-uniform control flow (the butterfly gives every lane the same
+// sums). Sets *flag when it rotates.
+template <typename T>
+__device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int p, int q, T tol,
+                            int* flag, int lane) {
+  T* wp = W + p * ldw;
+  T* wq = W + q * ldw;
+  T alpha = T(0), beta = T(0), gamma = T(0);
+#pragma unroll 1
+  for (int i = lane; i < rows; i += 32) {
+    const T x = wp[i];
+    const T y = wq[i];
+    alpha = Real<T>::fma_rn(x, x, alpha);
+    beta = Real<T>::fma_rn(y, y, beta);
+    gamma = Real<T>::fma_rn(x, y, gamma);
+  }
+  svd_jacobi::warp_sum3(alpha, beta, gamma);
+  if (alpha == T(0) || beta == T(0) || fabs(gamma) <= tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta)) {
+    return;
+  }
+  if (lane == 0) *flag = 1;
+  // Rutishauser's rotation, as in the warp kernel (|t| <= 1, angle at most pi/4), in Acc.
+  const Acc zeta = (Acc(beta) - Acc(alpha)) / (Acc(2) * Acc(gamma));
+  const Acc t = (zeta < Acc(0) ? Acc(-1) : Acc(1)) / (fabs(zeta) + Real<Acc>::hypot(Acc(1), zeta));
+  const Acc c = Acc(1) / Real<Acc>::sqrt(Acc(1) + t * t);
+  const Acc s = c * t;
+  const T cw = static_cast<T>(c);
+  const T sw = static_cast<T>(s);
+#pragma unroll 1
+  for (int i = lane; i < rows; i += 32) {
+    const T x = wp[i];
+    const T y = wq[i];
+    wp[i] = cw * x - sw * y;
+    wq[i] = sw * x + cw * y;
+  }
+  Acc* vp = V + p * ldv;
+  Acc* vq = V + q * ldv;
+#pragma unroll 1
+  for (int i = lane; i < cols; i += 32) {
+    const Acc x = vp[i];
+    const Acc y = vq[i];
+    vp[i] = c * x - s * y;
+    vq[i] = s * x + c * y;
+  }
+}
+
+// Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V. Block-uniform.
+// Returns the sweeps used (the last rotated nothing), or -1 at the cap.
+template <typename T>
+__device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int* flag) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const T tol = fmax(Real<T>::sqrt(T(rows)), T((rows + 31) / 32 + 7)) * Real<T>::kEps;
+  const int players = cols + (cols & 1);
+#pragma unroll 1
+  for (int sweep = 1; sweep <= kMaxSweeps; ++sweep) {
+    if (threadIdx.x == 0) *flag = 0;
+    __syncthreads();
+#pragma unroll 1
+    for (int t = 0; t < players - 1; ++t) {
+#pragma unroll 1
+      for (int pair = warp; pair < players / 2; pair += kWarps) {
+        const int x = player(pair, t, players);
+        const int y = player(players - 1 - pair, t, players);
+        const int p = min(x, y);
+        const int q = max(x, y);
+        if (q < cols) rotate_pair(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+      }
+      __syncthreads();  // the next step pairs these columns with others
+    }
+    const bool rotated = *flag != 0;
+    __syncthreads();  // every thread has read the flag before thread 0 clears it
+    if (!rotated) return sweep;
+  }
+  return -1;
+}
+
+// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
+template <typename T>
+__device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
+                        const BlockLayout& l, unsigned char* smem) {
+  Acc* V = reinterpret_cast<Acc*>(smem);
+  T* W = reinterpret_cast<T*>(smem + l.w_byte);
+  T* sv = reinterpret_cast<T*>(smem + l.s_byte);
+  T* red = reinterpret_cast<T*>(smem + l.red_byte);
+  int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
+  int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const bool transposed = m < n;
+  const int rows = transposed ? n : m;
+  const int cols = transposed ? m : n;
+  const int k = cols;
+
+  // Scale by a power of two (exact) so that max |a_ij| lies in [0.5, 1): squared norms, at most
+  // 256, neither overflow nor lose the large entries to underflow.
+  T amax = T(0);
+  bool finite = true;
+#pragma unroll 1
+  for (int idx = tid; idx < m * n; idx += kThreads) {
+    const T x = fabs(a[idx]);
+    finite = finite && x <= Real<T>::kMax;  // false for NaN and Inf
+    amax = fmax(amax, x);
+  }
+  finite = __syncthreads_and(finite);
+  amax = svd_jacobi::warp_max(amax);
+  if (lane == 0) red[warp] = amax;
+  __syncthreads();
+  int sweeps = -1;
+  int e = 0;
+  if (finite) {
+    T top = T(0);
+    for (int w = 0; w < kWarps; ++w) top = fmax(top, red[w]);
+    Real<T>::frexp(top, &e);
+#pragma unroll 1
+    for (int idx = tid; idx < m * n; idx += kThreads) {
+      const int i = idx / n;
+      const int j = idx % n;
+      W[transposed ? i * l.ldw + j : j * l.ldw + i] = Real<T>::ldexp(a[idx], -e);
+    }
+#pragma unroll 1
+    for (int idx = tid; idx < cols * cols; idx += kThreads) {
+      const int j = idx / cols;
+      const int i = idx % cols;
+      V[j * l.ldv + i] = Acc(i == j);
+    }
+    __syncthreads();
+    sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, flag);
+  }
+  if (tid == 0) *info = sweeps;
+  if (sweeps < 0) {
+    svd_jacobi::fill(s, k, Real<T>::nan(), tid, kThreads);
+    svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, kThreads);
+    svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, kThreads);
+    return;
+  }
+
+#pragma unroll 1
+  for (int j = warp; j < cols; j += kWarps) {
+    T sum = T(0);
+#pragma unroll 1
+    for (int i = lane; i < rows; i += 32) sum = Real<T>::fma_rn(W[j * l.ldw + i], W[j * l.ldw + i], sum);
+    sum = svd_jacobi::warp_sum(sum);
+    if (lane == 0) sv[j] = Real<T>::sqrt(sum);
+  }
+  __syncthreads();
+  // Descending order by rank counting; ties keep column order, so ranks are a permutation.
+#pragma unroll 1
+  for (int c = tid; c < cols; c += kThreads) {
+    const T mine = sv[c];
+    int rank = 0;
+#pragma unroll 1
+    for (int i = 0; i < cols; ++i) rank += (sv[i] > mine) || (sv[i] == mine && i < c);
+    perm[rank] = c;
+  }
+  __syncthreads();
+
+#pragma unroll 1
+  for (int r = tid; r < k; r += kThreads) s[r] = Real<T>::ldexp(sv[perm[r]], e);
+  if (transposed) {  // u = V, vt = (W / s)^T
+    svd_jacobi::store_vectors(u, m, k, false, V, l.ldv, sv, false, perm, tid, kThreads);
+    svd_jacobi::store_vectors(vt, n, k, true, W, l.ldw, sv, true, perm, tid, kThreads);
+  } else {  // u = W / s, vt = V^T
+    svd_jacobi::store_vectors(u, m, k, false, W, l.ldw, sv, true, perm, tid, kThreads);
+    svd_jacobi::store_vectors(vt, n, k, true, V, l.ldv, sv, false, perm, tid, kThreads);
+  }
+}
+
+// Grid-stride over matrices, one per block.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    svd_jacobi_block_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
+                            T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m,
+                            int n) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int k = min(m, n);
+  const BlockLayout l = block_layout<T>(max(m, n), k);
+  for (int64_t b = blockIdx.x; b < batch; b += gridDim.x) {
+    svd_one(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
+    __syncthreads();  // the next matrix overwrites shared memory other warps may still be reading
+  }
+}
+
+// Enqueues the batched SVD on `stream`. Requires max(m, n) <= kMaxRows, min(m, n) <= kMaxCols and
+// block_layout<T>(max(m, n), min(m, n)).bytes within the device's opt-in shared memory per block.
+// Empty problems launch no kernel; with batch > 0 and k == 0 info is set to 0 by a memset.
+// Returns the first CUDA error, cudaSuccess otherwise.
+template <typename T>
+cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
+                   int64_t batch, int m, int n) {
+  if (batch == 0) return cudaSuccess;
+  if (m == 0 || n == 0) return cudaMemsetAsync(info, 0, batch * sizeof(int32_t), stream);
+  const BlockLayout l = block_layout<T>(std::max(m, n), std::min(m, n));
+  cudaError_t err = cudaFuncSetAttribute(svd_jacobi_block_kernel<T>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, l.bytes);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
+  svd_jacobi_block_kernel<T><<<static_cast<unsigned>(blocks), kThreads, l.bytes, stream>>>(
+      a, s, u, vt, info, batch, m, n);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxforge::svd_jacobi_block

@@ -1,0 +1,48 @@
+"""Dispatch of svd on CUDA, decided without a GPU: which kernel serves which shape, and the block
+kernel's shared-memory size as config.py computes it against the kernel's own layout."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+from jaxforge.lowering import build
+from jaxforge.lowering.linalg.svd import config
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+SIZES = [(33, 33), (64, 64), (128, 128), (200, 37), (256, 100), (256, 128), (45, 1)]
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_block_bytes_match_the_kernel_layout(tmp_path):
+    # A host program that prints block_layout<float>(R, C).bytes: compiled by nvcc, run on the CPU.
+    source = tmp_path / "layout.cu"
+    source.write_text(
+        '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
+        "int main() {\n"
+        + "".join(f"  std::printf(\"%d\\n\", jaxforge::svd_jacobi_block::block_layout<float>({r}, {c}).bytes);\n" for r, c in SIZES)
+        + "}\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
+    printed = [int(line) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    assert printed == [config.jacobi_block_bytes(r, c) for r, c in SIZES]
+
+
+def test_each_shape_goes_to_one_kernel(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    block = lambda m, n, dtype=F32, arch="sm_90a", full=False: config.use_jacobi_block(m, n, dtype, full, arch)  # noqa: E731
+    assert config.use_jacobi_warp(32, 17, F32, False) and not block(32, 17)
+    assert block(64, 64) and block(200, 37) and block(45, 130) and block(128, 128)
+    assert not block(64, 64, F64)  # float64 stays with cuSOLVER
+    assert not block(128, 128, arch="sm_80") and block(64, 64, arch="sm_80")  # 199 KB > sm_80's 163 KiB
+    assert not block(256, 128) and not block(257, 10) and not block(300, 129)  # past the kernel's limits
+    assert not block(70, 40, full=True) and block(70, 70, full=True)  # thin factors only
+    assert not block(64, 64, arch=None)  # no GPU
+
+
+def test_kernels_stay_off_until_validated(monkeypatch):
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    assert config.use_jacobi_block(64, 64, F32, False, "sm_90a") == config.JACOBI_BLOCK_VALIDATED
