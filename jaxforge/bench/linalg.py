@@ -112,7 +112,7 @@ def measure(
             record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl.name)
             elapsed = time.perf_counter() - start
             if not impl.applies(shape):
-                record.update(untimed_record("skipped", "measured on large matrices only (a dispatch choice there)"))
+                record.update(untimed_record("skipped", "not measured on this shape (it informs a dispatch choice on others)"))
             elif impl.name != "jaxforge" and elapsed > budget_s:
                 reason = f"time budget: {elapsed:.0f} s into the run, past its limit of {budget_s:.0f} s"
                 record.update(untimed_record("skipped", reason))
@@ -220,8 +220,23 @@ def _svd_implementations(backend: str) -> list[Implementation]:
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
     if backend == "gpu":
-        impls += _svd_algorithms()
+        impls += [_svd_block_kernel(), *_svd_algorithms()]
     return impls
+
+
+def _svd_block_kernel() -> Implementation:
+    """jaxforge's one-block Jacobi kernel on the small shapes the one-warp kernel serves: which of
+    the two is faster there decides config.JACOBI_WARP_MAX_DIM (issue 3)."""
+    from jaxforge.lowering import build
+    from jaxforge.lowering.linalg.svd import cuda
+
+    def block(a):
+        if not build.ensure_loaded(cuda.KERNEL):
+            raise RuntimeError("the svd kernels could not be built here")
+        s, u, vh = cuda.jacobi_svd(a, cuda.BLOCK_TARGET)
+        return u, s, vh
+
+    return Implementation("jaxforge-block", jax.jit(block), applies=lambda shape: max(shape[-2:]) <= 32)
 
 
 def _large(shape) -> bool:

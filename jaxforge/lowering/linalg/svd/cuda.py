@@ -40,10 +40,17 @@ def _target(a, full_matrices: bool) -> str | None:
 
 
 def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
-    *batch, m, n = a.shape
     target = _target(a, full_matrices)
     if target is None or not build.ensure_loaded(KERNEL):
         return svd_xla(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
+    s, u, vh = jacobi_svd(a, target)
+    return (s, u, vh) if compute_uv else (s,)
+
+
+def jacobi_svd(a, target: str):
+    """``(s, u, vh)`` of the thin SVD by the Jacobi kernel ``target`` (loaded; NaN where a matrix
+    held NaN/Inf or did not converge). The benchmark calls it to time the kernels side by side."""
+    *batch, m, n = a.shape
     k = min(m, n)
     result_types = (
         jax.ShapeDtypeStruct((*batch, k), a.dtype),
@@ -52,4 +59,4 @@ def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
         jax.ShapeDtypeStruct(tuple(batch), np.int32),  # sweeps used, -1 where the result is NaN
     )
     s, u, vh, _ = jax.ffi.ffi_call(target, result_types)(a)
-    return (s, u, vh) if compute_uv else (s,)
+    return s, u, vh
