@@ -184,6 +184,46 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
   return -1;
 }
 
+// Rows i of two columns x, y (length len) become c x_i - s y_i and s x_i + c y_i; the threads of
+// one warp share the loop, this one being `lane`. W's columns rotate in T, V's in its own type.
+template <typename S>
+__device__ __forceinline__ void rotate_columns(S* x, S* y, int len, S c, S s, int lane) {
+#pragma unroll 1
+  for (int i = lane; i < len; i += 32) {
+    const S xi = x[i];
+    const S yi = y[i];
+    x[i] = c * xi - s * yi;
+    y[i] = s * xi + c * yi;
+  }
+}
+
+// W (column-major, leading dim ldw) = a (m x n, row-major) scaled by 2^-e, transposed when m < n;
+// `threads` threads share the loop, this one being `tid`.
+template <typename T>
+__device__ void load_scaled(const T* a, T* W, int ldw, int m, int n, int e, int tid, int threads) {
+  const bool transposed = m < n;
+#pragma unroll 1
+  for (int idx = tid; idx < m * n; idx += threads) {
+    const int i = idx / n;
+    const int j = idx % n;
+    W[transposed ? i * ldw + j : j * ldw + i] = Real<T>::ldexp(a[idx], -e);
+  }
+}
+
+// perm[r] = the column of the r-th largest of sv[0..cols), by rank counting; ties keep column
+// order, so the ranks are a permutation.
+template <typename T>
+__device__ void rank_order(const T* sv, int* perm, int cols, int tid, int threads) {
+#pragma unroll 1
+  for (int c = tid; c < cols; c += threads) {
+    const T mine = sv[c];
+    int rank = 0;
+#pragma unroll 1
+    for (int i = 0; i < cols; ++i) rank += (sv[i] > mine) || (sv[i] == mine && i < c);
+    perm[rank] = c;
+  }
+}
+
 // dst holds k vectors of length len, the r-th being column perm[r] of src (column-major, leading
 // dim ld, elements of T or wider), divided by its norm sv[perm[r]] when `normalize` (0 where that
 // norm is 0). The vectors are the columns of dst (len x k) or, with `as_rows`, its rows (k x len).
@@ -234,12 +274,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int e = 0;
   if (__all_sync(kFullMask, finite)) {
     Real<T>::frexp(warp_max(amax), &e);
-#pragma unroll 1
-    for (int idx = lane; idx < m * n; idx += 32) {
-      const int i = idx / n;
-      const int j = idx % n;
-      W[transposed ? i * l.ldw + j : j * l.ldw + i] = Real<T>::ldexp(a[idx], -e);
-    }
+    load_scaled(a, W, l.ldw, m, n, e, lane, 32);
     if (lane < cols) {
 #pragma unroll 1
       for (int j = 0; j < cols; ++j) V[j * l.ldv + lane] = T(j == lane);
@@ -262,14 +297,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     if (lane == j) sv[j] = norm;
   }
   __syncwarp();
-  // Descending order by rank counting; ties keep column order, so ranks are a permutation.
-  if (lane < cols) {
-    const T mine = sv[lane];
-    int rank = 0;
-#pragma unroll 1
-    for (int i = 0; i < cols; ++i) rank += (sv[i] > mine) || (sv[i] == mine && i < lane);
-    perm[rank] = lane;
-  }
+  rank_order(sv, perm, cols, lane, 32);
   __syncwarp();
 
   if (lane < k) s[lane] = Real<T>::ldexp(sv[perm[lane]], e);

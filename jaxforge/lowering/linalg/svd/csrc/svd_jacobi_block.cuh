@@ -100,24 +100,8 @@ __device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, 
   const Acc t = (zeta < Acc(0) ? Acc(-1) : Acc(1)) / (fabs(zeta) + Real<Acc>::hypot(Acc(1), zeta));
   const Acc c = Acc(1) / Real<Acc>::sqrt(Acc(1) + t * t);
   const Acc s = c * t;
-  const T cw = static_cast<T>(c);
-  const T sw = static_cast<T>(s);
-#pragma unroll 1
-  for (int i = lane; i < rows; i += 32) {
-    const T x = wp[i];
-    const T y = wq[i];
-    wp[i] = cw * x - sw * y;
-    wq[i] = sw * x + cw * y;
-  }
-  Acc* vp = V + p * ldv;
-  Acc* vq = V + q * ldv;
-#pragma unroll 1
-  for (int i = lane; i < cols; i += 32) {
-    const Acc x = vp[i];
-    const Acc y = vq[i];
-    vp[i] = c * x - s * y;
-    vq[i] = s * x + c * y;
-  }
+  svd_jacobi::rotate_columns(wp, wq, rows, static_cast<T>(c), static_cast<T>(s), lane);
+  svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, c, s, lane);
 }
 
 // Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V. Block-uniform.
@@ -189,12 +173,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     T top = T(0);
     for (int w = 0; w < kWarps; ++w) top = fmax(top, red[w]);
     Real<T>::frexp(top, &e);
-#pragma unroll 1
-    for (int idx = tid; idx < m * n; idx += kThreads) {
-      const int i = idx / n;
-      const int j = idx % n;
-      W[transposed ? i * l.ldw + j : j * l.ldw + i] = Real<T>::ldexp(a[idx], -e);
-    }
+    svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, kThreads);
 #pragma unroll 1
     for (int idx = tid; idx < cols * cols; idx += kThreads) {
       const int j = idx / cols;
@@ -221,15 +200,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     if (lane == 0) sv[j] = Real<T>::sqrt(sum);
   }
   __syncthreads();
-  // Descending order by rank counting; ties keep column order, so ranks are a permutation.
-#pragma unroll 1
-  for (int c = tid; c < cols; c += kThreads) {
-    const T mine = sv[c];
-    int rank = 0;
-#pragma unroll 1
-    for (int i = 0; i < cols; ++i) rank += (sv[i] > mine) || (sv[i] == mine && i < c);
-    perm[rank] = c;
-  }
+  svd_jacobi::rank_order(sv, perm, cols, tid, kThreads);
   __syncthreads();
 
 #pragma unroll 1
