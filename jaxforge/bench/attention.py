@@ -149,8 +149,9 @@ def measure(
     essential contenders beside the default one, named by ``variant_name``: a tuning sweep.
 
     ``shapes`` names entries of ``SHAPES`` or ``QUICK_SHAPES``; the default is every case tagged
-    for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere). Cases run
-    smallest first, the essential contenders of every case before the others. ``budget_s``:
+    for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere). Cases with
+    ANCHORS.md targets run first, then smallest first; the essential contenders of every case
+    before the others. ``budget_s``:
     ``(soft, hard)`` seconds (default: ``GPU_BUDGET_S`` on a GPU, none elsewhere). ``progress(done, total, label)`` is called before each measurement and at the end.
     """
     start = time.perf_counter()
@@ -164,7 +165,8 @@ def measure(
     names = [n for n, (_, _, tags) in op.shapes.items() if tag in tags] if shapes is None else list(shapes)
     dtype = jnp.bfloat16 if backend == "gpu" else jnp.float32
     cases = [Case(n, tuple(op.shapes[n][0]), op.shapes[n][1], dtype) for n in dict.fromkeys(names)]
-    cases.sort(key=lambda c: (c.dense_flops, c.dense_flops * _visible_fraction(c, _segment_ids(c))))
+    anchored = lambda c: "anchor" in op.shapes[c.name][2]  # noqa: E731  (cases with ANCHORS.md targets)
+    cases.sort(key=lambda c: (not anchored(c), c.dense_flops, c.dense_flops * _visible_fraction(c, _segment_ids(c))))
     if budget_s is None and backend == "gpu" and not quick:
         budget_s = GPU_BUDGET_S
     soft, hard = budget_s if budget_s is not None else (math.inf, math.inf)

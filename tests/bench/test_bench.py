@@ -129,6 +129,14 @@ def test_attention_budget_measures_the_essential_contenders_of_every_case_first(
     assert all(r["status"] == "skipped" for r in hard) and len(format_table(hard).splitlines()) == len(hard) + 1
 
 
+def test_attention_cases_with_anchor_targets_run_first():
+    # a zero budget measures nothing: only the order of the (skipped) records is looked at
+    records = run("attention", shapes=["odd_cross", "mla_192_128", "long_d128", "short_d64"], budget_s=(0.0, 0.0))
+    order = list(dict.fromkeys(r["shape_name"] for r in records))
+    assert order == ["short_d64", "long_d128", "odd_cross", "mla_192_128"]  # anchored, then by size
+    assert all(r["status"] == "skipped" for r in records)
+
+
 def test_attention_flops_count_the_visible_scores():
     from jaxforge.bench.attention import WINDOW, Case, _segment_ids, _visible_fraction
 

@@ -87,12 +87,12 @@ class Implementation:
     num_stages: int | None = None
 
 # Named cases shared by tests and benchmarks: (batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags.
-# "bench_gpu" are ANCHORS.md cases (bf16 on the H200).
+# "bench_gpu" are the GPU benchmark's cases (bf16 on the H200), "anchor" those with ANCHORS.md targets.
 SHAPES = {
-    "long_d128": ((2, 8192, 8192, 16, 16, 128, 128), None, ("bench_gpu",)),
-    "long_d128_causal": ((2, 8192, 8192, 16, 16, 128, 128), "causal", ("bench_gpu",)),
-    "short_d64": ((8, 2048, 2048, 16, 16, 64, 64), None, ("bench_gpu",)),
-    "window_causal": ((2, 8192, 8192, 16, 16, 128, 128), "sliding_window_causal", ("bench_gpu",)),
+    "long_d128": ((2, 8192, 8192, 16, 16, 128, 128), None, ("bench_gpu", "anchor")),
+    "long_d128_causal": ((2, 8192, 8192, 16, 16, 128, 128), "causal", ("bench_gpu", "anchor")),
+    "short_d64": ((8, 2048, 2048, 16, 16, 64, 64), None, ("bench_gpu", "anchor")),
+    "window_causal": ((2, 8192, 8192, 16, 16, 128, 128), "sliding_window_causal", ("bench_gpu", "anchor")),
     "document_causal": ((2, 8192, 8192, 16, 16, 128, 128), "document_causal", ("bench_gpu",)),
     "gqa_8to1": ((2, 4096, 4096, 32, 4, 128, 128), "causal", ("bench_gpu",)),
     "mla_192_128": ((2, 4096, 4096, 16, 16, 192, 128), "causal", ("bench_gpu",)),
