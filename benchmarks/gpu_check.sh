@@ -8,7 +8,8 @@
 #
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
 # --budget). The gpu tests run as three pytest processes side by side (linalg, attention, the demo),
-# each with its own log, so one slow group cannot cut off another's failure report.
+# each with its own log (joined into tests.log at the end), so one slow group cannot cut off
+# another's failure report.
 #
 # The whole run keeps under GPU_CHECK_BUDGET_S (default 360 s): each phase has a cap, cut to what
 # is left; the benchmarks skip what their budget (the cap less 40 s) leaves no time for.
@@ -60,8 +61,9 @@ if wants tests; then
   done
   wait
   for group in linalg attention demo; do
-    echo "$group: $(grep -E "passed|failed|error" "$OUT/tests-$group.log" | tail -1)"
+    echo "$group: $(grep -E " in [0-9.]+s" "$OUT/tests-$group.log" | tail -1)"
     grep -E "^(FAILED|ERROR)" "$OUT/tests-$group.log" | cut -c1-200
+    { echo "=== $group"; cat "$OUT/tests-$group.log"; } >>"$OUT/tests.log" && rm "$OUT/tests-$group.log"
   done
 fi
 
