@@ -1,8 +1,10 @@
-"""Dispatch of lstsq_p on CUDA: where the block Householder kernel factors ``[A | b]``.
+"""Dispatch of lstsq_p on CUDA: which QR factors a tall problem.
 
-The kernel keeps one matrix in a thread block's shared memory: at most 64 columns and 40 KiB, tall
-or square (m >= columns). Other shapes use cuSOLVER through the default lowering; the limits are to
-be tuned on the H200.
+The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
+columns and 40 KiB, tall or square (m >= columns). CholeskyQR2 takes large tall float32 problems
+(at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many rows), where
+matrix products beat geqrf's panel steps. Other shapes use cuSOLVER through the default lowering;
+the limits are to be tuned on the H200.
 """
 
 from jaxforge.lowering import build
@@ -15,3 +17,13 @@ QR_R_VALIDATED = False  # not yet run on a GPU: see build.enabled
 def use_qr_r_block(m: int, cols: int, dtype) -> bool:
     fits = 0 < cols <= min(m, QR_R_MAX_COLS) and m * cols * dtype.itemsize <= QR_R_MAX_BYTES
     return build.enabled(QR_R_VALIDATED) and fits and dtype.name in ("float32", "float64")
+
+
+CHOLESKY_QR_MIN_COLS = 256
+CHOLESKY_QR_MIN_ASPECT = 4
+CHOLESKY_QR_VALIDATED = False  # not yet timed on a GPU: see build.enabled
+
+
+def use_cholesky_qr2(m: int, n: int, dtype) -> bool:
+    large = n >= CHOLESKY_QR_MIN_COLS and m >= CHOLESKY_QR_MIN_ASPECT * n
+    return build.enabled(CHOLESKY_QR_VALIDATED) and large and dtype.name == "float32"

@@ -1,7 +1,9 @@
-"""CUDA lowering of lstsq_p: the default algorithm with ``[A | b]`` factored by the block QR kernel.
+"""CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-csrc/qr_r*.{cuh,cu} computes only R (Householder in shared memory, one block per matrix), where it
-fits (config.py); elsewhere, or where it cannot be built, cuSOLVER's geqrf runs as in the default.
+Large tall float32 problems: CholeskyQR2 (cholesky_qr.py), matrix products in float64, with
+Householder as its on-device fallback. Small ones: csrc/qr_r*.{cuh,cu} computes only the R of
+``[A | b]`` (Householder in shared memory, one block per matrix). Elsewhere, or where the kernel
+cannot be built, cuSOLVER's geqrf runs as in the default.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ import jax
 
 from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config
-from jaxforge.lowering.linalg.lstsq.xla import lstsq_xla, qr_r_lapack
+from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2
+from jaxforge.lowering.linalg.lstsq.xla import augmented_qr, lstsq_xla, qr_r_lapack
 
 KERNEL = build.declare(
     build.Kernel(
@@ -30,4 +33,7 @@ def qr_r_cuda(x):
 
 
 def lstsq_cuda(a, b, *, rcond: float):
-    return lstsq_xla(a, b, rcond=rcond, qr_r=qr_r_cuda)
+    m, n = a.shape[-2:]
+    householder = augmented_qr(qr_r_cuda)
+    factor = cholesky_qr2(householder) if config.use_cholesky_qr2(m, n, a.dtype) else householder
+    return lstsq_xla(a, b, rcond=rcond, factor=factor)

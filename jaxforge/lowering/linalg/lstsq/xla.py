@@ -29,16 +29,27 @@ def qr_r_lapack(x):
     return jnp.linalg.qr(x, mode="r")
 
 
-def lstsq_xla(a, b, *, rcond: float, qr_r=qr_r_lapack):
-    """The algorithm above; ``qr_r`` factors the augmented ``[A | b]`` (a kernel may replace it)."""
+def augmented_qr(qr_r=qr_r_lapack):
+    """``factor(a, b) -> (R, Qᴴb)`` for ``A = QR`` (m >= n), both read off the triangular factor of
+    ``[A | b]`` that ``qr_r`` computes (a kernel may replace LAPACK's)."""
+
+    def factor(a, b):
+        n = a.shape[-1]
+        r_aug = qr_r(jnp.concatenate([a, b], axis=-1))
+        return r_aug[..., :n, :n], r_aug[..., :n, n:]
+
+    return factor
+
+
+def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr()):
+    """The algorithm above; ``factor(a, b) -> (R, Qᴴb)`` serves m >= n (a GPU lowering may replace it)."""
     *batch, m, n = a.shape
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
     if m >= n:
-        r_aug = qr_r(jnp.concatenate([a, b], axis=-1))
-        r, c = r_aug[..., :n, :n], r_aug[..., :n, n:]
+        r, c = factor(a, b)
         solve = lambda r: solve_triangular(r, c)  # noqa: E731
         factors = lambda ur, vhr: (ur, ct(vhr))  # A = Q·(U_R S V_Rᴴ)  # noqa: E731
         rhs = c
