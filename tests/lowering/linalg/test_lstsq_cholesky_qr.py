@@ -72,6 +72,20 @@ def test_float32_solution_as_accurate_as_householder(x64):
     np.testing.assert_allclose(ours, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+def test_complex64():
+    rng = np.random.default_rng(3)
+    a = with_singular_values(rng, (2,), 500, 120, np.geomspace(1, 1e-3, 120), np.complex128).astype(np.complex64)
+    b = random(rng, (2, 500, 2), np.complex64)
+    r, c = jax.jit(cholesky_qr2(sentinel))(a, b)
+    assert r.dtype == jnp.complex64 and np.isfinite(r).all()
+    rh = np.conj(np.swapaxes(np.asarray(r, np.complex128), -1, -2))
+    a64 = a.astype(np.complex128)
+    np.testing.assert_allclose(rh @ r, np.conj(np.swapaxes(a64, -1, -2)) @ a64, atol=1e-5 * np.abs(a64).max() ** 2 * 500)
+    x = np.linalg.solve(np.asarray(r, np.complex128), np.asarray(c, np.complex128))
+    want = np.stack([np.linalg.lstsq(a64[i], b[i].astype(np.complex128), rcond=None)[0] for i in range(2)])
+    np.testing.assert_allclose(x, want, atol=1e-3 * np.abs(want).max())
+
+
 def test_singular_ill_conditioned_or_nan_input_takes_the_fallback():
     rng = np.random.default_rng(1)
     b = random(rng, (2, 300, 1), np.float32)
@@ -89,8 +103,10 @@ def test_singular_ill_conditioned_or_nan_input_takes_the_fallback():
     assert np.isfinite(r).all()  # the real fallback: Householder's R, whose rank lstsq then reads
 
 
-def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch):
-    # Lowered for cuda on this CPU machine: the Grams and solves appear in float64.
+@pytest.mark.parametrize("x64", [True, False])
+def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch, x64):
+    # Lowered for cuda on this CPU machine: the Grams and solves appear in float64, also where the
+    # program runs without x64 (the lowering switches it on for them).
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 
@@ -99,6 +115,8 @@ def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch)
         f = jax.jit(lambda a, b: jf.linalg.lstsq(a, b).solution)
         return jax.export.export(f, platforms=("cuda",), disabled_checks=[triton])(*args).mlir_module()
 
-    assert "potrf" in lowered(2048, 256, jnp.float32) and "xf64>" in lowered(2048, 256, jnp.float32)
-    assert "potrf" not in lowered(2048, 128, jnp.float32)  # too few columns: geqrf
+    with jax.enable_x64(x64):
+        assert "potrf" in lowered(2048, 256, jnp.float32) and "xf64>" in lowered(2048, 256, jnp.float32)
+        assert "potrf" in lowered(2048, 256, jnp.complex64) and "complex<f64>" in lowered(2048, 256, jnp.complex64)
+        assert "potrf" not in lowered(2048, 128, jnp.float32)  # too few columns: geqrf
     assert "potrf" not in lowered(2048, 256, jnp.float64)  # float64 input: geqrf

@@ -1,4 +1,5 @@
-"""CholeskyQR2 for tall float32 least squares: ``(R, Qᴴb)`` from matrix products, in float64.
+"""CholeskyQR2 for tall float32/complex64 least squares: ``(R, Qᴴb)`` from matrix products in
+double width (float64/complex128).
 
 ``R₁ = chol(AᴴA)``, ``Q₁ = A R₁⁻¹``, then once more on ``Q₁``: ``R₂ = chol(Q₁ᴴQ₁)``,
 ``Q = Q₁ R₂⁻¹``, ``R = R₂ R₁`` and ``Qᴴb``. Two Grams and two triangular solves of the whole
@@ -25,7 +26,8 @@ MAX_DIAGONAL_RATIO = 1e6  # max |r_ii| / min |r_ii| of R₁ (a lower bound of κ
 
 
 def cholesky_qr2(fallback):
-    """``factor(a, b) -> (R, Qᴴb)`` for float32 ``a`` (m >= n) by CholeskyQR2, else ``fallback(a, b)``."""
+    """``factor(a, b) -> (R, Qᴴb)`` for float32/complex64 ``a`` (m >= n) by CholeskyQR2, else
+    ``fallback(a, b)``."""
 
     def factor(a, b):
         with jax.enable_x64(True):

@@ -3,7 +3,7 @@
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
 columns and 40 KiB, tall or square (m >= columns). CholeskyQR2 takes large tall float32 problems
 (at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many rows), where
-matrix products beat geqrf's panel steps. Other shapes use cuSOLVER through the default lowering;
+matrix products beat geqrf's panel steps (float32 and complex64: its products run in double width). Other shapes use cuSOLVER through the default lowering;
 the limits are to be tuned on the H200.
 """
 
@@ -26,4 +26,4 @@ CHOLESKY_QR_VALIDATED = False  # not yet timed on a GPU: see build.enabled
 
 def use_cholesky_qr2(m: int, n: int, dtype) -> bool:
     large = n >= CHOLESKY_QR_MIN_COLS and m >= CHOLESKY_QR_MIN_ASPECT * n
-    return build.enabled(CHOLESKY_QR_VALIDATED) and large and dtype.name == "float32"
+    return build.enabled(CHOLESKY_QR_VALIDATED) and large and dtype.name in ("float32", "complex64")
