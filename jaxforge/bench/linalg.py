@@ -287,7 +287,29 @@ def _lstsq_implementations(backend: str) -> list[Implementation]:
     torch = _cuda_torch() if backend == "gpu" else None
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a, b: (torch.linalg.lstsq(a, b).solution,)))
+    if backend == "gpu":
+        impls.append(_lstsq_qr_r_kernel())
     return impls
+
+
+def _lstsq_qr_r_kernel() -> Implementation:
+    """The block QR kernel's R of ``[A | b]`` and one triangular solve, without lstsq's rank
+    certificate and outputs: how much of jaxforge's time is the kernel (issue 3's fused target)."""
+    from jaxforge.lowering import build
+    from jaxforge.lowering.linalg.lstsq import config, cuda
+
+    def bare(a, b):
+        if not build.ensure_loaded(cuda.KERNEL):
+            raise RuntimeError("the lstsq kernel could not be built here")
+        n = a.shape[-1]
+        r_aug = cuda.qr_r_cuda(jnp.concatenate([a, b], axis=-1))
+        return (jax.lax.linalg.triangular_solve(r_aug[..., :n, :n], r_aug[..., :n, n:], left_side=True, lower=False),)
+
+    def applies(shape):
+        _, m, n, k = shape
+        return 0 < n + k <= min(m, config.QR_R_MAX_COLS) and m * (n + k) * 4 <= config.QR_R_MAX_BYTES
+
+    return Implementation("jaxforge-qr_r", jax.jit(bare), applies=applies)
 
 
 def _cuda_torch():

@@ -190,3 +190,11 @@ def test_gpu_svd_algorithm_variants_are_accurate_and_gated_to_large_shapes():
         outputs = [np.asarray(x, np.float64) for x in variants[name].fn(a)]
         accuracy = linalg._svd_accuracy((np.asarray(a, np.float64),), outputs)
         assert accuracy["reconstruction"] < 1e-5 and accuracy["orthogonality"] < 2e-4, (name, accuracy)
+
+
+def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
+    from jaxforge.bench import linalg
+
+    block, qr_r = linalg._svd_block_kernel(), linalg._lstsq_qr_r_kernel()
+    assert block.applies((8192, 32, 32)) and not block.applies((1024, 64, 64))
+    assert qr_r.applies((8192, 64, 16, 1)) and not qr_r.applies((256, 512, 128, 4))  # 40 KiB at most
