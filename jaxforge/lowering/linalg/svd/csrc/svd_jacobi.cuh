@@ -26,6 +26,7 @@
 
 #include <algorithm>
 #include <cfloat>
+#include <cmath>
 #include <cstdint>
 
 namespace jaxforge::svd_jacobi {
@@ -127,20 +128,31 @@ __device__ __forceinline__ T warp_max(T x) {
   return x;
 }
 
+// The rotation threshold of both Jacobi kernels: a pair (p, q) is skipped when
+// |gamma| <= tol ||a_p|| ||a_q||, tol = max(sqrt(R), ceil(R / 32) + 7) eps. A warp's dot product of
+// two R-long columns (ceil(R / 32) products or fused steps per lane, then a 5-level butterfly) errs
+// by at most (ceil(R / 32) + 5) eps ||a_p|| ||a_q||, so rounding alone cannot keep a sweep rotating.
+// Stopping at tol leaves the columns, hence the normalised factor, orthogonal to about tol each:
+// sqrt(R) eps (LAPACK gesvj's) meets the 50 eps sqrt(n) accuracy bar. The one-warp kernel's earlier
+// 2 R eps missed it on the H200 (orthogonality 7.7e-5 at 32 x 32, bar 3.4e-5), as its model in
+// tools/svd_jacobi_block_model.py --warp predicts (7.1e-5; 8e-6 with this threshold, same sweeps).
+template <typename T>
+__host__ __device__ inline T jacobi_tolerance(int rows) {
+  const T floor = T((rows + 31) / 32 + 7);
+  const T root = static_cast<T>(std::sqrt(static_cast<double>(rows)));
+  return (root > floor ? root : floor) * Real<T>::kEps;
+}
+
 // Cyclic-by-rows one-sided Jacobi on W (R x C, R >= C), accumulating the rotations into V.
 // Lane i touches only row i of W and V, so no __syncwarp is needed inside. Returns the sweeps used,
-// or -1 at the cap.
-//
-// A pair (p, q) is skipped when |gamma| <= tol * ||a_p|| * ||a_q|| with tol = 2 R eps: the rounding
-// error of the butterfly dot product is at most (log2(R) + 1) eps ||a_p|| ||a_q|| <= 2 R eps, so
-// noise alone cannot keep a sweep rotating. Stopping at tol leaves relative errors in the singular
-// values of order tol times the condition number of A with unit-norm columns (Demmel-Veselic).
-// A column whose squared norm underflows to 0 is treated as zero: no rotation involves it.
+// or -1 at the cap. Stopping at jacobi_tolerance leaves relative errors in the singular values of
+// order tol times the condition number of A with unit-norm columns (Demmel-Veselic). A column whose
+// squared norm underflows to 0 is treated as zero: no rotation involves it.
 template <typename T>
 __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
   const bool in_w = lane < rows;
   const bool in_v = lane < cols;
-  const T tol = T(2 * rows) * Real<T>::kEps;
+  const T tol = jacobi_tolerance<T>(rows);
 #pragma unroll 1
   for (int sweep = 1; sweep <= Real<T>::kMaxSweeps; ++sweep) {
     bool rotated = false;

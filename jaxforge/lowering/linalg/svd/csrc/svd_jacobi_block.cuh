@@ -13,12 +13,7 @@
 // pairs of one step are disjoint, so the block's warps rotate them concurrently, one pair per warp
 // at a time, lane i taking rows i, i + 32, ...; a __syncthreads separates the steps.
 //
-// Tolerance: a pair is skipped when |gamma| <= tol ||a_p|| ||a_q|| with
-// tol = max(sqrt(R), ceil(R / 32) + 7) eps. The dot product's rounding error is at most
-// (ceil(R / 32) + 5) eps ||a_p|| ||a_q|| (ceil(R / 32) fused products per lane, then 5 butterfly
-// levels), so rounding alone cannot keep a sweep rotating; sqrt(R) eps (LAPACK gesvj's) keeps
-// ||U^T U - I|| near the 50 eps sqrt(n) accuracy bar, which the warp kernel's 2 R eps would miss
-// by about R / 8 at these sizes.
+// Rotation threshold: svd_jacobi::jacobi_tolerance, shared with the warp kernel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -110,7 +105,7 @@ template <typename T>
 __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int* flag) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const T tol = fmax(Real<T>::sqrt(T(rows)), T((rows + 31) / 32 + 7)) * Real<T>::kEps;
+  const T tol = svd_jacobi::jacobi_tolerance<T>(rows);
   const int players = cols + (cols & 1);
 #pragma unroll 1
   for (int sweep = 1; sweep <= kMaxSweeps; ++sweep) {
