@@ -145,14 +145,13 @@ def measure(
 ) -> list[dict]:
     """Times every contender on each selected case in each mode; one record per triple.
 
-    ``variants``: ``jf.attention`` Implementations (Triton tiles, warps, stages) measured as
-    essential contenders beside the default one, named by ``variant_name``: a tuning sweep.
-
     ``shapes`` names entries of ``SHAPES`` or ``QUICK_SHAPES``; the default is every case tagged
     for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere). Cases with
     ANCHORS.md targets run first, then smallest first; the essential contenders of every case
-    before the others. ``budget_s``:
-    ``(soft, hard)`` seconds (default: ``GPU_BUDGET_S`` on a GPU, none elsewhere). ``progress(done, total, label)`` is called before each measurement and at the end.
+    before the others. ``budget_s``: ``(soft, hard)`` seconds (default: ``GPU_BUDGET_S`` on a GPU,
+    none elsewhere). ``variants``: ``jf.attention`` Implementations (Triton tiles, warps, stages)
+    measured as essential contenders beside the default one, named by ``variant_name``: a tuning
+    sweep. ``progress(done, total, label)`` is called before each measurement and at the end.
     """
     start = time.perf_counter()
     backend = jax.default_backend()

@@ -22,6 +22,7 @@ import numpy as np
 
 import jaxforge as jf
 from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
+from jaxforge.primitives.linalg._ops import solve_triangular
 from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES
 from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
 
@@ -297,17 +298,16 @@ def _lstsq_qr_r_kernel() -> Implementation:
     certificate and outputs: how much of jaxforge's time is the kernel (issue 3's fused target)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.lstsq import config, cuda
+    from jaxforge.lowering.linalg.lstsq.xla import augmented_qr
 
     def bare(a, b):
         if not build.ensure_loaded(cuda.KERNEL):
             raise RuntimeError("the lstsq kernel could not be built here")
-        n = a.shape[-1]
-        r_aug = cuda.qr_r_cuda(jnp.concatenate([a, b], axis=-1))
-        return (jax.lax.linalg.triangular_solve(r_aug[..., :n, :n], r_aug[..., :n, n:], left_side=True, lower=False),)
+        return (solve_triangular(*augmented_qr(cuda.qr_r_cuda)(a, b)),)
 
     def applies(shape):
         _, m, n, k = shape
-        return 0 < n + k <= min(m, config.QR_R_MAX_COLS) and m * (n + k) * 4 <= config.QR_R_MAX_BYTES
+        return config.qr_r_block_fits(m, n + k, np.dtype(np.float32))
 
     return Implementation("jaxforge-qr_r", jax.jit(bare), applies=applies)
 

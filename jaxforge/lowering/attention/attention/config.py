@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["tiles", "triton_compiler", "triton_smem"]
+__all__ = ["pow2_at_least", "tiles", "triton_compiler", "triton_smem"]
 
 
-def _pow2_at_least(n: int) -> int:
+def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
@@ -47,7 +47,7 @@ def tiles(
         block_q, block_kv = min(128, _round_up(sq, 8)), min(256, _round_up(skv, 8))
         return impl.block_q or block_q, impl.block_kv or block_kv
     # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
-    block_q, block_kv = min(128, max(16, _pow2_at_least(sq))), min(64, max(16, _pow2_at_least(skv)))
+    block_q, block_kv = min(128, max(16, pow2_at_least(sq))), min(64, max(16, pow2_at_least(skv)))
     block_q, block_kv = impl.block_q or block_q, impl.block_kv or block_kv
     stages = triton_compiler(impl)[1]
     while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize, stages) > TRITON_SMEM_BYTES]:

@@ -26,7 +26,7 @@ __all__ = ["Geometry", "MaskTiles", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "
 class MaskTiles:
     """What the mask reads for one batch item, as a driver provides it: the mask function's own
     arrays (whole), the span's arrays, and ``rows(i)`` / ``cols(j)``, the positional values
-    (``Mods.mask_rows``/``maskols``) at the queries of tile ``i`` / the keys of tile ``j``,
+    (``Mods.mask_rows``/``mask_cols``) at the queries of tile ``i`` / the keys of tile ``j``,
     each ``(block_q,)`` / ``(block_kv,)``: slices, never gathers."""
 
     consts: Sequence

@@ -57,12 +57,8 @@ def _pad_last(x, size: int):
     return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, size - x.shape[-1])])
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _padded_dim(n: int) -> int:
-    return max(16, _pow2(n))
+    return max(16, config.pow2_at_least(n))
 
 
 def _pad_dim(x):
@@ -154,7 +150,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
     scalar = [x.ndim == 1 for x in span]
     rows = [_pad_last(r, sq_pad) for r in rows]
     cols = [_pad_last(c, skv_pad) for c in cols]
-    span = [x.reshape(-1, 1) if one else _pad_last(x, _pow2(x.shape[1])) for x, one in zip(span, scalar)]
+    span = [x.reshape(-1, 1) if one else _pad_last(x, config.pow2_at_least(x.shape[1])) for x, one in zip(span, scalar)]
     blocks = [*rows, *cols, *span]
     specs = [_whole(c) for c in mask_c[:n_fn]] + [pl.BlockSpec((_SQ, x.shape[1]), lambda b, *_: (b, 0)) for x in blocks]
     ends = [n_fn, n_fn + len(rows), n_fn + len(rows) + len(cols)]

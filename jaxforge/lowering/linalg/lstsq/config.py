@@ -1,10 +1,10 @@
 """Dispatch of lstsq_p on CUDA: which QR factors a tall problem.
 
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
-columns and 40 KiB, tall or square (m >= columns). CholeskyQR2 takes large tall float32 problems
-(at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many rows), where
-matrix products beat geqrf's panel steps (float32 and complex64: its products run in double width). Other shapes use cuSOLVER through the default lowering;
-the limits are to be tuned on the H200.
+columns and 40 KiB, tall or square (m >= columns). CholeskyQR2 takes large tall float32 and
+complex64 problems (at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many
+rows; its products run in double width), where matrix products beat geqrf's panel steps. Other
+shapes use cuSOLVER through the default lowering; the limits are to be tuned on the H200.
 """
 
 from jaxforge.lowering import build
@@ -14,9 +14,14 @@ QR_R_MAX_BYTES = 40 * 1024
 QR_R_VALIDATED = False  # not yet run on a GPU: see build.enabled
 
 
-def use_qr_r_block(m: int, cols: int, dtype) -> bool:
+def qr_r_block_fits(m: int, cols: int, dtype) -> bool:
+    """Whether an ``m x cols`` ``[A | b]`` of ``dtype`` fits the block kernel."""
     fits = 0 < cols <= min(m, QR_R_MAX_COLS) and m * cols * dtype.itemsize <= QR_R_MAX_BYTES
-    return build.enabled(QR_R_VALIDATED) and fits and dtype.name in ("float32", "float64")
+    return fits and dtype.name in ("float32", "float64")
+
+
+def use_qr_r_block(m: int, cols: int, dtype) -> bool:
+    return build.enabled(QR_R_VALIDATED) and qr_r_block_fits(m, cols, dtype)
 
 
 CHOLESKY_QR_MIN_COLS = 256

@@ -342,14 +342,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
   }
 }
 
-// Enqueues the batched SVD on `stream`. Requires 0 <= m, n <= kMaxDim. Empty problems launch no
-// kernel; with batch > 0 and k == 0 info is set to 0 (nothing to do) by a memset.
-// Returns the launch (or memset) error, cudaSuccess otherwise.
+// Enqueues the batched SVD on `stream`. Requires batch >= 1 and 1 <= m, n <= kMaxDim (the FFI
+// handler answers empty problems). Returns the launch error, cudaSuccess otherwise.
 template <typename T>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
-  if (batch == 0) return cudaSuccess;
-  if (m == 0 || n == 0) return cudaMemsetAsync(info, 0, batch * sizeof(int32_t), stream);
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
   const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);
   const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);

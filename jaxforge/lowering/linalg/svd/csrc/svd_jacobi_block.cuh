@@ -224,15 +224,13 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Enqueues the batched SVD on `stream`. Requires max(m, n) <= kMaxRows, min(m, n) <= kMaxCols and
-// block_layout<T>(max(m, n), min(m, n)).bytes within the device's opt-in shared memory per block.
-// Empty problems launch no kernel; with batch > 0 and k == 0 info is set to 0 by a memset.
-// Returns the first CUDA error, cudaSuccess otherwise.
+// Enqueues the batched SVD on `stream`. Requires batch >= 1, 1 <= m, n, max(m, n) <= kMaxRows,
+// min(m, n) <= kMaxCols and block_layout<T>(max(m, n), min(m, n)).bytes within the device's opt-in
+// shared memory per block (the FFI handler answers empty problems). Returns the first CUDA error,
+// cudaSuccess otherwise.
 template <typename T>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
-  if (batch == 0) return cudaSuccess;
-  if (m == 0 || n == 0) return cudaMemsetAsync(info, 0, batch * sizeof(int32_t), stream);
   const BlockLayout l = block_layout<T>(std::max(m, n), std::min(m, n));
   cudaError_t err = cudaFuncSetAttribute(svd_jacobi_block_kernel<T>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, l.bytes);

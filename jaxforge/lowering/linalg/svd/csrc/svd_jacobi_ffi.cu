@@ -5,7 +5,8 @@
 // Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
 // info (*batch) int32: sweeps used, or -1 where the matrix held NaN/Inf or did not converge
-// (s, u, vt all NaN there). Shapes beyond a kernel's limit are rejected with InvalidArgument.
+// (s, u, vt all NaN there); 0 for empty matrices, which launch no kernel. Shapes beyond a
+// kernel's limit are rejected with InvalidArgument.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -56,7 +57,10 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
                                        ShapeString(dims));
   }
   using T = ffi::NativeType<DT>;
-  const auto launch = [&] {  // instantiates only this kernel's launcher (the block one is f32 only)
+  const auto launch = [&]() -> cudaError_t {
+    if (batch == 0) return cudaSuccess;  // nothing to launch, for either kernel
+    if (k == 0) return cudaMemsetAsync(info->typed_data(), 0, batch * sizeof(int32_t), stream);
+    // Instantiates only this kernel's launcher (the block one is float32 only).
     if constexpr (K == Kernel::kWarp) {
       return sj::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
                            info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
