@@ -11,7 +11,8 @@ GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes:
 Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
 with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the Pallas Triton
-``mha`` of ``jax.experimental.pallas.ops.gpu.attention``, and, where torch with CUDA is importable,
+``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge with its Mosaic GPU
+forward (``jaxforge-mgpu``) and jax's FlashAttention-3 ``attention_mgpu``; where torch with CUDA is importable,
 ``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
 ``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
 (a mask it has no way to take, GQA, unequal head dims, forward-mode AD) is recorded as skipped with
@@ -553,6 +554,47 @@ def _pallas_forward(case: Case) -> Callable | str:
     return attend
 
 
+def _hopper() -> str | None:
+    """Why the Mosaic GPU (sm90) kernels cannot run here, or None on a Hopper GPU."""
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return None if capability == "9.0" else f"Mosaic GPU attention is for sm90 (Hopper); this device is {capability or 'not a GPU'}"
+
+
+def _jf_mosaic_forward(case: Case) -> Callable | str:
+    """``jf.attention`` with its forward on Mosaic GPU (the tangent and backward run Triton)."""
+    if why := _hopper():
+        return why
+    if case.mask == "document_causal":
+        return "the Mosaic GPU forward applies elementwise masks only (no segment ids)"
+    return _jf_forward("pallas_mosaic_gpu")(case)
+
+
+def _mgpu_forward(case: Case) -> Callable | str:
+    """jax's own FlashAttention-3 on Mosaic GPU (``jax.experimental.pallas.ops.gpu.attention_mgpu``)."""
+    if why := _hopper():
+        return why
+    try:
+        from jax.experimental.pallas.ops.gpu import attention_mgpu
+    except Exception as e:
+        return f"jax.experimental.pallas.ops.gpu.attention_mgpu is not importable ({type(e).__name__}: {e})"
+    if case.mask not in (None, "causal"):
+        return "attention_mgpu has a causal mask only"
+    if case.d != case.dv or case.d % 64:
+        return "attention_mgpu needs equal q, k and v head dims, a multiple of 64"
+    block_q, block_kv = 64, 64 if case.d > 128 else 128
+    if case.sq % (2 * block_q) or case.skv % block_kv:
+        return f"attention_mgpu needs Sq a multiple of {2 * block_q} and Skv of {block_kv}"
+    blocks = dict(block_q_dq=64, block_kv_dq=64, block_q_dkv=64, block_kv_dkv=64) if case.mask is None else {}
+    config = attention_mgpu.TuningConfig(
+        block_q=block_q, block_kv=block_kv, max_concurrent_steps=2, causal=case.mask == "causal", **blocks
+    )
+
+    def attend(q, k, v, seg):  # it applies no scale: q is pre-scaled (one elementwise pass over q)
+        return attention_mgpu.attention(q * jnp.asarray(case.scale, q.dtype), k, v, config)
+
+    return attend
+
+
 # ---------------------------------------------------------------- torch contenders
 
 
@@ -682,6 +724,12 @@ def _contenders(backend: str) -> list[Contender]:
         return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), jnn_xla]
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
+        _jax_contender(
+            "jaxforge-mgpu",
+            _jf_mosaic_forward,
+            no_jvp="its jvp is jaxforge's (Triton tangent) after this forward: fwd and fwd+bwd tell it apart",
+            essential=everywhere,
+        ),
         _jf_xla_contender(),
         _jax_contender(
             "jax.nn-cudnn",
@@ -700,7 +748,10 @@ def _contenders(backend: str) -> list[Contender]:
     pallas = _jax_contender(
         "pallas-triton", _pallas_forward, no_jvp="Pallas mha is a custom_vjp: it has no forward-mode AD (jax.jvp raises)"
     )
-    contenders += [jnn_xla, pallas]
+    mgpu = _jax_contender(
+        "pallas-mgpu", _mgpu_forward, no_jvp="attention_mgpu is a custom_vjp: it has no forward-mode AD (jax.jvp raises)"
+    )
+    contenders += [jnn_xla, pallas, mgpu]
     contenders.append(_flex_contender(torch) if torch is not None else _torch_unavailable("torch-flex", why_not))
     return contenders
 

@@ -52,8 +52,8 @@ def attention(
       softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
-      implementation: None (the platform's best), "xla" or "pallas_triton", or an
-        :class:`Implementation` with tile sizes.
+      implementation: None (the platform's best), "xla", "pallas_triton" or "pallas_mosaic_gpu"
+        (Hopper), or an :class:`Implementation` with tile sizes.
 
     Returns:
       ``out`` of shape ``(..., Sq, Hq, Dv)``, or ``(out, lse)``.
@@ -143,6 +143,11 @@ def _implementation(impl) -> Implementation:
         size = getattr(impl, name)
         if size is not None and (not isinstance(size, int) or size < 1):
             raise ValueError(f"attention: Implementation.{name} must be a positive int, got {size!r}")
+    if impl.name == "pallas_mosaic_gpu" and (impl.block_q not in (None, 64) or impl.block_kv not in (None, 64, 128) or impl.num_warps is not None):
+        raise ValueError(
+            "attention: Implementation('pallas_mosaic_gpu') takes block_q None or 64 (rows a warpgroup), "
+            f"block_kv None, 64 or 128 and no num_warps (it runs warpgroups), got {impl!r}"
+        )
     warps = impl.num_warps
     if warps is not None and (not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16)):
         raise ValueError(f"attention: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")

@@ -250,7 +250,7 @@ def test_scale_and_softcap_must_be_static(name):
 
 @pytest.mark.parametrize("implementation", ["triton", "XLA", "cudnn", 3, ("xla",)])
 def test_unknown_implementation(implementation):
-    with pytest.raises(ValueError, match=r"attention: `implementation` must be None, one of \('xla', 'pallas_triton'\) or an Implementation, got"):
+    with pytest.raises(ValueError, match=r"attention: `implementation` must be None, one of \('xla', 'pallas_triton', 'pallas_mosaic_gpu'\) or an Implementation, got"):
         jf.attention(*qkv(), implementation=implementation)
 
 
@@ -264,6 +264,12 @@ def test_unknown_implementation_name_in_an_implementation():
 def test_implementation_tile_sizes(field, size):
     with pytest.raises(ValueError, match=rf"attention: Implementation\.{field} must be a positive int, got"):
         jf.attention(*qkv(), implementation=Implementation("xla", **{field: size}))
+
+
+@pytest.mark.parametrize("fields", [dict(block_q=128), dict(block_kv=32), dict(num_warps=4)], ids=str)
+def test_mosaic_gpu_tiles(fields):
+    with pytest.raises(ValueError, match=r"Implementation\('pallas_mosaic_gpu'\) takes block_q None or 64 .* got"):
+        jf.attention(*qkv(), implementation=Implementation("pallas_mosaic_gpu", **fields))
 
 
 @pytest.mark.parametrize("warps", [0, 3, 32, 4.0])

@@ -66,7 +66,7 @@ __all__ = [
 ]
 
 ACCEPTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
-IMPLEMENTATION_NAMES = ("xla", "pallas_triton")
+IMPLEMENTATION_NAMES = ("xla", "pallas_triton", "pallas_mosaic_gpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +75,12 @@ class Implementation:
 
     ``name=None`` picks the platform's best: "pallas_triton" on GPU, "xla" elsewhere. On CPU,
     "pallas_triton" runs the kernels in Pallas interpret mode (slow: for testing kernel logic).
-    ``block_q``/``block_kv`` (tile rows) and, for Triton, ``num_warps`` (a power of two) and
-    ``num_stages`` (software-pipelining depth) override config.py's choice for every kernel of the
-    call: for tuning sweeps (``python -m jaxforge.bench attention --variants``).
+    "pallas_mosaic_gpu" runs the forward as a Hopper (sm90) Mosaic GPU kernel (TMA, wgmma,
+    warpgroups) and the tangent and backward in Triton; on CPU only where jax exports Mosaic GPU's
+    interpret mode (0.11+). ``block_q``/``block_kv`` (tile rows) and, for Triton, ``num_warps`` (a
+    power of two) and ``num_stages`` (software-pipelining depth) override config.py's choice for
+    every kernel of the call: for tuning sweeps (``python -m jaxforge.bench attention --variants``).
+    Mosaic GPU takes ``block_kv`` (64 or 128) and ``num_stages``; its ``block_q`` is 64 a warpgroup.
     """
 
     name: str | None = None

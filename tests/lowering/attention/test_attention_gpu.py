@@ -92,3 +92,50 @@ def test_gathering_masks_run_xla_by_default_and_refuse_pallas():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="pallas_triton"):
         jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation="pallas_triton"))(q, k, v)
+
+
+def _hopper():
+    return jax.devices("gpu")[0].compute_capability == "9.0"
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (80, 72)], ids=str)
+@pytest.mark.parametrize("mask", sorted(MASKS))
+def test_mosaic_forward_and_lse(mask, dims):
+    """The Hopper forward against XLA in float32: odd lengths, GQA, padded head dims, softcap and a
+    score_mod reading the global batch and head indices."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU forward is for sm90")
+    d, dv = dims
+    q, k, v = inputs(jnp.bfloat16, d=d, dv=dv)
+    kw = dict(mask=MASKS[mask](), softcap=20.0, score_mod=lambda s, b, h, i, j: s - 0.01 * (b + 1) * (h + 1) * jnp.abs(i - j))
+    f = jax.jit(lambda q, k, v: jf.attention(q, k, v, implementation="pallas_mosaic_gpu", return_lse=True, **kw))
+    assert "mosaic_gpu" in f.lower(q, k, v).as_text()
+    out, lse = f(q, k, v)
+    ref_out, ref_lse = reference(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2, rtol=3e-2)
+    np.testing.assert_allclose(lse, ref_lse, atol=3e-2, rtol=3e-2)
+
+
+def test_mosaic_forward_feeds_the_triton_jvp_and_grad():
+    if not _hopper():
+        pytest.skip("the Mosaic GPU forward is for sm90")
+    q, k, v = inputs(jnp.bfloat16, sq=1000, skv=1000, d=128, dv=128)
+    f = lambda impl: lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), implementation=impl)  # noqa: E731
+    loss = lambda impl: lambda *a: jnp.sum(f(impl)(*a).astype(jnp.float32) ** 2)  # noqa: E731
+    grads = [jax.jit(jax.grad(loss(impl), (0, 1, 2)))(q, k, v) for impl in ("pallas_mosaic_gpu", "pallas_triton")]
+    tangents = [jax.jit(lambda *a: jax.jvp(f(impl), a[:3], a[3:])[1])(q, k, v, q, k, v) for impl in ("pallas_mosaic_gpu", "pallas_triton")]
+    for got, want in zip((*grads[0], tangents[0]), (*grads[1], tangents[1])):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2 * scale, rtol=0)
+
+
+def test_mosaic_forward_of_fully_masked_rows_and_nonfinite_input():
+    if not _hopper():
+        pytest.skip("the Mosaic GPU forward is for sm90")
+    q, k, v = inputs(jnp.bfloat16)
+    mask = jf.masks.causal(offset=-150)  # the first 150 queries see no key
+    out, lse = jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation="pallas_mosaic_gpu", return_lse=True))(q, k, v)
+    assert np.all(np.asarray(out[:, :150], np.float32) == 0) and np.all(np.isneginf(lse[:, :150]))
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))
+    out = jax.jit(lambda *a: jf.attention(*a, implementation="pallas_mosaic_gpu"))(q.at[0, 3].set(jnp.nan), k, v)
+    assert np.all(np.isnan(np.asarray(out[0, 3], np.float32))) and np.all(np.isfinite(np.asarray(out[1], np.float32)))

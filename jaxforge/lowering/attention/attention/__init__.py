@@ -1,15 +1,18 @@
 """Every lowering of the three attention primitives is registered here, and nowhere else.
 
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
-platform) or "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
-CPU). ``None`` means "pallas_triton" on GPU and "xla" elsewhere.
+platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
+CPU) or "pallas_mosaic_gpu" (a Hopper forward kernel, Triton for the tangent and backward).
+``None`` means "pallas_triton" on GPU and "xla" elsewhere; on an sm90 GPU, once validated there
+(config.MOSAIC_VALIDATED), the forward runs on Mosaic GPU where it can.
 """
 
 import math
 
 import jax.numpy as jnp
 
-from jaxforge.lowering.attention.attention import pallas_triton, xla
+from jaxforge.lowering import build
+from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_triton, xla
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     attention_bwd_p,
@@ -21,33 +24,58 @@ from jaxforge.primitives.attention.attention import (
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
 IMPLEMENTATIONS = {
-    attention_fwd_p: {"xla": xla.attention_fwd_xla, "pallas_triton": pallas_triton.attention_fwd_pallas},
-    attention_tangent_p: {"xla": xla.attention_tangent_xla, "pallas_triton": pallas_triton.attention_tangent_pallas},
-    attention_bwd_p: {"xla": xla.attention_bwd_xla, "pallas_triton": pallas_triton.attention_bwd_pallas},
+    attention_fwd_p: {
+        "xla": xla.attention_fwd_xla,
+        "pallas_triton": pallas_triton.attention_fwd_pallas,
+        "pallas_mosaic_gpu": pallas_mosaic_gpu.attention_fwd_mosaic,
+    },
+    attention_tangent_p: {
+        "xla": xla.attention_tangent_xla,
+        "pallas_triton": pallas_triton.attention_tangent_pallas,
+        "pallas_mosaic_gpu": pallas_triton.attention_tangent_pallas,
+    },
+    attention_bwd_p: {
+        "xla": xla.attention_bwd_xla,
+        "pallas_triton": pallas_triton.attention_bwd_pallas,
+        "pallas_mosaic_gpu": pallas_triton.attention_bwd_pallas,
+    },
 }
 
 
 def _dispatch(prim, platform: str | None):
     def lowering(*args, mods, implementation, shards, **params):
         name = implementation.name
-        if platform == "cuda":
-            if name is None:
-                name = "pallas_triton" if pallas_triton.triton_can_run(mods) else "xla"
-            elif name == "pallas_triton" and not pallas_triton.triton_can_run(mods):
-                raise ValueError(
-                    "attention: implementation='pallas_triton' cannot apply this mask/score_mod on GPU: it "
-                    "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
-                )
+        mosaic_why_not = pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2]) if prim is attention_fwd_p else None
+        if platform == "cuda" and name is None:
+            name = "pallas_triton" if pallas_triton.triton_can_run(mods) else "xla"
+            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default():
+                name = "pallas_mosaic_gpu"
+        elif platform == "cuda" and name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
+            raise ValueError(
+                f"attention: implementation={name!r} cannot apply this mask/score_mod on GPU: it "
+                "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
+            )
+        if name == "pallas_mosaic_gpu" and mosaic_why_not is not None:
+            raise ValueError(f"attention: implementation='pallas_mosaic_gpu' cannot run this call: {mosaic_why_not}")
+        if name == "pallas_mosaic_gpu" and platform != "cuda" and prim is attention_fwd_p:
+            # Mosaic GPU's interpreter runs through ordered io_callbacks, which a primitive's
+            # lowering cannot host; tests interpret pallas_mosaic_gpu.attention_fwd_mosaic directly.
+            raise ValueError("attention: implementation='pallas_mosaic_gpu' runs on a Hopper GPU only; use 'xla' or 'pallas_triton' here")
         name = name or "xla"
         if args[0].shape[-3] == 0 or args[1].shape[-3] == 0:
             return _empty_sequence(prim, args, mods, params)
-        extra = {"interpret": platform != "cuda"} if name == "pallas_triton" else {}
+        extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
             *args, mods=mods, implementation=implementation, batch_ids=batch_ids, head_offset=head_offset, **extra, **params
         )
 
     return lowering
+
+
+def _mosaic_by_default() -> bool:
+    """The Mosaic GPU forward is the default on Hopper once validated there (or on request)."""
+    return build.enabled(config.MOSAIC_VALIDATED) and build.gpu_arch() == "sm_90a"
 
 
 def _global_indices(q_shape, shards):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["pow2_at_least", "tiles", "triton_compiler", "triton_smem"]
+__all__ = ["mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem"]
 
 
 def pow2_at_least(n: int) -> int:
@@ -81,6 +81,39 @@ def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, items
     if kernel == "bwd_dkv":
         size += block_q * block_kv * itemsize + 8 * block_q
     return size
+
+
+# Mosaic GPU (pallas_mosaic_gpu.py): each consumer warpgroup owns 64 query rows (one wgmma M);
+# the key/value ring fits sm90's 227 KiB. Mosaic reserves a few KiB beside the buffers (3552
+# bytes at every shape tried); the margin covers it.
+MOSAIC_VALIDATED = False  # True once the gpu tests pass on an H200: then the sm90 default forward
+MOSAIC_BLOCK_Q = 64
+MOSAIC_SMEM_BYTES = 227 * 1024
+MOSAIC_SMEM_MARGIN = 4096
+MOSAIC_BLOCK_KV = 128
+MOSAIC_STAGES = 2
+
+
+def mosaic_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
+    """``(block_kv, stages)`` of the Mosaic GPU forward for padded head dims ``d``, ``dv``: the
+    Implementation's, else 128 keys a tile halved (to 64 at least) until the ring fits."""
+    block_kv, stages = impl.block_kv or MOSAIC_BLOCK_KV, impl.num_stages or MOSAIC_STAGES
+    while mosaic_smem(block_kv, stages, d, dv, itemsize) > MOSAIC_SMEM_BYTES and block_kv > 64 and not impl.block_kv:
+        block_kv //= 2
+    if (size := mosaic_smem(block_kv, stages, d, dv, itemsize)) > MOSAIC_SMEM_BYTES:
+        raise ValueError(
+            f"attention: the Mosaic GPU forward needs {size} bytes of shared memory for head dims {d}/{dv}, "
+            f"{block_kv} keys a tile and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or keys"
+        )
+    return block_kv, stages
+
+
+def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+    """Shared memory of one Mosaic GPU forward program: the two consumers' query and output
+    tiles (one tile when ``d == dv``), ``stages`` key/value tiles, their lse rows and offsets
+    (128 bytes) and the margin."""
+    own = 2 * MOSAIC_BLOCK_Q * (d if d == dv else d + dv)
+    return itemsize * (own + stages * block_kv * (d + dv)) + 2 * (4 * MOSAIC_BLOCK_Q + 128) + MOSAIC_SMEM_MARGIN
 
 
 def _round_up(n: int, m: int) -> int:

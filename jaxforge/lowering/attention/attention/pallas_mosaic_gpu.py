@@ -1,0 +1,239 @@
+"""The attention forward as a Pallas Mosaic GPU kernel for Hopper (sm90): TMA, wgmma, warpgroups.
+
+FlashAttention-3's plan (Shah et al. 2024, research/attention.md). A program owns 2 x 64 query rows
+of one batch item and head and runs three warpgroups: two consumers, each with its own 64 rows in
+registers, and one producer that streams the key/value tiles into a ring of shared-memory slots
+with TMA. Per key tile a consumer waits for the slot, runs ``S = Q Kᵀ`` on the tensor cores
+(wgmma), releases the key slot, applies the scale, softcap, score_mod and mask to ``S`` in
+registers, updates the online softmax (base 2, so each ``exp`` is one ``ex2`` after an FMA), then
+``O += P V`` (wgmma with ``P`` from registers) and releases the value slot.
+
+Both consumers visit the same key tiles, the span (``Geometry.kv_tiles``) of their 128 rows, so
+the producer's ring is consumed in lockstep; the tiles wholly visible to all 128 rows skip the
+mask arithmetic. Sequences are zero-padded to whole tiles and padded keys are masked; head dims
+are padded to multiples of 64 (the 128-byte swizzle of bf16 rows), so MLA's 192 stays 192.
+
+Only the forward runs here; the tangent and backward of a call run the Triton kernels
+(pallas_triton.py), which read the ``(out, lse)`` this kernel writes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxforge.lowering.attention.attention import config, pallas_triton
+from jaxforge.lowering.attention.attention.kernel import Geometry
+from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["attention_fwd_mosaic", "mosaic_can_run", "mosaic_interpret_params"]
+
+_CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
+_LOG2E = math.log2(math.e)
+_LN2 = math.log(2)
+# Consumers need registers for their accumulators; the producer only issues copies.
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+
+
+def mosaic_can_run(mods: Mods, q, v) -> str | None:
+    """Why the Mosaic GPU forward cannot run this call, or None if it can.
+
+    The mask and score_mod must be elementwise arithmetic on the indices (no captured arrays, no
+    per-item data such as document segments); bf16/f16 operands; head dims up to 256.
+    """
+    if not pallas_triton.triton_can_run(mods) or mods.num_mask_consts or mods.num_score_consts:
+        return "its mask or score_mod reads arrays (the Mosaic GPU forward applies elementwise functions of the indices only)"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"it takes bfloat16 or float16 operands, got {q.dtype}"
+    if max(q.shape[-1], v.shape[-1]) > 256:
+        return f"it takes head dims up to 256, got {q.shape[-1]} and {v.shape[-1]}"
+    return None
+
+
+def mosaic_interpret_params():
+    """Mosaic GPU's CPU interpreter (public from jax 0.11), or None where this jax lacks it."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    return None if params is None else params()
+
+
+def _padded_dim(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def attention_fwd_mosaic(
+    q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
+):
+    if interpret and mosaic_interpret_params() is None:
+        raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
+    block_q = config.MOSAIC_BLOCK_Q
+    rows = _CONSUMERS * block_q
+    d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
+    block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation)
+    sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
+    geo = Geometry(sq, skv, rows, block_kv, hq // hkv, scale, jnp.dtype(jnp.float32), None)
+    batch, bsz = q.shape[:-3], math.prod(q.shape[:-3])
+    sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block_kv
+    qp, kp, vp = (_seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
+    # Per item, its global batch index and the global index of the first local head: a program
+    # copies its item's row (one 128-byte copy, the smallest a warpgroup's copy takes) to shared memory.
+    offsets = jnp.zeros((bsz, 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
+    wgmma_layout = plgpu.Layout.WGMMA
+    row_layout = wgmma_layout.reduce(1)
+
+    def body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, smem, ready, free):
+        q_smem, o_smem, k_smem, v_smem, lse_smem, offset_smem = smem
+        o_smem = q_smem if o_smem is None else o_smem  # equal head dims: the output reuses q's tile
+        q_ready, k_ready, v_ready, offset_ready = ready
+        k_free, v_free = free
+        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
+        wg = lax.axis_index("warpgroup")
+        (lo, hi), (full_lo, full_hi) = geo.kv_tiles(mods, i, ()), geo.full_kv_tiles(mods, i, ())
+        lo, hi = (jnp.asarray(x, jnp.int32) for x in (lo, hi))
+        full_lo = jnp.clip(jnp.asarray(full_lo, jnp.int32), lo, hi)
+        full_hi = jnp.clip(jnp.asarray(full_hi, jnp.int32), full_lo, hi)
+
+        @pl.when(wg < _CONSUMERS)
+        def _consume():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            q_lo = i * rows + wg * block_q
+            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], offset_ready.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[item, pl.ds(q_lo, block_q), h_local], q_smem.at[wg], q_ready.at[wg])
+            plgpu.barrier_wait(offset_ready.at[wg])
+            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
+            plgpu.barrier_wait(q_ready.at[wg])
+
+            def step(t, carry, masked: bool):
+                m, l, acc = carry
+                slot = lax.rem(t - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_ready.at[slot])
+
+                def scores(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=wgmma_layout)
+                kv_idx = t * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
+                s = mods.modify(s * scale, b, h, q_idx, kv_idx, [])
+                if masked:
+                    visible = kv_idx < geo.skv
+                    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
+                    s = jnp.where(visible if user is None else visible & user, s, -jnp.inf)
+                s = s * _LOG2E  # base 2 from here: m and the exponents are in log2 units
+                m_new = jnp.maximum(m, s.max(axis=1))
+                shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: exp2 stays finite
+                alpha = jnp.exp2(m - shift)
+                p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_wait(v_ready.at[slot])
+
+                def accumulate(acc_ref):
+                    plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
+
+                if interpret:  # Mosaic GPU's interpreter lacks run_state: a fresh product, then the sum
+                    acc = acc + pl.run_scoped(lambda r: (accumulate(r), r[...])[1], plgpu.ACC((block_q, dv), jnp.float32))
+                else:  # in place: the tensor cores add to acc's registers
+                    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return m_new, l, acc
+
+            carry = (
+                plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((block_q, dv), 0.0, jnp.float32), wgmma_layout),
+            )
+            carry = lax.fori_loop(lo, full_lo, lambda t, c: step(t, c, True), carry)
+            carry = lax.fori_loop(full_lo, full_hi, lambda t, c: step(t, c, False), carry)
+            m, l, acc = lax.fori_loop(full_hi, hi, lambda t, c: step(t, c, True), carry)
+            seen = l > 0
+            l_safe = jnp.where(seen, l, 1.0)
+            o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
+            m_safe = jnp.where(m == -jnp.inf, 0.0, m)
+            lse_smem.at[wg][...] = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * _LN2, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, pl.ds(q_lo, block_q), h_local])
+            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[item, h_local, pl.ds(q_lo, block_q)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == _CONSUMERS)
+        def _produce():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            h_kv = h_local // geo.group
+
+            def load(t, wait: bool):
+                slot = lax.rem(t - lo, jnp.int32(stages))
+                tile = (item, pl.ds(t * block_kv, block_kv), h_kv)
+                if wait:  # both consumers are done with the slot's previous tile
+                    plgpu.barrier_wait(k_free.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+                if wait:
+                    plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+            def drain(t):  # Pallas wants a barrier's waiter to see every phase: the last releases too
+                slot = lax.rem(t - lo, jnp.int32(stages))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+            for first in range(stages):
+                pl.when(lo + first < hi)(lambda first=first: load(lo + first, wait=False))
+            pl.loop(lo + stages, hi)(lambda t: load(t, wait=True))
+            pl.loop(jnp.maximum(lo, hi - stages), hi)(drain)
+
+    def entry(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref):
+        swizzled = lambda shape: plgpu.SMEM(  # noqa: E731  wgmma's operand layout: 128-byte swizzled tiles
+            shape, q.dtype, transforms=(plgpu.TilingTransform((8, 128 // q.dtype.itemsize)), plgpu.SwizzleTransform(128))
+        )
+        smem = (
+            swizzled((_CONSUMERS, block_q, d)),
+            None if dv == d else swizzled((_CONSUMERS, block_q, dv)),
+            swizzled((stages, block_kv, d)),
+            swizzled((stages, block_kv, dv)),
+            plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
+            plgpu.SMEM((_CONSUMERS, offsets.shape[1]), jnp.int32),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=_CONSUMERS),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=_CONSUMERS),
+        )
+        free = (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),) * 2
+        pl.run_scoped(
+            lambda *scratch: body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, *scratch),
+            smem,
+            ready,
+            free,
+            collective_axes="warpgroup",
+        )
+
+    # As in pallas_triton._call: inside shard_map the outputs take the operands' varying axes.
+    mat = jax.typeof(k).manual_axis_type
+    out, lse = plgpu.kernel(
+        entry,
+        out_type=(
+            jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype, manual_axis_type=mat),
+            jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
+        ),
+        grid=(hq, geo.num_q_tiles, bsz),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=_CONSUMERS + 1,
+        thread_name="warpgroup",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic_interpret_params() if interpret else None,
+    )(qp, kp, vp, offsets)
+    return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)
+
+
+def _seq_major(x, padded: int, width: int):
+    """``(*batch, S, H, D)`` -> ``(B, padded, H, width)``, zero-padded."""
+    s, h, d = x.shape[-3:]
+    return jnp.pad(x.reshape(-1, s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
