@@ -6,7 +6,9 @@ registers, and one producer that streams the key/value tiles into a ring of shar
 with TMA. Per key tile a consumer waits for the slot, runs ``S = Q Kᵀ`` on the tensor cores
 (wgmma), releases the key slot, applies the scale, softcap, score_mod and mask to ``S`` in
 registers, updates the online softmax (base 2, so each ``exp`` is one ``ex2`` after an FMA), then
-``O += P V`` (wgmma with ``P`` from registers) and releases the value slot.
+``O += P V`` (wgmma with ``P`` from registers) and releases the value slot. The consumers take
+turns (FA3's ping-pong): a shared barrier lets one issue its products while the other computes its
+softmax, so the tensor cores and the exponent units stay busy together.
 
 Both consumers visit the same key tiles, the span (``Geometry.kv_tiles``) of their 128 rows, so
 the producer's ring is consumed in lockstep; the tiles wholly visible to all 128 rows skip the
@@ -86,7 +88,7 @@ def attention_fwd_mosaic(
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = wgmma_layout.reduce(1)
 
-    def body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, smem, ready, free):
+    def body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, smem, ready, free, turn):
         q_smem, o_smem, k_smem, v_smem, lse_smem, offset_smem = smem
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: the output reuses q's tile
         q_ready, k_ready, v_ready, offset_ready = ready
@@ -108,6 +110,10 @@ def attention_fwd_mosaic(
             b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
             plgpu.barrier_wait(q_ready.at[wg])
 
+            def meet():  # both consumers arrive, then go on together
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(turn)
+
             def step(t, carry, masked: bool):
                 m, l, acc = carry
                 slot = lax.rem(t - lo, jnp.int32(stages))
@@ -115,6 +121,7 @@ def attention_fwd_mosaic(
 
                 def scores(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    meet()
                     return acc_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -133,7 +140,9 @@ def attention_fwd_mosaic(
                 p = jnp.exp2(s - lax.broadcast_in_dim(shift, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                plgpu.barrier_arrive(turn)  # this softmax is done: the other consumer's products may go
                 plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
 
                 def accumulate(acc_ref):
                     plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
@@ -150,9 +159,11 @@ def attention_fwd_mosaic(
                 plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout),
                 plgpu.layout_cast(jnp.full((block_q, dv), 0.0, jnp.float32), wgmma_layout),
             )
+            pl.when(wg == 1)(meet)  # consumer 1 runs half a step behind consumer 0 ...
             carry = lax.fori_loop(lo, full_lo, lambda t, c: step(t, c, True), carry)
             carry = lax.fori_loop(full_lo, full_hi, lambda t, c: step(t, c, False), carry)
             m, l, acc = lax.fori_loop(full_hi, hi, lambda t, c: step(t, c, True), carry)
+            pl.when(wg == 0)(meet)  # ... and consumer 0 makes up the meeting at the end
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
             o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
@@ -212,6 +223,7 @@ def attention_fwd_mosaic(
             smem,
             ready,
             free,
+            plgpu.Barrier(num_arrivals=_CONSUMERS),
             collective_axes="warpgroup",
         )
 
