@@ -57,9 +57,13 @@ def trained_params():
         out = model(params, tokens, segments)
         return nn.cross_entropy(out["logits"][:, :-1], tokens[:, 1:]) + jnp.mean(out["lstm"] ** 2) + jnp.mean(out["gru"] ** 2)
 
-    for _ in range(2):
+    @jax.jit
+    def step(params, state):
         updates, state = opt.update(jax.grad(loss)(params), state)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(2):
+        params, state = step(params, state)
     return params
 
 
