@@ -46,6 +46,7 @@ from jax import lax
 
 import jaxforge as jf
 from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
+from jaxforge.lowering import build
 from jaxforge.primitives.attention.attention import SHAPES
 
 __all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
@@ -556,8 +557,8 @@ def _pallas_forward(case: Case) -> Callable | str:
 
 def _hopper() -> str | None:
     """Why the Mosaic GPU (sm90) kernels cannot run here, or None on a Hopper GPU."""
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    return None if capability == "9.0" else f"Mosaic GPU attention is for sm90 (Hopper); this device is {capability or 'not a GPU'}"
+    arch = build.gpu_arch()
+    return None if arch == "sm_90a" else f"Mosaic GPU attention is for sm90 (Hopper); this device is {arch or 'not a GPU'}"
 
 
 def _jf_mosaic_forward(case: Case) -> Callable | str:

@@ -64,7 +64,8 @@ def mosaic_interpret_params():
     return None if params is None else params()
 
 
-def _padded_dim(n: int) -> int:
+def _swizzled_width(n: int) -> int:
+    """A head dim padded to whole 128-byte swizzled rows of bf16/f16: a multiple of 64."""
     return -(-n // 64) * 64
 
 
@@ -75,13 +76,13 @@ def attention_fwd_mosaic(
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     block_q = config.MOSAIC_BLOCK_Q
     rows = _CONSUMERS * block_q
-    d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
+    d, dv = _swizzled_width(q.shape[-1]), _swizzled_width(v.shape[-1])
     block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation)
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
     geo = Geometry(sq, skv, rows, block_kv, hq // hkv, scale, jnp.dtype(jnp.float32), None)
     batch, bsz = q.shape[:-3], math.prod(q.shape[:-3])
     sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block_kv
-    qp, kp, vp = (_seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
+    qp, kp, vp = (pallas_triton._seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
     # Per item, its global batch index and the global index of the first local head: a program
     # copies its item's row (one 128-byte copy, the smallest a warpgroup's copy takes) to shared memory.
     offsets = jnp.zeros((bsz, 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
@@ -244,8 +245,3 @@ def attention_fwd_mosaic(
     )(qp, kp, vp, offsets)
     return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)
 
-
-def _seq_major(x, padded: int, width: int):
-    """``(*batch, S, H, D)`` -> ``(B, padded, H, width)``, zero-padded."""
-    s, h, d = x.shape[-3:]
-    return jnp.pad(x.reshape(-1, s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))

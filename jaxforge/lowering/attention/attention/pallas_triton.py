@@ -61,10 +61,6 @@ def _padded_dim(n: int) -> int:
     return max(16, config.pow2_at_least(n))
 
 
-def _pad_dim(x):
-    return _pad_last(x, _padded_dim(x.shape[-1]))
-
-
 def _geometry(kernels, q, k, v, scale: float, implementation: Implementation) -> Geometry:
     """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles)."""
     d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
@@ -73,11 +69,12 @@ def _geometry(kernels, q, k, v, scale: float, implementation: Implementation) ->
     )
 
 
-def _seq_major(x, padded: int):
-    """``(*batch, S, H, D)`` -> ``(B, padded, H, Dpad)``: the layout the kernels block over."""
+def _seq_major(x, padded: int, width: int | None = None):
+    """``(*batch, S, H, D)`` -> ``(B, padded, H, width)``, zero-padded: the layout the kernels block
+    over (``width`` by default the power of two Triton wants, ``_padded_dim(D)``)."""
     s, h, d = x.shape[-3:]
-    x = x.reshape(-1, s, h, d)
-    return _pad_dim(jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0))))
+    width = _padded_dim(d) if width is None else width
+    return jnp.pad(x.reshape(-1, s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
 
 
 def _q_block(geo: Geometry, d: int):  # one query tile of one head, grid (b, h, i)
