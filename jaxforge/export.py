@@ -45,9 +45,10 @@ ALLOWED_CUSTOM_CALLS = re.compile(
     r"|Sharding|SPMDFullToShardShape|SPMDShardToFullShape|shape_assertion|annotate_device_placement"
     r"|__gpu\$xla\.gpu\.triton|mosaic_gpu(_v2)?)"
 )
-# Kernels compiled from IR embedded in the module (Pallas): jax makes no promise that another
-# jaxlib reads that IR, so such artifacts load only under the jax version that saved them.
-VERSION_BOUND_CUSTOM_CALLS = frozenset({"__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2"})
+# Kernels compiled from IR embedded in the module (Pallas), and cuSOLVER's gesvdp (which the svd
+# dispatch may pick): jax makes no promise that another jaxlib reads them the same way, so such
+# artifacts load only under the jax version that saved them.
+VERSION_BOUND_CUSTOM_CALLS = frozenset({"__gpu$xla.gpu.triton", "mosaic_gpu", "mosaic_gpu_v2", "cusolver_gesvdp_ffi"})
 _CUSTOM_CALL = re.compile(r'custom_call @("[^"]+"|[\w.$]+)|call_target_name = "([^"]+)"')
 
 jax_export.register_namedtuple_serialization(LstsqResult, serialized_name="jaxforge.LstsqResult")

@@ -245,21 +245,20 @@ def _large(shape) -> bool:
 
 
 def _svd_algorithms() -> list[Implementation]:
-    """cuSOLVER's SVDs by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) and QR-first (``A = QR``, SVD
-    of ``R``) on the large shapes: what the dispatch of large SVDs is to choose from (issue 3)."""
-    algorithms = jax.lax.linalg.SvdAlgorithm
-    svd = lambda a, algorithm=None: jax.lax.linalg.svd(a, full_matrices=False, algorithm=algorithm)  # noqa: E731
+    """Every choice config.LARGE_SVD picks from, on the large shapes: cuSOLVER's SVDs by jax's
+    ``algorithm=`` and QDWH, on A and (tall shapes) on R of A = QR, run as the dispatch runs them."""
+    from jaxforge.lowering.linalg.svd import config
+    from jaxforge.lowering.linalg.svd.cuda import large_svd
 
-    def qr_first(a):
-        q, r = jnp.linalg.qr(a)
-        u, s, vh = svd(r)
-        return _matmul(q, u), s, vh
+    def row(method: str, qr_first: bool) -> Implementation:
+        def svd(a):
+            s, u, vh = large_svd(a, method, qr_first)
+            return u, s, vh
 
-    impls = [
-        Implementation(f"jnp-{name}", jax.jit(functools.partial(svd, algorithm=getattr(algorithms, alg))), applies=_large)
-        for name, alg in (("gesvd", "QR"), ("gesvdj", "JACOBI"), ("gesvdp", "POLAR"))
-    ]
-    return impls + [Implementation("jnp-qr-svd", jax.jit(qr_first), applies=lambda shape: _large(shape) and shape[-2] >= 2 * shape[-1])]
+        applies = (lambda shape: _large(shape) and shape[-2] >= 2 * shape[-1]) if qr_first else _large
+        return Implementation(f"svd-{'qr-' if qr_first else ''}{method}", jax.jit(svd), applies=applies)
+
+    return [row(method, qr_first) for qr_first in (False, True) for method in config.LARGE_SVD_METHODS]
 
 
 def _qr_lstsq(a, b):

@@ -116,3 +116,23 @@ def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64():
     f, (u, s, vh) = gpu_svd(double)
     assert "jaxforge_svd_jacobi" not in f.lower(on_gpu(double)).as_text()
     np.testing.assert_allclose(s, np.linalg.svd(double, compute_uv=False), rtol=1e-10)
+
+
+# ---------------------------------------------------------------- large SVDs (config.LARGE_SVD)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("qr_first", [False, True])
+def test_qdwh_on_the_gpu_matches_numpy(dtype, qr_first, monkeypatch):
+    # cuSOLVER's QR, Cholesky and syevd under QDWH (polar.py), on shapes past the kernels
+    from jaxforge.lowering.linalg.svd import config
+
+    monkeypatch.setattr(config, "LARGE_SVD", ((1, 1.0, "qdwh", qr_first),))
+    rng = np.random.default_rng(6)
+    cases = [random(rng, (1, 700, 300), dtype), with_singular_values(rng, (2,), 520, 520, np.logspace(0, -6, 520)).astype(dtype)]
+    deficient = with_singular_values(rng, (1,), 600, 300, np.r_[np.linspace(2, 1, 150), np.zeros(150)]).astype(dtype)
+    for a in (*cases, deficient):
+        f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered under the rule
+        s, u, vh = f(on_gpu(a))
+        assert "cusolver_syevd" in f.lower(on_gpu(a)).as_text()
+        check_against_numpy(a, u, s, vh)

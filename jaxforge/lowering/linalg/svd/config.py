@@ -2,9 +2,9 @@
 
 The one-warp Jacobi kernel holds a matrix's rows in the 32 lanes of a warp, so both dims are at most
 32. The one-block kernel keeps a float32 matrix and its float64 rotations in a block's shared
-memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Other shapes
-use the default lowering (cuSOLVER through jax.lax.linalg); the thresholds are to be measured on
-the H200, not guessed.
+memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Larger
+shapes go to the method LARGE_SVD names for them, or else to the default lowering (cuSOLVER through
+jax.lax.linalg). The thresholds are measured on the H200, not guessed.
 """
 
 from jaxforge.lowering import build
@@ -41,3 +41,20 @@ def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | Non
     fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and rows <= JACOBI_BLOCK_MAX_ROWS and rows > JACOBI_WARP_MAX_DIM
     fits = fits and jacobi_block_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
     return build.enabled(JACOBI_BLOCK_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
+
+
+# Past the kernels: cuSOLVER by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) or QDWH (polar.py),
+# each either on A or, for a tall A = QR, on R. `python -m jaxforge.bench linalg` times every pair
+# on the large shapes (rows "svd-<method>" and "svd-qr-<method>"). LARGE_SVD holds the winners as
+# rules (min(m, n) at least, max/min at least, method, qr_first); the first that matches wins and
+# none leaves jax's default (gesvdj up to 1024, gesvd beyond). Empty until measured on the H200.
+LARGE_SVD_METHODS = ("gesvd", "gesvdj", "gesvdp", "qdwh")
+LARGE_SVD: tuple[tuple[int, float, str, bool], ...] = ()
+
+
+def large_svd_method(m: int, n: int, full_matrices: bool) -> tuple[str, bool] | None:
+    """``(method, qr_first)`` for an m x n SVD past the kernels, or None for the default lowering."""
+    k, aspect = min(m, n), max(m, n) / max(min(m, n), 1)
+    if k == 0 or not _thin(m, n, full_matrices):  # the methods give thin factors only
+        return None
+    return next(((method, qr) for min_k, min_aspect, method, qr in LARGE_SVD if k >= min_k and aspect >= min_aspect), None)

@@ -1,17 +1,22 @@
-"""CUDA lowering of svd_p: the batched Jacobi kernels (csrc/svd_jacobi*.{cuh,cu}) where they fit.
+"""CUDA lowering of svd_p: the batched Jacobi kernels (csrc/svd_jacobi*.{cuh,cu}) where they fit,
+the measured best of cuSOLVER's methods and QDWH (polar.py) for large shapes (config.LARGE_SVD).
 
-Shapes the kernel does not serve (config.py) and machines where it cannot be built fall back to the
-default lowering. Matrices that hold NaN/Inf or do not converge come back as NaN from the kernel.
+Other shapes and machines where the kernel cannot be built take the default lowering. Matrices that
+hold NaN/Inf or do not converge come back as NaN.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxforge.lowering import build
+from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.lowering.linalg.svd import config
+from jaxforge.lowering.linalg.svd.polar import svd_polar
 from jaxforge.lowering.linalg.svd.xla import svd_xla
+from jaxforge.primitives.linalg._ops import ct, mm
 
 WARP_TARGETS = {"float32": "jaxforge_svd_jacobi_f32", "float64": "jaxforge_svd_jacobi_f64"}
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
@@ -42,6 +47,9 @@ def _target(a, full_matrices: bool) -> str | None:
 def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     target = _target(a, full_matrices)
     if target is None or not build.ensure_loaded(KERNEL):
+        large = config.large_svd_method(*a.shape[-2:], full_matrices)
+        if large is not None:
+            return large_svd(a, *large, compute_uv=compute_uv)
         return svd_xla(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
     s, u, vh = jacobi_svd(a, target)
     return (s, u, vh) if compute_uv else (s,)
@@ -60,3 +68,27 @@ def jacobi_svd(a, target: str):
     )
     s, u, vh, _ = jax.ffi.ffi_call(target, result_types)(a)
     return s, u, vh
+
+
+CUSOLVER_ALGORITHMS = {"gesvd": "QR", "gesvdj": "JACOBI", "gesvdp": "POLAR"}  # jax's SvdAlgorithm names
+
+
+def large_svd(a, method: str, qr_first: bool, *, compute_uv: bool = True):
+    """The thin ``(s, u, vh)`` or ``(s,)`` by one of config.LARGE_SVD_METHODS; with ``qr_first``, of
+    the triangular factor of ``A = QR`` (of ``Aᴴ`` when wide), ``u = Q u_R``. The benchmark times
+    every choice through here, so it measures what the dispatch runs."""
+    if a.shape[-2] < a.shape[-1]:
+        out = large_svd(ct(a), method, qr_first, compute_uv=compute_uv)
+        return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
+    if qr_first and not compute_uv:
+        return large_svd(jnp.linalg.qr(a, mode="r"), method, False, compute_uv=False)
+    if qr_first:
+        q, r = jnp.linalg.qr(a)
+        s, u, vh = large_svd(r, method, False)
+        return s, mm(q, u), vh
+    if method == "qdwh":
+        bad = nonfinite_matrices(a)  # zeroed first, so no NaN meets an eigensolver
+        out = svd_polar(jnp.where(bad[..., None, None], 0, a), compute_uv=compute_uv)
+        return tuple(poison(bad, x) for x in out)
+    algorithm = getattr(jax.lax.linalg.SvdAlgorithm, CUSOLVER_ALGORITHMS[method])
+    return svd_xla(a, full_matrices=False, compute_uv=compute_uv, grad_eps=0.0, algorithm=algorithm)

@@ -9,14 +9,14 @@ from jaxforge.lowering.linalg._nonfinite import poison
 from jaxforge.primitives.linalg._checks import real_dtype
 
 
-def svd_xla(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
+def svd_xla(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float, algorithm=None):
+    """``algorithm``: jax's ``SvdAlgorithm`` (cuSOLVER's gesvd, gesvdj or gesvdp on GPU), None for its default."""
     del grad_eps  # derivatives only
-    *batch, m, n = a.shape
     if a.size == 0:
         return _empty_svd(a, full_matrices=full_matrices, compute_uv=compute_uv)
     if not compute_uv:
-        return (lax.linalg.svd(a, full_matrices=False, compute_uv=False),)
-    u, s, vh = lax.linalg.svd(a, full_matrices=full_matrices, compute_uv=True)
+        return (lax.linalg.svd(a, full_matrices=False, compute_uv=False, algorithm=algorithm),)
+    u, s, vh = lax.linalg.svd(a, full_matrices=full_matrices, compute_uv=True, algorithm=algorithm)
     bad = ~jnp.all(jnp.isfinite(s), axis=-1)  # LAPACK leaves s non-finite for NaN/Inf input
     return tuple(poison(bad, x) for x in (s, u, vh))
 
