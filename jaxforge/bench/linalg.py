@@ -288,27 +288,34 @@ def _lstsq_implementations(backend: str) -> list[Implementation]:
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a, b: (torch.linalg.lstsq(a, b).solution,)))
     if backend == "gpu":
-        impls.append(_lstsq_qr_r_kernel())
+        impls += _lstsq_factors()
     return impls
 
 
-def _lstsq_qr_r_kernel() -> Implementation:
-    """The block QR kernel's R of ``[A | b]`` and one triangular solve, without lstsq's rank
-    certificate and outputs: how much of jaxforge's time is the kernel (issue 3's fused target)."""
+def _lstsq_factors() -> list[Implementation]:
+    """Each QR the lstsq dispatch chooses from (lowering/linalg/lstsq/config.py): R and Qᴴb of
+    ``[A | b]`` and one triangular solve, without lstsq's rank certificate. Which is fastest on a
+    shape sets the dispatch; jaxforge's time less the chosen one's is the certificate's."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.lstsq import config, cuda
+    from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2
     from jaxforge.lowering.linalg.lstsq.xla import augmented_qr
 
-    def bare(a, b):
+    def kernel(a, b):
         if not build.ensure_loaded(cuda.KERNEL):
             raise RuntimeError("the lstsq kernel could not be built here")
-        return (solve_triangular(*augmented_qr(cuda.qr_r_cuda)(a, b)),)
+        return augmented_qr(cuda.qr_r_cuda)(a, b)
 
-    def applies(shape):
-        _, m, n, k = shape
-        return config.qr_r_block_fits(m, n + k, np.dtype(np.float32))
+    def row(name: str, factor, applies) -> Implementation:
+        return Implementation(f"lstsq-{name}", jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),)), applies=applies)
 
-    return Implementation("jaxforge-qr_r", jax.jit(bare), applies=applies)
+    tall = lambda shape: shape[1] >= shape[2]  # noqa: E731
+    fits = lambda shape: config.qr_r_block_fits(shape[1], shape[2] + shape[3], np.dtype(np.float32))  # noqa: E731
+    return [
+        row("householder", augmented_qr(), tall),  # cuSOLVER geqrf
+        row("qr_r", kernel, fits),  # the block kernel
+        row("cholesky_qr2", cholesky_qr2(augmented_qr()), tall),
+    ]
 
 
 def _cuda_torch():
