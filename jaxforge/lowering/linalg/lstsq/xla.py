@@ -5,9 +5,10 @@
 * m < n: ``Aᴴ = QR``; full rank: the minimum-norm ``x = QR⁻ᴴb``.
 * Rank. numpy's rank counts ``s_i > rcond·s_1``. A cheap certificate settles it for most inputs:
   upper bounds ``β`` of the 2-norms give ``β(R)·β(R⁻¹) >= s_1/s_k``, so ``β(R)·β(R⁻¹) < 1/rcond``
-  proves full rank. Only when some
-  matrix of the batch lacks the certificate does a ``lax.cond`` (decided on device) run the SVD of
-  ``R`` for the exact rank and the truncated-SVD solution of the rank-deficient ones.
+  proves full rank. The bounds come in rungs (``CERTIFICATE_SQUARINGS``), each tighter and dearer
+  than the last; only when some matrix of the batch lacks every certificate does a ``lax.cond``
+  (decided on device) run the SVD of ``R`` for the exact rank and the truncated-SVD solution of
+  the rank-deficient ones.
 * ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
   apart from it, so XLA drops them when the caller does not use them. They are tied to ``x`` so
   that no two LAPACK calls run side by side (see ``_ops.after``).
@@ -22,6 +23,11 @@ from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
 from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
+
+# The certificate's rungs, as squarings of the Gram in ``_two_norm_bound``: 0 costs one product per
+# factor and certifies a 4096² float32 problem of condition 100 (its bound is 3.9x the norm there,
+# 1/rcond is 2048); 2 costs three and is within k^(1/16), for what the first cannot certify.
+CERTIFICATE_SQUARINGS = (0, 2)
 
 
 def qr_r_lapack(x):
@@ -72,24 +78,31 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr()):
         full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
         return rank, jnp.where(full, full_rank, truncated)
 
-    rank, x = lax.cond(jnp.all(_full_rank_certificate(r, rcond)), certified, exact)
+    r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+
+    def certify(rungs):
+        if not rungs:
+            return exact()
+        return lax.cond(jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0])), certified, lambda: certify(rungs[1:]))
+
+    rank, x = certify(CERTIFICATE_SQUARINGS)
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)
     return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
 
 
-def _full_rank_certificate(r, rcond: float):
+def _full_rank_certificate(r, r_inv, rcond: float, squarings: int):
     """``β(R)·β(R⁻¹) < 1/rcond``, which implies ``s_k > rcond·s_1``; False for NaN or singular R.
 
-    ``β`` (``_two_norm_bound``) is within a factor ``k^(1/16)`` of the 2-norm: 1.5 at k = 1024, so a
-    float32 16384 x 1024 problem of condition 100 is certified (``1/rcond`` = 512) and skips the SVD.
+    ``β`` (``_two_norm_bound``) is within a factor ``k^(1/(4·2^squarings))`` of the 2-norm: with 2
+    squarings 1.5 at k = 1024, so a float32 16384 x 1024 problem of condition 100 is certified
+    (``1/rcond`` = 512) and skips the SVD.
     """
-    eye = jnp.zeros_like(r) + jnp.eye(r.shape[-1], dtype=r.dtype)  # keeps r's batch sharding
-    return _two_norm_bound(r) * _two_norm_bound(solve_triangular(r, eye)) * rcond < 1
+    return _two_norm_bound(r, squarings) * _two_norm_bound(r_inv, squarings) * rcond < 1
 
 
-def _two_norm_bound(x, squarings: int = 2):
+def _two_norm_bound(x, squarings: int):
     """An upper bound of ``‖X‖₂`` within a factor ``k^(1/(4m))``, ``m = 2^squarings``.
 
     With ``G = XᴴX``: ``‖X‖₂² = λ_max(G) <= ‖G^m‖_F^(1/m) <= k^(1/(2m)) λ_max(G)``. ``G^m`` comes from
