@@ -143,7 +143,7 @@ def test_multi_head_attention_gradients():
     params = nn.init_multi_head_attention(KEY, 8, 2, num_kv_heads=1, dtype=jnp.float64)
     x = normal(6, 8)
     f = lambda params, x: nn.multi_head_attention(params, x, mask=jf.masks.causal())  # noqa: E731
-    check_grads(f, (params, x), order=2, modes=("rev",))
+    check_grads(jax.jit(f), (params, x), order=2, modes=("rev",))
 
 
 # -- recurrent layers -----------------------------------------------------------------------------
@@ -237,8 +237,9 @@ SEGMENTS_10 = jnp.array([[0, 0, 0, 0, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 2, 2, 2
 
 def test_transformer_loss_and_grad_match_reference_attention():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
-    value, grad = jax.value_and_grad(loss)(params, TOKENS, SEGMENTS_10)
-    want_value, want_grad = jax.value_and_grad(dense_loss)(params, TOKENS, SEGMENTS_10)
+    # jitted, tokens and segments closed over (dense_loss builds its mask with numpy)
+    value, grad = jax.jit(jax.value_and_grad(lambda p: loss(p, TOKENS, SEGMENTS_10)))(params)
+    want_value, want_grad = jax.jit(jax.value_and_grad(lambda p: dense_loss(p, TOKENS, SEGMENTS_10)))(params)
     np.testing.assert_allclose(value, want_value, rtol=1e-12)
     for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
@@ -247,7 +248,7 @@ def test_transformer_loss_and_grad_match_reference_attention():
 
 def test_transformer_check_grads():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **dict(CONFIG, depth=1))
-    check_grads(lambda p: loss(p, TOKENS[:1], SEGMENTS_10[:1]), (params,), order=1, modes=("fwd", "rev"))
+    check_grads(jax.jit(lambda p: loss(p, TOKENS[:1], SEGMENTS_10[:1])), (params,), order=1, modes=("fwd", "rev"))
 
 
 def test_transformer_is_causal_and_respects_documents():
@@ -275,6 +276,7 @@ def test_data_parallel_gradient_under_shard_equals_single_device():
     tokens = jnp.asarray(RNG.integers(0, 13, (8, 10)))
     segments = jnp.tile(SEGMENTS_10, (4, 1))
 
+    @jax.jit  # one program each, not op by op (most of this test's time went to small compiles)
     @jf.shard(in_specs=(P(), P("data"), P("data")), out_specs=P())
     def sharded_grad(params, tokens, segments):
         # params are replicated, so their gradient is already summed over devices by JAX's
@@ -283,7 +285,7 @@ def test_data_parallel_gradient_under_shard_equals_single_device():
 
     # One row per device: the mean of per-device losses is the mean of per-row losses.
     got = sharded_grad(params, tokens, segments)
-    want = jax.grad(lambda p: jnp.mean(jax.vmap(loss, in_axes=(None, 0, 0))(p, tokens, segments)))(params)
+    want = jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(loss, in_axes=(None, 0, 0))(p, tokens, segments))))(params)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13)
 
