@@ -13,7 +13,8 @@ match: loading it would run its code. Without nvcc or a supported GPU, :func:`en
 once and returns False, and the default lowering runs.
 
     python -m jaxforge.build                    # build and load for this machine's GPU
-    python -m jaxforge.build --compile-only --arch sm_80 --arch sm_90a --out DIR   # what CI runs
+    python -m jaxforge.build --compile-only --arch sm_80 --arch sm_90a --out DIR   # what CI runs:
+                                                # DIR/<name>.so, one library per kernel for all archs
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from collections.abc import Sequence
 
 import jax
 import jaxlib
@@ -150,15 +152,16 @@ def _gencode(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{number},code=sm_{number}"]
 
 
-def compile_kernel(kernel: Kernel, arch: str, out: pathlib.Path, *, nvcc: str) -> None:
-    """Compiles ``kernel`` for ``arch`` into the shared library ``out`` (not atomic; see ensure_built)."""
+def compile_kernel(kernel: Kernel, archs: Sequence[str], out: pathlib.Path, *, nvcc: str) -> None:
+    """Compiles ``kernel`` for every GPU arch of ``archs`` into the one shared library ``out`` (not
+    atomic; see verified_library). One nvcc call compiles the host code once for all of them."""
     command = [
-        nvcc, *NVCC_FLAGS, *_gencode(arch), f"-I{jax.ffi.include_dir()}", f"-I{PACKAGE_LOWERING}",
-        *(str(PACKAGE_LOWERING / s) for s in kernel.sources), "-o", str(out),
+        nvcc, *NVCC_FLAGS, *(flag for arch in archs for flag in _gencode(arch)), f"-I{jax.ffi.include_dir()}",
+        f"-I{PACKAGE_LOWERING}", *(str(PACKAGE_LOWERING / s) for s in kernel.sources), "-o", str(out),
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        raise BuildError(f"nvcc failed for kernel {kernel.name!r} ({arch}):\n{result.stderr[-4000:]}")
+        raise BuildError(f"nvcc failed for kernel {kernel.name!r} ({', '.join(archs)}):\n{result.stderr[-4000:]}")
 
 
 def _sha256(path: pathlib.Path) -> str:
@@ -175,7 +178,7 @@ def verified_library(kernel: Kernel, arch: str, *, nvcc: str) -> pathlib.Path:
         os.close(fd)
         tmp = pathlib.Path(tmp)
         try:
-            compile_kernel(kernel, arch, tmp, nvcc=nvcc)
+            compile_kernel(kernel, [arch], tmp, nvcc=nvcc)
             tmp.chmod(0o600)
             manifest_tmp = tmp.with_name(tmp.name + ".sha256")
             manifest_tmp.write_text(_sha256(tmp) + "\n")
@@ -257,10 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_only:
         out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="jaxforge-build-"))
         out.mkdir(parents=True, exist_ok=True)
-        for arch in args.arch or SUPPORTED_ARCHS:
-            for kernel in _KERNELS.values():
-                compile_kernel(kernel, arch, out / f"{kernel.name}-{arch}.so", nvcc=nvcc)
-                print(f"compiled {kernel.name} for {arch}")
+        archs = args.arch or SUPPORTED_ARCHS
+        for kernel in _KERNELS.values():
+            compile_kernel(kernel, archs, out / f"{kernel.name}.so", nvcc=nvcc)
+            print(f"compiled {kernel.name} for {', '.join(archs)}")
         return 0
     arch = (args.arch or [gpu_arch()])[0]
     if arch is None:
