@@ -12,31 +12,12 @@ import jaxforge as jf
 from jaxforge.lowering.linalg.svd import config
 from jaxforge.lowering.linalg.svd.cuda import large_svd
 from jaxforge.lowering.linalg.svd.polar import qdwh, qdwh_coefficients, svd_polar
+from tests.linalg_checks import check_svd
 from tests.linalg_inputs import random, with_singular_values
 
 jit_large_svd = jax.jit(large_svd, static_argnames=("method", "qr_first", "compute_uv"))
 
 DTYPES = [np.float32, np.float64, np.complex64, np.complex128]
-
-
-def wide64(dtype):
-    return np.complex128 if np.issubdtype(dtype, np.complexfloating) else np.float64
-
-
-def check_svd(a, s, u, vh, *, tol_factor=50):
-    """ANCHORS.md's bar: s, reconstruction and orthogonality within ``50 eps sqrt(max(m, n))``."""
-    a64 = a.astype(wide64(a.dtype))
-    m, n = a.shape[-2:]
-    bound = tol_factor * np.finfo(a.dtype).eps * np.sqrt(max(m, n))
-    s, u, vh = np.asarray(s, np.float64), np.asarray(u, a64.dtype), np.asarray(vh, a64.dtype)
-    s_np = np.linalg.svd(a64, compute_uv=False)
-    scale = np.maximum(s_np[..., :1], np.finfo(np.float64).tiny)
-    assert (np.abs(s - s_np) / scale).max() <= bound
-    recon = (u * s[..., None, :]) @ vh
-    assert (np.linalg.norm(recon - a64, axis=(-2, -1)) / scale[..., 0]).max() <= bound
-    for q in (u, np.swapaxes(vh, -1, -2).conj()):
-        gram = np.swapaxes(q, -1, -2).conj() @ q
-        assert np.abs(gram - np.eye(q.shape[-1])).max() <= bound
 
 
 def inputs(rng, dtype):

@@ -19,7 +19,7 @@ KERNEL = build.declare(
     build.Kernel(
         name="qr_r",
         sources=("linalg/lstsq/csrc/qr_r_ffi.cu",),
-        headers=("linalg/lstsq/csrc/qr_r.cuh", "csrc/xla_ffi.h"),
+        headers=("linalg/lstsq/csrc/qr_r.cuh", "csrc/xla_ffi.h", "csrc/launch.h"),
         targets={"jaxforge_qr_r_f32": "JaxforgeQrRF32", "jaxforge_qr_r_f64": "JaxforgeQrRF64"},
     )
 )

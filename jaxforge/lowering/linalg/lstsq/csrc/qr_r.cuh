@@ -33,6 +33,8 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "csrc/launch.h"
+
 namespace jaxforge::qr_r {
 
 constexpr int kMaxCols = 64;
@@ -306,8 +308,8 @@ cudaError_t launch(cudaStream_t stream, const T* x, T* r, int64_t batch, int m, 
   const int warps = std::clamp((m * c + kElemsPerWarp - 1) / kElemsPerWarp, 1, kMaxWarps);
   const Layout l = layout<T>(m, c, warps);
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
-  qr_r_kernel<T><<<static_cast<unsigned>(blocks), warps * 32, l.bytes, stream>>>(x, r, batch, m,
-                                                                                  c);
+  JAXFORGE_LAUNCH(qr_r_kernel<T>, static_cast<unsigned>(blocks), warps * 32, l.bytes, stream)(
+      x, r, batch, m, c);
   return cudaGetLastError();
 }
 

@@ -29,6 +29,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "csrc/launch.h"
+
 namespace jaxforge::svd_jacobi {
 
 constexpr int kMaxDim = 32;           // rows of the work matrix live in the 32 lanes of a warp
@@ -350,8 +352,8 @@ cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* 
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
   const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);
   const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);
-  svd_jacobi_kernel<T><<<static_cast<unsigned>(blocks), warps * 32, warps * l.bytes, stream>>>(
-      a, s, u, vt, info, batch, m, n);
+  JAXFORGE_LAUNCH(svd_jacobi_kernel<T>, static_cast<unsigned>(blocks), warps * 32, warps * l.bytes,
+                  stream)(a, s, u, vt, info, batch, m, n);
   return cudaGetLastError();
 }
 

@@ -236,8 +236,8 @@ cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* 
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, l.bytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
-  svd_jacobi_block_kernel<T><<<static_cast<unsigned>(blocks), kThreads, l.bytes, stream>>>(
-      a, s, u, vt, info, batch, m, n);
+  JAXFORGE_LAUNCH(svd_jacobi_block_kernel<T>, static_cast<unsigned>(blocks), kThreads, l.bytes,
+                  stream)(a, s, u, vt, info, batch, m, n);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,180 @@
+// Host emulation of the CUDA subset jaxforge's kernels use, so that their logic runs on a CPU.
+//
+// Shadows <cuda_runtime.h> (it comes first on the include path) when a kernel header is compiled
+// by the host compiler with JAXFORGE_HOST_EMULATION defined. Every CUDA thread of a block is an OS
+// thread; blocks run one after another. __syncthreads and __syncwarp are barriers of the block's
+// and the warp's threads, shuffles and votes exchange through a per-warp slot array between two
+// warp barriers, and a thread that returns drops out of both barriers (as an exited thread does).
+// Lanes run independently, as on Volta and later GPUs: code that reads another lane's shared
+// memory without a sync between gets racy, visibly wrong results here too.
+//
+// It checks logic (indexing, reductions, convergence, NaN paths), not timing, occupancy, register
+// limits or the device memory model; a kernel still has to pass its gpu tests on a GPU.
+#pragma once
+
+#include <math.h>
+
+#include <barrier>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __align__(n)
+#define __launch_bounds__(...)
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+};
+
+namespace emu {
+
+// Dynamic shared memory: the harness defines each kernel namespace's `smem` with kSharedBytes and
+// registers it, so that every block starts from all-ones bytes (NaN for floats), not zeros.
+constexpr size_t kSharedBytes = 256 * 1024;
+inline std::vector<unsigned char*> shared_arrays;
+
+struct Block {
+  explicit Block(int threads) : all(threads), vote(threads) {
+    for (int w = 0; w < (threads + 31) / 32; ++w) {
+      warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
+    }
+    slots.resize(static_cast<size_t>(threads));
+  }
+  std::barrier<> all;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<uint64_t> slots;  // one 8-byte exchange slot per thread
+  std::vector<int> vote;
+};
+
+inline Block* block = nullptr;
+inline dim3 block_dim, grid_dim;
+inline thread_local dim3 thread_idx, block_idx;
+
+inline unsigned tid() { return thread_idx.x; }
+inline std::barrier<>& warp() { return *block->warps[tid() / 32]; }
+
+// Runs body() as grid.x blocks of threads.x threads (1-D launches, as the kernels make).
+template <typename Body>
+void launch(unsigned grid, unsigned threads, Body body) {
+  grid_dim = {grid, 1, 1};
+  block_dim = {threads, 1, 1};
+  for (unsigned b = 0; b < grid; ++b) {
+    for (unsigned char* shared : shared_arrays) std::memset(shared, 0xff, kSharedBytes);
+    Block state(static_cast<int>(threads));
+    block = &state;
+    std::vector<std::thread> pool;
+    for (unsigned t = 0; t < threads; ++t) {
+      pool.emplace_back([=, &state] {
+        thread_idx = {t, 0, 0};
+        block_idx = {b, 0, 0};
+        body();
+        state.all.arrive_and_drop();
+        state.warps[t / 32]->arrive_and_drop();
+      });
+    }
+    for (auto& thread : pool) thread.join();
+    block = nullptr;
+  }
+}
+
+// What JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) expands to here.
+template <typename Kernel>
+auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel) {
+  return [=](auto... args) {
+    if (shared_bytes > kSharedBytes || threads == 0 || threads > 1024) {
+      std::fprintf(stderr, "emulated launch refused: %u threads, %zu shared bytes\n", threads, shared_bytes);
+      std::abort();
+    }
+    launch(grid, threads, [=] { kernel(args...); });
+  };
+}
+
+template <typename T>
+T exchange(T value, unsigned source_lane) {
+  static_assert(sizeof(T) <= 8);
+  std::memcpy(&block->slots[tid()], &value, sizeof(T));
+  warp().arrive_and_wait();
+  T out;
+  std::memcpy(&out, &block->slots[tid() / 32 * 32 + source_lane], sizeof(T));
+  warp().arrive_and_wait();
+  return out;
+}
+
+}  // namespace emu
+
+using cudaError_t = int;
+using cudaStream_t = void*;
+constexpr cudaError_t cudaSuccess = 0;
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+template <typename F>
+cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+
+#define threadIdx (::emu::thread_idx)
+#define blockIdx (::emu::block_idx)
+#define blockDim (::emu::block_dim)
+#define gridDim (::emu::grid_dim)
+
+inline void __syncthreads() { emu::block->all.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().arrive_and_wait(); }
+
+inline int __syncthreads_and(int predicate) {
+  emu::block->vote[emu::tid()] = predicate != 0;
+  __syncthreads();
+  int all = 1;
+  for (int v : emu::block->vote) all &= v;
+  __syncthreads();
+  return all;
+}
+
+template <typename T>
+T __shfl_xor_sync(unsigned, T value, int lane_mask, int width = 32) {
+  return emu::exchange(value, (emu::tid() % 32) ^ static_cast<unsigned>(lane_mask & (width - 1)));
+}
+
+inline int __all_sync(unsigned, int predicate) {
+  int all = 1;
+  for (unsigned lane = 0; lane < 32; ++lane) all &= emu::exchange(predicate != 0, lane) ? 1 : 0;
+  return all;
+}
+
+// CUDA's device-side integer helpers.
+template <typename T>
+constexpr T min(T a, T b) {
+  return b < a ? b : a;
+}
+template <typename T>
+constexpr T max(T a, T b) {
+  return a < b ? b : a;
+}
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
+
+inline float __int_as_float(int x) {
+  float f;
+  std::memcpy(&f, &x, sizeof f);
+  return f;
+}
+inline double __longlong_as_double(long long x) {
+  double d;
+  std::memcpy(&d, &x, sizeof d);
+  return d;
+}
+// Rounded once each: the emulator is compiled with -ffp-contract=off, as these forbid contraction.
+inline float __fmul_rn(float x, float y) { return x * y; }
+inline float __fadd_rn(float x, float y) { return x + y; }
+inline float __fmaf_rn(float x, float y, float z) { return std::fma(x, y, z); }
+inline double __dmul_rn(double x, double y) { return x * y; }
+inline double __dadd_rn(double x, double y) { return x + y; }
+inline double __fma_rn(double x, double y, double z) { return std::fma(x, y, z); }

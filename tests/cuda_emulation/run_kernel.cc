@@ -1,0 +1,81 @@
+// Runs one of jaxforge's CUDA kernels under the host emulation (cuda_runtime.h here), through the
+// kernel header's own launch(): reads the input matrices from a raw file and writes the outputs,
+// back to back, to another. tests/lowering/linalg/test_kernels_emulated.py builds and drives it.
+//
+//   run_kernel qr_r             f32|f64 BATCH M C IN OUT   -> r (BATCH, C, C)
+//   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
+//   run_kernel svd_jacobi_block f32     BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
+#include "cuda_runtime.h"
+#include "linalg/lstsq/csrc/qr_r.cuh"
+#include "linalg/svd/csrc/svd_jacobi_block.cuh"
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+// The kernels' `extern __shared__ unsigned char smem[]`, one per kernel namespace.
+namespace jaxforge::qr_r {
+alignas(16) unsigned char smem[emu::kSharedBytes];
+}
+namespace jaxforge::svd_jacobi {
+alignas(16) unsigned char smem[emu::kSharedBytes];
+}
+namespace jaxforge::svd_jacobi_block {
+alignas(16) unsigned char smem[emu::kSharedBytes];
+}
+
+namespace {
+
+template <typename T>
+std::vector<T> read(const char* path, size_t count) {
+  std::vector<T> data(count);
+  FILE* f = std::fopen(path, "rb");
+  if (!f || std::fread(data.data(), sizeof(T), count, f) != count) {
+    std::fprintf(stderr, "cannot read %zu values from %s\n", count, path);
+    std::exit(2);
+  }
+  std::fclose(f);
+  return data;
+}
+
+template <typename V>
+void write(FILE* f, const V& values) {
+  std::fwrite(values.data(), sizeof(values[0]), values.size(), f);
+}
+
+template <typename T>
+int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, const char* out) {
+  const std::vector<T> x = read<T>(in, static_cast<size_t>(batch * m * n));
+  FILE* f = std::fopen(out, "wb");
+  if (kernel == "qr_r") {
+    std::vector<T> r(static_cast<size_t>(batch * n * n));
+    if (!jaxforge::qr_r::supported<T>(m, n)) return 3;
+    jaxforge::qr_r::launch<T>(nullptr, x.data(), r.data(), batch, m, n);
+    write(f, r);
+  } else {
+    const int k = std::min(m, n);
+    std::vector<T> s(batch * k), u(batch * m * k), vt(batch * k * n);
+    std::vector<int32_t> info(batch);
+    const auto call = kernel == "svd_jacobi" ? jaxforge::svd_jacobi::launch<T> : jaxforge::svd_jacobi_block::launch<T>;
+    call(nullptr, x.data(), s.data(), u.data(), vt.data(), info.data(), batch, m, n);
+    write(f, s), write(f, u), write(f, vt), write(f, info);
+  }
+  std::fclose(f);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc != 8) {
+    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT\n", argv[0]);
+    return 2;
+  }
+  emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::svd_jacobi::smem, jaxforge::svd_jacobi_block::smem};
+  const std::string kernel = argv[1], dtype = argv[2];
+  const int64_t batch = std::stoll(argv[3]);
+  const int m = std::stoi(argv[4]), n = std::stoi(argv[5]);
+  return dtype == "f32" ? run<float>(kernel, batch, m, n, argv[6], argv[7])
+                        : run<double>(kernel, batch, m, n, argv[6], argv[7]);
+}
