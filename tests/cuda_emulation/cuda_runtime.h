@@ -1,29 +1,32 @@
 // Host emulation of the CUDA subset jaxforge's kernels use, so that their logic runs on a CPU.
 //
 // Shadows <cuda_runtime.h> (it comes first on the include path) when a kernel header is compiled
-// by the host compiler with JAXFORGE_HOST_EMULATION defined. Every CUDA thread of a block is an OS
-// thread; blocks run one after another. __syncthreads and __syncwarp are barriers of the block's
-// and the warp's threads, shuffles and votes exchange through a per-warp slot array between two
-// warp barriers, and a thread that returns drops out of both barriers (as an exited thread does).
-// Lanes run independently, as on Volta and later GPUs: code that reads another lane's shared
-// memory without a sync between gets racy, visibly wrong results here too.
+// by the host compiler with JAXFORGE_HOST_EMULATION defined. Every CUDA thread of a block is a
+// fiber (ucontext) on the calling OS thread, run round-robin and switched only where it waits:
+// __syncthreads and __syncwarp are barriers of the block's and the warp's fibers, shuffles and
+// votes exchange through a per-warp slot array between two warp barriers, and a thread that
+// returns drops out of both barriers (as an exited thread does). Blocks run one after another.
+// Between two barriers each thread runs alone, in thread order, so a read of shared memory that
+// another thread writes without a sync between sees the old bytes (all ones, NaN, at first) for
+// every writer after it: such races give wrong results here. A barrier some thread can never reach
+// stops the run with a message instead of hanging.
 //
 // It checks logic (indexing, reductions, convergence, NaN paths), not timing, occupancy, register
 // limits or the device memory model; a kernel still has to pass its gpu tests on a GPU.
 #pragma once
 
 #include <math.h>
+#include <ucontext.h>
 
-#include <barrier>
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <algorithm>
+#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #define __global__
@@ -45,48 +48,106 @@ namespace emu {
 constexpr size_t kSharedBytes = 256 * 1024;
 inline std::vector<unsigned char*> shared_arrays;
 
-struct Block {
-  explicit Block(int threads) : all(threads), vote(threads) {
-    for (int w = 0; w < (threads + 31) / 32; ++w) {
-      warps.push_back(std::make_unique<std::barrier<>>(std::min(32, threads - 32 * w)));
+inline dim3 block_dim, grid_dim, thread_idx, block_idx;  // thread_idx: the running fiber's
+inline ucontext_t scheduler;
+inline ucontext_t* running = nullptr;
+inline long progress = 0;  // arrivals and finished threads; a pass of the block without any: deadlock
+
+inline void yield() { swapcontext(running, &scheduler); }
+
+// A barrier of `expected` fibers; phases complete when the last one arrives.
+struct Barrier {
+  int expected;
+  int arrived = 0;
+  unsigned phase = 0;
+  void arrive_and_wait() {
+    ++progress;
+    const unsigned mine = phase;
+    if (++arrived == expected) {
+      arrived = 0, ++phase;
+      return;
     }
-    slots.resize(static_cast<size_t>(threads));
+    while (phase == mine) yield();
   }
-  std::barrier<> all;
-  std::vector<std::unique_ptr<std::barrier<>>> warps;
-  std::vector<uint64_t> slots;  // one 8-byte exchange slot per thread
+  void arrive_and_drop() {
+    if (--expected > 0 && arrived == expected) arrived = 0, ++phase;
+  }
+};
+
+struct Block {
+  explicit Block(int threads) : all{threads}, vote(threads), slots(threads) {
+    for (int w = 0; w < (threads + 31) / 32; ++w) warps.push_back({std::min(32, threads - 32 * w)});
+  }
+  Barrier all;
+  std::vector<Barrier> warps;
   std::vector<int> vote;
+  std::vector<uint64_t> slots;  // one 8-byte exchange slot per thread
 };
 
 inline Block* block = nullptr;
-inline dim3 block_dim, grid_dim;
-inline thread_local dim3 thread_idx, block_idx;
+inline std::function<void()> kernel_body;
+inline std::vector<char>* finished = nullptr;
 
 inline unsigned tid() { return thread_idx.x; }
-inline std::barrier<>& warp() { return *block->warps[tid() / 32]; }
+inline Barrier& warp() { return block->warps[tid() / 32]; }
 
-// Runs body() as grid.x blocks of threads.x threads (1-D launches, as the kernels make).
+inline void fiber_entry() {
+  kernel_body();
+  block->all.arrive_and_drop();
+  warp().arrive_and_drop();
+  (*finished)[tid()] = 1;
+  ++progress;
+}
+
+// Runs body() as grid blocks of `threads` threads (1-D launches, as the kernels make).
 template <typename Body>
 void launch(unsigned grid, unsigned threads, Body body) {
+  constexpr size_t kStackBytes = 128 * 1024;
   grid_dim = {grid, 1, 1};
   block_dim = {threads, 1, 1};
+  kernel_body = body;
   for (unsigned b = 0; b < grid; ++b) {
     for (unsigned char* shared : shared_arrays) std::memset(shared, 0xff, kSharedBytes);
     Block state(static_cast<int>(threads));
-    block = &state;
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; ++t) {
-      pool.emplace_back([=, &state] {
-        thread_idx = {t, 0, 0};
-        block_idx = {b, 0, 0};
-        body();
-        state.all.arrive_and_drop();
-        state.warps[t / 32]->arrive_and_drop();
-      });
+    std::vector<char> done(threads, 0);
+    block = &state, finished = &done, block_idx = {b, 0, 0};
+    std::vector<ucontext_t> fibers(threads);
+    std::vector<std::unique_ptr<char[]>> stacks;
+    for (ucontext_t& fiber : fibers) {
+      stacks.push_back(std::make_unique<char[]>(kStackBytes));
+      getcontext(&fiber);
+      fiber.uc_stack.ss_sp = stacks.back().get();
+      fiber.uc_stack.ss_size = kStackBytes;
+      fiber.uc_link = &scheduler;
+      makecontext(&fiber, fiber_entry, 0);
     }
-    for (auto& thread : pool) thread.join();
-    block = nullptr;
+    for (unsigned left = threads; left > 0;) {
+      const long before = progress;
+      for (unsigned t = 0; t < threads; ++t) {
+        if (done[t]) continue;
+        thread_idx = {t, 0, 0};
+        running = &fibers[t];
+        swapcontext(&scheduler, running);
+        left -= done[t];
+      }
+      if (left > 0 && progress == before) {
+        std::fprintf(stderr, "emulated block %u: deadlock, %u threads wait at barriers that cannot complete\n", b, left);
+        std::abort();
+      }
+    }
+    block = nullptr, finished = nullptr;
   }
+}
+
+template <typename T>
+T exchange(T value, unsigned source_lane) {
+  static_assert(sizeof(T) <= 8);
+  std::memcpy(&block->slots[tid()], &value, sizeof(T));
+  warp().arrive_and_wait();
+  T out;
+  std::memcpy(&out, &block->slots[tid() / 32 * 32 + source_lane], sizeof(T));
+  warp().arrive_and_wait();
+  return out;
 }
 
 // What JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) expands to here.
@@ -99,17 +160,6 @@ auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kerne
     }
     launch(grid, threads, [=] { kernel(args...); });
   };
-}
-
-template <typename T>
-T exchange(T value, unsigned source_lane) {
-  static_assert(sizeof(T) <= 8);
-  std::memcpy(&block->slots[tid()], &value, sizeof(T));
-  warp().arrive_and_wait();
-  T out;
-  std::memcpy(&out, &block->slots[tid() / 32 * 32 + source_lane], sizeof(T));
-  warp().arrive_and_wait();
-  return out;
 }
 
 }  // namespace emu

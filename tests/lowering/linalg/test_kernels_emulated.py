@@ -1,6 +1,7 @@
 """The CUDA linalg kernels' logic on the CPU: each kernel header, compiled by the host compiler
-against tests/cuda_emulation/cuda_runtime.h (CUDA threads as OS threads, barriers for the syncs and
-shuffles), runs through its own launch() and is checked against float64 numpy. What a GPU adds
+against tests/cuda_emulation/cuda_runtime.h (CUDA threads as fibers, barriers for the syncs and
+shuffles, a deadlock reported rather than hung), runs through its own launch() and is checked
+against float64 numpy. What a GPU adds
 (timing, the device memory model, register limits) is left to the gpu tests."""
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def test_warp_svd_matches_numpy(run_kernel, dtype):
 
 def test_block_svd_matches_numpy(run_kernel):
     rng = np.random.default_rng(3)
-    cases = [  # small column counts: a block's 256 threads are 256 OS threads here
+    cases = [  # small column counts: a block's 256 threads take turns on one CPU thread here
         random(rng, (1, 36, 20), np.float32),
         random(rng, (1, 20, 36), np.float32),  # wide
         with_singular_values(rng, (1,), 64, 12, np.geomspace(1, 1e-6, 12)).astype(np.float32),
