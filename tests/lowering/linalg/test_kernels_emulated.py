@@ -1,8 +1,8 @@
 """The CUDA linalg kernels' logic on the CPU: each kernel header, compiled by the host compiler
 against tests/cuda_emulation/cuda_runtime.h (CUDA threads as fibers, barriers for the syncs and
 shuffles, a deadlock reported rather than hung), runs through its own launch() and is checked
-against float64 numpy. What a GPU adds
-(timing, the device memory model, register limits) is left to the gpu tests."""
+against float64 numpy. What a GPU adds (timing, the device memory model, register limits) is left
+to the gpu tests."""
 
 from __future__ import annotations
 
