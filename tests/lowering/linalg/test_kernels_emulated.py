@@ -108,6 +108,7 @@ def test_warp_svd_matches_numpy(run_kernel, dtype):
     deficient = np.r_[np.linspace(2, 1, 6), np.zeros(6)]
     cases = [
         random(rng, (2, 20, 13), dtype),
+        random(rng, (9, 6, 5), dtype),  # 8 matrices a block: a second block with 7 idle warps
         random(rng, (1, 9, 17), dtype),  # wide
         random(rng, (1, 32, 20), dtype),  # every lane holds a row
         random(rng, (1, 1, 1), dtype),
