@@ -307,7 +307,8 @@ def _lstsq_factors() -> list[Implementation]:
         return augmented_qr(cuda.qr_r_cuda)(a, b)
 
     def row(name: str, factor, applies) -> Implementation:
-        return Implementation(f"lstsq-{name}", jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),)), applies=applies)
+        solve = jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),))
+        return Implementation(f"lstsq-{name}", solve, applies=applies)
 
     tall = lambda shape: shape[1] >= shape[2]  # noqa: E731
     fits = lambda shape: config.qr_r_block_fits(shape[1], shape[2] + shape[3], np.dtype(np.float32))  # noqa: E731

@@ -83,7 +83,8 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr()):
     def certify(rungs):
         if not rungs:
             return exact()
-        return lax.cond(jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0])), certified, lambda: certify(rungs[1:]))
+        proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
+        return lax.cond(proven, certified, lambda: certify(rungs[1:]))
 
     rank, x = certify(CERTIFICATE_SQUARINGS)
     s = lax.linalg.svd(after(r, x), compute_uv=False)

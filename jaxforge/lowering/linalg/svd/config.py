@@ -57,4 +57,5 @@ def large_svd_method(m: int, n: int, full_matrices: bool) -> tuple[str, bool] | 
     k, aspect = min(m, n), max(m, n) / max(min(m, n), 1)
     if k == 0 or not _thin(m, n, full_matrices):  # the methods give thin factors only
         return None
-    return next(((method, qr) for min_k, min_aspect, method, qr in LARGE_SVD if k >= min_k and aspect >= min_aspect), None)
+    matches = ((method, qr) for min_k, min_aspect, method, qr in LARGE_SVD if k >= min_k and aspect >= min_aspect)
+    return next(matches, None)

@@ -24,7 +24,9 @@ KERNEL = build.declare(
     build.Kernel(
         name="svd_jacobi",
         sources=("linalg/svd/csrc/svd_jacobi_ffi.cu",),
-        headers=("linalg/svd/csrc/svd_jacobi.cuh", "linalg/svd/csrc/svd_jacobi_block.cuh", "csrc/xla_ffi.h", "csrc/launch.h"),
+        headers=(
+            "linalg/svd/csrc/svd_jacobi.cuh", "linalg/svd/csrc/svd_jacobi_block.cuh", "csrc/xla_ffi.h", "csrc/launch.h"
+        ),
         targets={
             WARP_TARGETS["float32"]: "JaxforgeSvdJacobiF32",
             WARP_TARGETS["float64"]: "JaxforgeSvdJacobiF64",
