@@ -221,23 +221,27 @@ def _svd_implementations(backend: str) -> list[Implementation]:
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
     if backend == "gpu":
-        impls += [_svd_block_kernel(), *_svd_algorithms()]
+        impls += [*_svd_kernel_variants(), *_svd_algorithms()]
     return impls
 
 
-def _svd_block_kernel() -> Implementation:
-    """jaxforge's one-block Jacobi kernel on the small shapes the one-warp kernel serves: which of
-    the two is faster there decides config.JACOBI_WARP_MAX_DIM (issue 3)."""
+def _svd_kernel_variants() -> list[Implementation]:
+    """On the small shapes the one-warp kernel serves (m, n <= 32), its column-per-lane sweeps
+    (``jaxforge-lanes``: config.JACOBI_LANES) and the one-block kernel (``jaxforge-block``: which
+    decides config.JACOBI_WARP_MAX_DIM) beside ``jaxforge``'s row-per-lane warp kernel (issue 3)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.svd import cuda
 
-    def block(a):
-        if not build.ensure_loaded(cuda.KERNEL):
-            raise RuntimeError("the svd kernels could not be built here")
-        s, u, vh = cuda.jacobi_svd(a, cuda.BLOCK_TARGET)
-        return u, s, vh
+    def row(name: str, target: str) -> Implementation:
+        def svd(a):
+            if not build.ensure_loaded(cuda.KERNEL):
+                raise RuntimeError("the svd kernels could not be built here")
+            s, u, vh = cuda.jacobi_svd(a, target)
+            return u, s, vh
 
-    return Implementation("jaxforge-block", jax.jit(block), applies=lambda shape: max(shape[-2:]) <= 32)
+        return Implementation(name, jax.jit(svd), applies=lambda shape: max(shape[-2:]) <= 32)
+
+    return [row("jaxforge-lanes", cuda.LANES_TARGET), row("jaxforge-block", cuda.BLOCK_TARGET)]
 
 
 def _large(shape) -> bool:

@@ -197,9 +197,10 @@ def test_gpu_svd_algorithm_variants_are_accurate_and_gated_to_large_shapes():
 def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
     from jaxforge.bench import linalg
 
-    block = linalg._svd_block_kernel()
+    lanes, block = linalg._svd_kernel_variants()
     householder, qr_r, cholesky = linalg._lstsq_factors()
     assert block.applies((8192, 32, 32)) and not block.applies((1024, 64, 64))
+    assert lanes.applies((8192, 32, 32)) and not lanes.applies((1024, 64, 64))
     assert qr_r.applies((8192, 64, 16, 1)) and not qr_r.applies((256, 512, 128, 4))  # 40 KiB at most
     assert cholesky.applies((256, 512, 128, 4)) and not cholesky.applies((7, 37, 61, 3))  # tall only
     (a, b) = linalg._lstsq_inputs((2, 300, 40, 2))  # the two that need no kernel also run here

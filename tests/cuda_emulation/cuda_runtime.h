@@ -194,10 +194,21 @@ T __shfl_xor_sync(unsigned, T value, int lane_mask, int width = 32) {
   return emu::exchange(value, (emu::tid() % 32) ^ static_cast<unsigned>(lane_mask & (width - 1)));
 }
 
+template <typename T>
+T __shfl_sync(unsigned, T value, int source_lane, int width = 32) {
+  return emu::exchange(value, emu::tid() % 32 / width * width + static_cast<unsigned>(source_lane % width));
+}
+
 inline int __all_sync(unsigned, int predicate) {
   int all = 1;
   for (unsigned lane = 0; lane < 32; ++lane) all &= emu::exchange(predicate != 0, lane) ? 1 : 0;
   return all;
+}
+
+inline int __any_sync(unsigned, int predicate) {
+  int any = 0;
+  for (unsigned lane = 0; lane < 32; ++lane) any |= emu::exchange(predicate != 0, lane) ? 1 : 0;
+  return any;
 }
 
 // CUDA's device-side integer helpers.

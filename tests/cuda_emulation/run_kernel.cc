@@ -4,7 +4,8 @@
 //
 //   run_kernel qr_r             f32|f64 BATCH M C IN OUT   -> r (BATCH, C, C)
 //   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
-//   run_kernel svd_jacobi_block f32     BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
+//   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
+//   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
 #include "cuda_runtime.h"
 #include "linalg/lstsq/csrc/qr_r.cuh"
 #include "linalg/svd/csrc/svd_jacobi_block.cuh"
@@ -57,7 +58,9 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     const int k = std::min(m, n);
     std::vector<T> s(batch * k), u(batch * m * k), vt(batch * k * n);
     std::vector<int32_t> info(batch);
-    const auto call = kernel == "svd_jacobi" ? jaxforge::svd_jacobi::launch<T> : jaxforge::svd_jacobi_block::launch<T>;
+    const auto call = kernel == "svd_jacobi"         ? jaxforge::svd_jacobi::launch<T, false>
+                      : kernel == "svd_jacobi_lanes" ? jaxforge::svd_jacobi::launch<T, true>
+                                                     : jaxforge::svd_jacobi_block::launch<T>;
     call(nullptr, x.data(), s.data(), u.data(), vt.data(), info.data(), batch, m, n);
     write(f, s), write(f, u), write(f, vt), write(f, info);
   }

@@ -6,7 +6,7 @@
 
 #ifdef JAXFORGE_HOST_EMULATION
 #define JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) \
-  ::emu::launcher((grid), (threads), (shared_bytes), [](auto... args) { kernel(args...); })
+  ::emu::launcher((grid), (threads), (shared_bytes), [=](auto... args) { kernel(args...); })
 #else
 #define JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) \
   kernel<<<(grid), (threads), (shared_bytes), (stream)>>>

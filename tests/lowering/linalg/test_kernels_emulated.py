@@ -102,8 +102,11 @@ def test_qr_r_scaling_zero_columns_and_nan(run_kernel):
     assert np.isnan(r[3]).any() and np.isfinite(r[:3]).all()
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_warp_svd_matches_numpy(run_kernel, dtype):
+@pytest.mark.parametrize(
+    "kernel,dtype", [("svd_jacobi", np.float32), ("svd_jacobi", np.float64), ("svd_jacobi_lanes", np.float32)]
+)
+def test_warp_svd_matches_numpy(run_kernel, kernel, dtype):
+    """Both sweeps of the one-warp kernel: a row per lane, and a column per lane (float32 only)."""
     rng = np.random.default_rng(2)
     deficient = np.r_[np.linspace(2, 1, 6), np.zeros(6)]
     cases = [
@@ -116,7 +119,7 @@ def test_warp_svd_matches_numpy(run_kernel, dtype):
         with_singular_values(rng, (1,), 12, 12, deficient).astype(dtype),
     ]
     for x in cases:
-        s, u, vh, info = svd(run_kernel, "svd_jacobi", x)
+        s, u, vh, info = svd(run_kernel, kernel, x)
         assert np.all(info > 0)  # sweeps used
         check_svd(x, s, u, vh)
 
@@ -134,10 +137,11 @@ def test_block_svd_matches_numpy(run_kernel):
         check_svd(x, s, u, vh)
 
 
-@pytest.mark.parametrize("kernel", ["svd_jacobi", "svd_jacobi_block"])
+@pytest.mark.parametrize("kernel", ["svd_jacobi", "svd_jacobi_lanes", "svd_jacobi_block"])
 def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel):
-    x = random(np.random.default_rng(4), (3, 12, 10) if kernel == "svd_jacobi" else (2, 40, 12), np.float32)
-    x[1, 3, 4] = np.inf if kernel == "svd_jacobi" else np.nan
+    one_warp = kernel != "svd_jacobi_block"
+    x = random(np.random.default_rng(4), (3, 12, 10) if one_warp else (2, 40, 12), np.float32)
+    x[1, 3, 4] = np.inf if one_warp else np.nan
     s, u, vh, info = svd(run_kernel, kernel, x)
     assert info[1] == -1 and all(np.isnan(v[1]).all() for v in (s, u, vh))
     keep = [i for i in range(x.shape[0]) if i != 1]

@@ -38,6 +38,18 @@ def test_kernel_is_used_and_matches_numpy(dtype, shape):
     check_svd(a, s, u, vh)
 
 
+@pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1)])
+def test_lanes_variant_is_used_and_matches_numpy(shape, monkeypatch):
+    from jaxforge.lowering.linalg.svd import config
+
+    monkeypatch.setattr(config, "JACOBI_LANES", True)
+    a = random(np.random.default_rng(0), shape, np.float32)
+    f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with the flag on
+    u, s, vh = f(on_gpu(a))
+    assert "jaxforge_svd_jacobi_lanes_f32" in f.lower(on_gpu(a)).as_text()
+    check_svd(a, s, u, vh)
+
+
 def test_ill_conditioned_and_rank_deficient():
     rng = np.random.default_rng(1)
     ill = with_singular_values(rng, (64,), 32, 24, np.logspace(0, -6, 24)).astype(np.float32)
@@ -118,6 +130,6 @@ def test_qdwh_on_the_gpu_matches_numpy(dtype, monkeypatch):
     for a, qr_first in ((ill, False), (deficient, True)):
         monkeypatch.setattr(config, "LARGE_SVD", ((1, 1.0, "qdwh", qr_first),))
         f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered under the rule
-        s, u, vh = f(on_gpu(a))
+        u, s, vh = f(on_gpu(a))
         assert "cusolver_syevd" in f.lower(on_gpu(a)).as_text()
         check_svd(a, s, u, vh)

@@ -11,6 +11,10 @@ from jaxforge.lowering import build
 
 JACOBI_WARP_MAX_DIM = 32
 JACOBI_WARP_VALIDATED = False  # not yet run on a GPU: see build.enabled
+# float32: which sweeps the one-warp kernel runs, a row of W per lane (jacobi_sweeps, three 5-level
+# butterflies a rotation) or a column per lane (jacobi_sweeps_lanes, 16 rotations a step); the
+# benchmark's jaxforge-lanes row decides it on the H200. Both pass the same tests on CPU (emulated).
+JACOBI_LANES = False
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = False  # written and compiled, never run: see build.enabled
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,

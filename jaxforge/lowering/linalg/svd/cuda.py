@@ -19,6 +19,7 @@ from jaxforge.lowering.linalg.svd.xla import svd_xla
 from jaxforge.primitives.linalg._ops import ct, mm
 
 WARP_TARGETS = {"float32": "jaxforge_svd_jacobi_f32", "float64": "jaxforge_svd_jacobi_f64"}
+LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"  # the one-warp kernel with a column per lane (config.JACOBI_LANES)
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
 KERNEL = build.declare(
     build.Kernel(
@@ -30,6 +31,7 @@ KERNEL = build.declare(
         targets={
             WARP_TARGETS["float32"]: "JaxforgeSvdJacobiF32",
             WARP_TARGETS["float64"]: "JaxforgeSvdJacobiF64",
+            LANES_TARGET: "JaxforgeSvdJacobiLanesF32",
             BLOCK_TARGET: "JaxforgeSvdJacobiBlockF32",
         },
     )
@@ -40,7 +42,7 @@ def _target(a, full_matrices: bool) -> str | None:
     """The FFI target serving ``a``, or None where the default lowering does."""
     m, n = a.shape[-2:]
     if config.use_jacobi_warp(m, n, a.dtype, full_matrices):
-        return WARP_TARGETS[a.dtype.name]
+        return LANES_TARGET if config.JACOBI_LANES and a.dtype.name == "float32" else WARP_TARGETS[a.dtype.name]
     if config.use_jacobi_block(m, n, a.dtype, full_matrices, build.gpu_arch()):
         return BLOCK_TARGET
     return None

@@ -198,6 +198,100 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
   return -1;
 }
 
+// The partner of `player` in `round` of a round-robin tournament of an even number of players
+// (circle method): over players - 1 rounds every pair meets once, and each round pairs everyone.
+__device__ __forceinline__ int tournament_partner(int player, int round, int players) {
+  const int n = players - 1;  // odd, so 2 has the inverse players / 2 modulo n
+  if (player == n) return round * (players / 2) % n;
+  const int other = ((round - player) % n + n) % n;
+  return other == player ? n : other;
+}
+
+// x . y by pairwise summation over kMaxDim entries: error at most (log2(kMaxDim) + 1) eps |x|.|y|,
+// below jacobi_tolerance. Each product and sum is rounded once in a fixed order, and x_i y_i =
+// y_i x_i, so the two lanes of a pair, each calling it with the pair's columns swapped, agree bitwise.
+template <typename T>
+__device__ __forceinline__ T tree_dot(const T (&x)[kMaxDim], const T (&y)[kMaxDim]) {
+  static_assert(kMaxDim == 32);
+  T p16[16], p8[8], p4[4];  // one array a level: constant indices, so all of them stay in registers
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    p16[i] = Real<T>::add_rn(Real<T>::mul_rn(x[2 * i], y[2 * i]), Real<T>::mul_rn(x[2 * i + 1], y[2 * i + 1]));
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) p8[i] = Real<T>::add_rn(p16[2 * i], p16[2 * i + 1]);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) p4[i] = Real<T>::add_rn(p8[2 * i], p8[2 * i + 1]);
+  return Real<T>::add_rn(Real<T>::add_rn(p4[0], p4[1]), Real<T>::add_rn(p4[2], p4[3]));
+}
+
+// The same one-sided Jacobi as jacobi_sweeps, with another division of labour: lane j holds column
+// j of W and of V in registers, and each step of a sweep pairs the lanes by a round-robin
+// tournament, so up to 16 disjoint pairs rotate at once. A pair's two lanes fetch each other's
+// columns by shuffle and compute the same sums, hence the same rotation; nothing waits on a
+// 5-level butterfly. Lanes past cols hold zero columns (a bye for odd counts), which never rotate.
+// Same tolerance, rotation and return value as jacobi_sweeps; W and V are read and written back
+// column-wise, then the warp syncs (the caller reads rows).
+template <typename T>
+__device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
+  T a[kMaxDim], v[kMaxDim];
+  const bool mine = lane < cols;
+#pragma unroll
+  for (int i = 0; i < kMaxDim; ++i) {
+    a[i] = mine && i < rows ? W[lane * ldw + i] : T(0);
+    v[i] = mine && i < cols ? V[lane * ldv + i] : T(0);
+  }
+  const int players = cols + (cols & 1);
+  const T tol = jacobi_tolerance<T>(rows);
+  int sweeps = -1;
+#pragma unroll 1
+  for (int sweep = 1; sweep <= Real<T>::kMaxSweeps && sweeps < 0; ++sweep) {
+    bool rotated = false;
+#pragma unroll 1
+    for (int round = 0; round < players - 1; ++round) {
+      const int partner = lane < players ? tournament_partner(lane, round, players) : lane;
+      T b[kMaxDim];
+#pragma unroll
+      for (int i = 0; i < kMaxDim; ++i) b[i] = __shfl_sync(kFullMask, a[i], partner);
+      const bool low = lane < partner;
+      const T own = tree_dot(a, a);
+      const T other = tree_dot(b, b);
+      const T gamma = tree_dot(a, b);
+      const T alpha = low ? own : other;  // the pair's lower column's squared norm
+      const T beta = low ? other : own;
+      const bool rotate = partner != lane && alpha != T(0) && beta != T(0) &&
+                          fabs(gamma) > tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta);
+      T c = T(1), s = T(0);
+      if (rotate) {
+        const T zeta = (beta - alpha) / (T(2) * gamma);
+        const T t = (zeta < T(0) ? T(-1) : T(1)) / (fabs(zeta) + Real<T>::hypot(T(1), zeta));
+        c = T(1) / Real<T>::sqrt(T(1) + t * t);
+        s = c * t;
+      }
+      rotated = rotated || rotate;
+      // lower column: c a_p - s a_q; upper: s a_p + c a_q, the partner's column being the other
+      const T signed_s = low ? -s : s;
+#pragma unroll
+      for (int i = 0; i < kMaxDim; ++i) a[i] = c * a[i] + signed_s * b[i];
+#pragma unroll
+      for (int i = 0; i < kMaxDim; ++i) {
+        const T w = __shfl_sync(kFullMask, v[i], partner);
+        v[i] = c * v[i] + signed_s * w;
+      }
+    }
+    if (!__any_sync(kFullMask, rotated)) sweeps = sweep;
+  }
+  if (mine) {
+#pragma unroll
+    for (int i = 0; i < kMaxDim; ++i) {
+      if (i < rows) W[lane * ldw + i] = a[i];
+      if (i < cols) V[lane * ldv + i] = v[i];
+    }
+  }
+  __syncwarp();
+  return sweeps;
+}
+
 // Rows i of two columns x, y (length len) become c x_i - s y_i and s x_i + c y_i; the threads of
 // one warp share the loop, this one being `lane`. W's columns rotate in T, V's in its own type.
 template <typename S>
@@ -266,7 +360,7 @@ __device__ void fill(T* dst, int count, T value, int tid, int threads) {
 // One matrix, executed by a whole warp (all control flow is warp-uniform).
 // m >= n: W = A (m x n) and A = (W / s) diag(s) V^T, so u = W / s and vt = V^T.
 // m <  n: W = A^T (n x m) and A = V diag(s) (W / s)^T, so u = V and vt = (W / s)^T.
-template <typename T>
+template <typename T, bool kLanes>
 __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
                         const WarpLayout& l, T* W, T* V, T* sv, int* perm, int lane) {
   const bool transposed = m < n;
@@ -294,7 +388,11 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
       for (int j = 0; j < cols; ++j) V[j * l.ldv + lane] = T(j == lane);
     }
     __syncwarp();  // the load above wrote other lanes' rows of W
-    sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
+    if constexpr (kLanes) {
+      sweeps = jacobi_sweeps_lanes(W, l.ldw, V, l.ldv, rows, cols, lane);
+    } else {
+      sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
+    }
   }
   if (lane == 0) *info = sweeps;
   if (sweeps < 0) {
@@ -324,7 +422,8 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
 // Grid-stride over matrices, one per warp; the dynamic shared memory is blockDim.x / 32 slices of
 // warp_layout<T>(max(m, n), min(m, n)).bytes. The explicit minimum of 1 block per SM matters: with
 // the thread bound alone, ptxas 13.0 squeezed the f64 kernel to 48 registers and spilled on sm_90a.
-template <typename T>
+// kLanes: the sweeps of jacobi_sweeps_lanes (a column per lane) instead of jacobi_sweeps (a row).
+template <typename T, bool kLanes>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
     svd_jacobi_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
                       T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m, int n) {
@@ -338,22 +437,23 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
   T* W = reinterpret_cast<T*>(slice);
   int* perm = reinterpret_cast<int*>(slice + l.perm_byte);
   for (int64_t b = blockIdx.x * int64_t{warps} + warp; b < batch; b += int64_t{gridDim.x} * warps) {
-    svd_one(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, W,
-            W + l.v_off, W + l.s_off, perm, lane);
+    svd_one<T, kLanes>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l,
+                       W, W + l.v_off, W + l.s_off, perm, lane);
     __syncwarp();  // the next matrix overwrites shared memory other lanes may still be reading
   }
 }
 
 // Enqueues the batched SVD on `stream`. Requires batch >= 1 and 1 <= m, n <= kMaxDim (the FFI
 // handler answers empty problems). Returns the launch error, cudaSuccess otherwise.
-template <typename T>
+template <typename T, bool kLanes = false>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
   const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);
   const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);
-  JAXFORGE_LAUNCH(svd_jacobi_kernel<T>, static_cast<unsigned>(blocks), warps * 32, warps * l.bytes,
-                  stream)(a, s, u, vt, info, batch, m, n);
+  constexpr auto kernel = svd_jacobi_kernel<T, kLanes>;
+  JAXFORGE_LAUNCH(kernel, static_cast<unsigned>(blocks), warps * 32, warps * l.bytes, stream)(
+      a, s, u, vt, info, batch, m, n);
   return cudaGetLastError();
 }
 

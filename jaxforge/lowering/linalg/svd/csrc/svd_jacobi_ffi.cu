@@ -1,6 +1,7 @@
 // XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
-// float32 and float64) and one block per matrix (svd_jacobi_block.cuh, float32, max(m, n) <= 256,
-// min(m, n) <= 128, within the device's shared memory per block).
+// float32 and float64, rows or, float32 only, columns in the lanes) and one block per matrix
+// (svd_jacobi_block.cuh, float32, max(m, n) <= 256, min(m, n) <= 128, within the device's shared
+// memory per block).
 //
 // Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
@@ -23,13 +24,16 @@ namespace sjb = jaxforge::svd_jacobi_block;
 
 namespace {
 
-enum class Kernel { kWarp, kBlock };
+enum class Kernel { kWarp, kWarpLanes, kBlock };
 
 template <ffi::DataType DT, Kernel K>
 ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuffer<DT> s,
                          ffi::ResultBuffer<DT> u, ffi::ResultBuffer<DT> vt,
                          ffi::ResultBuffer<ffi::S32> info) {
-  const std::string name = K == Kernel::kWarp ? "svd_jacobi" : "svd_jacobi_block";
+  const std::string name = K == Kernel::kWarp        ? "svd_jacobi"
+                           : K == Kernel::kWarpLanes ? "svd_jacobi_lanes"
+                                                     : "svd_jacobi_block";
+  constexpr bool kOneWarp = K != Kernel::kBlock;
   const auto dims = a.dimensions();
   if (dims.size() < 2) {
     return ffi::Error::InvalidArgument(name + ": operand must have rank >= 2, got shape " +
@@ -37,11 +41,11 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
   }
   const int64_t m = dims[dims.size() - 2];
   const int64_t n = dims[dims.size() - 1];
-  const bool fits = K == Kernel::kWarp
+  const bool fits = kOneWarp
                         ? m <= sj::kMaxDim && n <= sj::kMaxDim
                         : std::max(m, n) <= sjb::kMaxRows && std::min(m, n) <= sjb::kMaxCols;
   if (!fits) {
-    const std::string limit = K == Kernel::kWarp ? "m, n <= 32" : "max(m, n) <= 256, min(m, n) <= 128";
+    const std::string limit = kOneWarp ? "m, n <= 32" : "max(m, n) <= 256, min(m, n) <= 128";
     return ffi::Error::InvalidArgument(name + ": operand shape " + ShapeString(dims) +
                                        " exceeds the limit " + limit);
   }
@@ -61,9 +65,11 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
     if (batch == 0) return cudaSuccess;  // nothing to launch, for either kernel
     if (k == 0) return cudaMemsetAsync(info->typed_data(), 0, batch * sizeof(int32_t), stream);
     // Instantiates only this kernel's launcher (the block one is float32 only).
-    if constexpr (K == Kernel::kWarp) {
-      return sj::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
-                           info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
+    if constexpr (kOneWarp) {
+      return sj::launch<T, K == Kernel::kWarpLanes>(stream, a.typed_data(), s->typed_data(),
+                                                    u->typed_data(), vt->typed_data(),
+                                                    info->typed_data(), batch, static_cast<int>(m),
+                                                    static_cast<int>(n));
     } else {
       return sjb::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
                             info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
@@ -93,5 +99,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF32, (SvdJacobiImpl<ffi::F32, Ker
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF64, (SvdJacobiImpl<ffi::F64, Kernel::kWarp>),
                               SvdJacobiBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiLanesF32, (SvdJacobiImpl<ffi::F32, Kernel::kWarpLanes>),
+                              SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32, (SvdJacobiImpl<ffi::F32, Kernel::kBlock>),
                               SvdJacobiBinding<ffi::F32>());
