@@ -150,6 +150,16 @@ T exchange(T value, unsigned source_lane) {
   return out;
 }
 
+// How many lanes of this thread's warp hold a true predicate.
+inline int votes(int predicate) {
+  block->slots[tid()] = predicate != 0;
+  warp().arrive_and_wait();
+  int count = 0;
+  for (unsigned lane = 0; lane < 32; ++lane) count += static_cast<int>(block->slots[tid() / 32 * 32 + lane]);
+  warp().arrive_and_wait();
+  return count;
+}
+
 // What JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) expands to here.
 template <typename Kernel>
 auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel) {
@@ -199,17 +209,8 @@ T __shfl_sync(unsigned, T value, int source_lane, int width = 32) {
   return emu::exchange(value, emu::tid() % 32 / width * width + static_cast<unsigned>(source_lane % width));
 }
 
-inline int __all_sync(unsigned, int predicate) {
-  int all = 1;
-  for (unsigned lane = 0; lane < 32; ++lane) all &= emu::exchange(predicate != 0, lane) ? 1 : 0;
-  return all;
-}
-
-inline int __any_sync(unsigned, int predicate) {
-  int any = 0;
-  for (unsigned lane = 0; lane < 32; ++lane) any |= emu::exchange(predicate != 0, lane) ? 1 : 0;
-  return any;
-}
+inline int __all_sync(unsigned, int predicate) { return emu::votes(predicate) == 32; }
+inline int __any_sync(unsigned, int predicate) { return emu::votes(predicate) > 0; }
 
 // CUDA's device-side integer helpers.
 template <typename T>

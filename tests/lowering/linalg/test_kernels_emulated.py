@@ -25,8 +25,8 @@ pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (
 
 @pytest.fixture(scope="module")
 def run_kernel(tmp_path_factory):
-    """``run_kernel(kernel, x, n_outputs)``: the kernel on the (batch, m, n) array ``x``; returns the
-    raw output bytes."""
+    """``run_kernel(kernel, x)``: the kernel on the (batch, m, n) array ``x``; returns the raw bytes of
+    its outputs, back to back."""
     work = tmp_path_factory.mktemp("emulated")
     exe = work / "run_kernel"
     subprocess.run(

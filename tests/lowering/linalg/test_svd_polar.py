@@ -11,7 +11,7 @@ import pytest
 import jaxforge as jf
 from jaxforge.lowering.linalg.svd import config
 from jaxforge.lowering.linalg.svd.cuda import large_svd
-from jaxforge.lowering.linalg.svd.polar import qdwh, qdwh_coefficients, svd_polar
+from jaxforge.lowering.linalg.svd.polar import CHOLESKY_MAX_C, qdwh, qdwh_coefficients
 from tests.linalg_checks import check_svd
 from tests.linalg_inputs import random, with_singular_values
 
@@ -36,7 +36,7 @@ def inputs(rng, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_svd_polar_matches_numpy(dtype):
-    svd = jax.jit(svd_polar)  # compute_uv=False: test_large_svd_methods_on_cpu
+    svd = jax.jit(lambda a: large_svd(a, "qdwh", False))  # wide: through Aᴴ; compute_uv=False below
     for a in inputs(np.random.default_rng(0), dtype).values():
         check_svd(a, *svd(a))
 
@@ -58,13 +58,7 @@ def test_qdwh_coefficients_take_every_singular_value_to_one():
         for a, b, c in coefficients:
             sigma = sigma * (a + b * sigma**2) / (1 + c * sigma**2)
         assert np.abs(sigma - 1).max() < 10 * eps
-        assert coefficients[0][2] > config_cholesky_max() >= coefficients[-1][2]  # QR first, Cholesky last
-
-
-def config_cholesky_max():
-    from jaxforge.lowering.linalg.svd import polar
-
-    return polar.CHOLESKY_MAX_C
+        assert coefficients[0][2] > CHOLESKY_MAX_C >= coefficients[-1][2]  # QR first, Cholesky last
 
 
 @pytest.mark.parametrize("qr_first", [False, True])

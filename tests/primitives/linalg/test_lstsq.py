@@ -184,8 +184,8 @@ def test_jvp_matches_reference_autodiff(m, n):
     rcond = default_rcond(np.float64, m, n)
     ours = lambda a, b: jf.linalg.lstsq(a, b)[:2] + (jf.linalg.lstsq(a, b)[3],)
     spec = lambda a, b: (lambda x, r, _, s: (x, r, s))(*lstsq_reference(a, b, rcond=rcond))
+    jvp = jax.jit(jax.jvp, static_argnums=0)  # one program each, not op by op
     for f_ours, f_spec in ((ours, spec), (jax.jacfwd(lambda a, b: ours(a, b)[0]), jax.jacfwd(lambda a, b: spec(a, b)[0]))):
-        jvp = jax.jit(jax.jvp, static_argnums=0)  # one program each, not op by op
         got = jvp(f_ours, (a, b), (ta, tb))
         want = jvp(f_spec, (a, b), (ta, tb))
         jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-9, atol=1e-9), got, want)

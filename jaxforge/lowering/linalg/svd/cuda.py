@@ -74,7 +74,11 @@ def jacobi_svd(a, target: str):
     return s, u, vh
 
 
-CUSOLVER_ALGORITHMS = {"gesvd": "QR", "gesvdj": "JACOBI", "gesvdp": "POLAR"}  # jax's SvdAlgorithm names
+CUSOLVER_ALGORITHMS = {
+    "gesvd": jax.lax.linalg.SvdAlgorithm.QR,
+    "gesvdj": jax.lax.linalg.SvdAlgorithm.JACOBI,
+    "gesvdp": jax.lax.linalg.SvdAlgorithm.POLAR,
+}
 
 
 def large_svd(a, method: str, qr_first: bool, *, compute_uv: bool = True):
@@ -94,5 +98,4 @@ def large_svd(a, method: str, qr_first: bool, *, compute_uv: bool = True):
         bad = nonfinite_matrices(a)  # zeroed first, so no NaN meets an eigensolver
         out = svd_polar(jnp.where(bad[..., None, None], 0, a), compute_uv=compute_uv)
         return tuple(poison(bad, x) for x in out)
-    algorithm = getattr(jax.lax.linalg.SvdAlgorithm, CUSOLVER_ALGORITHMS[method])
-    return svd_xla(a, full_matrices=False, compute_uv=compute_uv, grad_eps=0.0, algorithm=algorithm)
+    return svd_xla(a, full_matrices=False, compute_uv=compute_uv, grad_eps=0.0, algorithm=CUSOLVER_ALGORITHMS[method])

@@ -37,10 +37,8 @@ CHOLESKY_MAX_C = 100.0  # the Cholesky form's error grows with c (Nakatsukasa & 
 
 
 def svd_polar(a, *, compute_uv: bool = True):
-    """``(s, u, vh)`` (thin) or ``(s,)`` of ``a`` (..., m, n) by QDWH and a Hermitian eigensolver."""
-    if a.shape[-2] < a.shape[-1]:
-        out = svd_polar(ct(a), compute_uv=compute_uv)
-        return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
+    """``(s, u, vh)`` (thin) or ``(s,)`` of ``a`` (..., m, n), m >= n, by QDWH and a Hermitian
+    eigensolver (cuda.large_svd takes a wide matrix through its adjoint)."""
     u_p = qdwh(a)
     h = mm(ct(u_p), a)
     h = (h + ct(h)) / 2

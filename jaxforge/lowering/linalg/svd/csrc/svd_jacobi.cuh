@@ -145,6 +145,38 @@ __host__ __device__ inline T jacobi_tolerance(int rows) {
   return (root > floor ? root : floor) * Real<T>::kEps;
 }
 
+// Whether columns with squared norms alpha, beta and inner product gamma still need a rotation: not
+// when either is zero (a squared norm that underflows counts as zero) or |gamma| <= tol |a_p| |a_q|.
+template <typename T>
+__device__ __forceinline__ bool needs_rotation(T alpha, T beta, T gamma, T tol) {
+  return alpha != T(0) && beta != T(0) && fabs(gamma) > tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta);
+}
+
+// Rutishauser's rotation of columns p, q: a_p <- c a_p - s a_q, a_q <- s a_p + c a_q, with t = s/c
+// the smaller root of t^2 + 2 zeta t - 1 = 0, |t| <= 1, so the angle is at most pi/4. hypot keeps
+// zeta^2 from overflowing for very unequal norms.
+template <typename A>
+__device__ __forceinline__ void rutishauser(A alpha, A beta, A gamma, A& c, A& s) {
+  const A zeta = (beta - alpha) / (A(2) * gamma);
+  const A t = (zeta < A(0) ? A(-1) : A(1)) / (fabs(zeta) + Real<A>::hypot(A(1), zeta));
+  c = A(1) / Real<A>::sqrt(A(1) + t * t);
+  s = c * t;
+}
+
+// The player at position `pos` in round `t` of the circle method over `players` (even): position 0
+// keeps player 0, the others turn by one each round; round t pairs positions i and players-1-i, so
+// over players - 1 rounds every pair meets once.
+__device__ __forceinline__ int player(int pos, int t, int players) {
+  return pos == 0 ? 0 : (pos - 1 + t) % (players - 1) + 1;
+}
+
+// Whom `who` meets in round `t` of that tournament: the player at the mirrored position.
+__device__ __forceinline__ int opponent(int who, int t, int players) {
+  const int n = players - 1;
+  const int pos = who == 0 ? 0 : ((who - 1 - t) % n + n) % n + 1;
+  return player(players - 1 - pos, t, players);
+}
+
 // Cyclic-by-rows one-sided Jacobi on W (R x C, R >= C), accumulating the rotations into V.
 // Lane i touches only row i of W and V, so no __syncwarp is needed inside. Returns the sweeps used,
 // or -1 at the cap. Stopping at jacobi_tolerance leaves relative errors in the singular values of
@@ -170,17 +202,10 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
         T beta = Real<T>::mul_rn(aq, aq);
         T gamma = Real<T>::mul_rn(ap, aq);
         warp_sum3(alpha, beta, gamma);
-        if (alpha == T(0) || beta == T(0) ||
-            fabs(gamma) <= tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta)) {
-          continue;
-        }
+        if (!needs_rotation(alpha, beta, gamma, tol)) continue;
         rotated = true;
-        // Rutishauser: t is the smaller root of t^2 + 2 zeta t - 1 = 0, |t| <= 1, so the rotation
-        // angle is at most pi/4. hypot keeps zeta^2 from overflowing for very unequal norms.
-        const T zeta = (beta - alpha) / (T(2) * gamma);
-        const T t = (zeta < T(0) ? T(-1) : T(1)) / (fabs(zeta) + Real<T>::hypot(T(1), zeta));
-        const T c = T(1) / Real<T>::sqrt(T(1) + t * t);
-        const T s = c * t;
+        T c, s;
+        rutishauser(alpha, beta, gamma, c, s);
         const T ap_new = c * ap - s * aq;
         if (in_w) W[q * ldw + lane] = s * ap + c * aq;
         ap = ap_new;
@@ -196,15 +221,6 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
     if (!rotated) return sweep;
   }
   return -1;
-}
-
-// The partner of `player` in `round` of a round-robin tournament of an even number of players
-// (circle method): over players - 1 rounds every pair meets once, and each round pairs everyone.
-__device__ __forceinline__ int tournament_partner(int player, int round, int players) {
-  const int n = players - 1;  // odd, so 2 has the inverse players / 2 modulo n
-  if (player == n) return round * (players / 2) % n;
-  const int other = ((round - player) % n + n) % n;
-  return other == player ? n : other;
 }
 
 // x . y by pairwise summation over kMaxDim entries: error at most (log2(kMaxDim) + 1) eps |x|.|y|,
@@ -226,8 +242,8 @@ __device__ __forceinline__ T tree_dot(const T (&x)[kMaxDim], const T (&y)[kMaxDi
 }
 
 // The same one-sided Jacobi as jacobi_sweeps, with another division of labour: lane j holds column
-// j of W and of V in registers, and each step of a sweep pairs the lanes by a round-robin
-// tournament, so up to 16 disjoint pairs rotate at once. A pair's two lanes fetch each other's
+// j of W and of V in registers, and each step of a sweep pairs the lanes by the circle method
+// (`opponent`), so up to 16 disjoint pairs rotate at once. A pair's two lanes fetch each other's
 // columns by shuffle and compute the same sums, hence the same rotation; nothing waits on a
 // 5-level butterfly. Lanes past cols hold zero columns (a bye for odd counts), which never rotate.
 // Same tolerance, rotation and return value as jacobi_sweeps; W and V are read and written back
@@ -249,7 +265,7 @@ __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int c
     bool rotated = false;
 #pragma unroll 1
     for (int round = 0; round < players - 1; ++round) {
-      const int partner = lane < players ? tournament_partner(lane, round, players) : lane;
+      const int partner = lane < players ? opponent(lane, round, players) : lane;
       T b[kMaxDim];
 #pragma unroll
       for (int i = 0; i < kMaxDim; ++i) b[i] = __shfl_sync(kFullMask, a[i], partner);
@@ -259,15 +275,9 @@ __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int c
       const T gamma = tree_dot(a, b);
       const T alpha = low ? own : other;  // the pair's lower column's squared norm
       const T beta = low ? other : own;
-      const bool rotate = partner != lane && alpha != T(0) && beta != T(0) &&
-                          fabs(gamma) > tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta);
+      const bool rotate = partner != lane && needs_rotation(alpha, beta, gamma, tol);
       T c = T(1), s = T(0);
-      if (rotate) {
-        const T zeta = (beta - alpha) / (T(2) * gamma);
-        const T t = (zeta < T(0) ? T(-1) : T(1)) / (fabs(zeta) + Real<T>::hypot(T(1), zeta));
-        c = T(1) / Real<T>::sqrt(T(1) + t * t);
-        s = c * t;
-      }
+      if (rotate) rutishauser(alpha, beta, gamma, c, s);
       rotated = rotated || rotate;
       // lower column: c a_p - s a_q; upper: s a_p + c a_q, the partner's column being the other
       const T signed_s = low ? -s : s;

@@ -62,12 +62,6 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols) {
   return l;
 }
 
-// The player at position `pos` in round `t` of the circle method over `players` (even): position 0
-// keeps player 0, the others turn by one each round; round t pairs positions i and players-1-i.
-__device__ __forceinline__ int player(int pos, int t, int players) {
-  return pos == 0 ? 0 : (pos - 1 + t) % (players - 1) + 1;
-}
-
 // Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
 // of V (cols long); one warp, warp-uniform control flow (the butterfly gives every lane the same
 // sums). Sets *flag when it rotates.
@@ -86,15 +80,10 @@ __device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, 
     gamma = Real<T>::fma_rn(x, y, gamma);
   }
   svd_jacobi::warp_sum3(alpha, beta, gamma);
-  if (alpha == T(0) || beta == T(0) || fabs(gamma) <= tol * Real<T>::sqrt(alpha) * Real<T>::sqrt(beta)) {
-    return;
-  }
+  if (!svd_jacobi::needs_rotation(alpha, beta, gamma, tol)) return;
   if (lane == 0) *flag = 1;
-  // Rutishauser's rotation, as in the warp kernel (|t| <= 1, angle at most pi/4), in Acc.
-  const Acc zeta = (Acc(beta) - Acc(alpha)) / (Acc(2) * Acc(gamma));
-  const Acc t = (zeta < Acc(0) ? Acc(-1) : Acc(1)) / (fabs(zeta) + Real<Acc>::hypot(Acc(1), zeta));
-  const Acc c = Acc(1) / Real<Acc>::sqrt(Acc(1) + t * t);
-  const Acc s = c * t;
+  Acc c, s;  // the warp kernel's rotation, computed in Acc
+  svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
   svd_jacobi::rotate_columns(wp, wq, rows, static_cast<T>(c), static_cast<T>(s), lane);
   svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, c, s, lane);
 }
@@ -115,8 +104,8 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
     for (int t = 0; t < players - 1; ++t) {
 #pragma unroll 1
       for (int pair = warp; pair < players / 2; pair += kWarps) {
-        const int x = player(pair, t, players);
-        const int y = player(players - 1 - pair, t, players);
+        const int x = svd_jacobi::player(pair, t, players);
+        const int y = svd_jacobi::player(players - 1 - pair, t, players);
         const int p = min(x, y);
         const int q = max(x, y);
         if (q < cols) rotate_pair(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
