@@ -60,14 +60,6 @@ class Kernel:
     headers: tuple[str, ...]  # headers they include (csrc/xla_ffi.h among them), likewise
     targets: dict[str, str] = dataclasses.field(hash=False)
 
-    def target(self, dtype) -> str:
-        """The FFI target serving ``dtype``: the one whose literal name ends in ``_f32``, ``_f64``…"""
-        suffix = {"float32": "_f32", "float64": "_f64", "complex64": "_c64", "complex128": "_c128"}[dtype.name]
-        names = [t for t in self.targets if t.endswith(suffix)]
-        if len(names) != 1:
-            raise ValueError(f"kernel {self.name!r} has no single FFI target for {dtype.name}: {sorted(self.targets)}")
-        return names[0]
-
     def files(self) -> dict[str, pathlib.Path]:
         return {p: PACKAGE_LOWERING / p for p in (*self.sources, *self.headers)}
 

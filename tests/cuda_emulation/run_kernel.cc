@@ -3,11 +3,13 @@
 // back to back, to another. tests/lowering/linalg/test_kernels_emulated.py builds and drives it.
 //
 //   run_kernel qr_r             f32|f64 BATCH M C IN OUT   -> r (BATCH, C, C)
+//   run_kernel qr_solve         f32|f64 BATCH M C IN OUT N RCOND
+//                                   -> r (BATCH, C, C), solution (BATCH, N, C - N), certified (BATCH,) int32
 //   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
 #include "cuda_runtime.h"
-#include "linalg/lstsq/csrc/qr_r.cuh"
+#include "linalg/lstsq/csrc/qr_solve.cuh"
 #include "linalg/svd/csrc/svd_jacobi_block.cuh"
 
 #include <algorithm>
@@ -46,7 +48,8 @@ void write(FILE* f, const V& values) {
 }
 
 template <typename T>
-int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, const char* out) {
+int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, const char* out,
+        char** extra) {
   const std::vector<T> x = read<T>(in, static_cast<size_t>(batch * m * n));
   FILE* f = std::fopen(out, "wb");
   if (kernel == "qr_r") {
@@ -54,6 +57,15 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     if (!jaxforge::qr_r::supported<T>(m, n)) return 3;
     jaxforge::qr_r::launch<T>(nullptr, x.data(), r.data(), batch, m, n);
     write(f, r);
+  } else if (kernel == "qr_solve") {  // n here is c, the columns of [A | b]
+    const int a_cols = std::stoi(extra[0]);
+    const T rcond = static_cast<T>(std::stod(extra[1]));
+    if (!jaxforge::qr_r::supported<T>(m, n) || a_cols < 1 || a_cols >= n) return 3;
+    std::vector<T> r(batch * n * n), solution(batch * a_cols * (n - a_cols));
+    std::vector<int32_t> certified(batch);
+    jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), r.data(), solution.data(), certified.data(), batch,
+                                    m, n, a_cols, rcond);
+    write(f, r), write(f, solution), write(f, certified);
   } else {
     const int k = std::min(m, n);
     std::vector<T> s(batch * k), u(batch * m * k), vt(batch * k * n);
@@ -71,14 +83,14 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT\n", argv[0]);
+  if (argc != (argc > 1 && std::string(argv[1]) == "qr_solve" ? 10 : 8)) {
+    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT [A_COLS RCOND for qr_solve]\n", argv[0]);
     return 2;
   }
   emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::svd_jacobi::smem, jaxforge::svd_jacobi_block::smem};
   const std::string kernel = argv[1], dtype = argv[2];
   const int64_t batch = std::stoll(argv[3]);
   const int m = std::stoi(argv[4]), n = std::stoi(argv[5]);
-  return dtype == "f32" ? run<float>(kernel, batch, m, n, argv[6], argv[7])
-                        : run<double>(kernel, batch, m, n, argv[6], argv[7]);
+  return dtype == "f32" ? run<float>(kernel, batch, m, n, argv[6], argv[7], argv + 8)
+                        : run<double>(kernel, batch, m, n, argv[6], argv[7], argv + 8);
 }

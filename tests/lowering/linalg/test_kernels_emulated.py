@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from jaxforge.lowering import build
+from jaxforge.lowering.linalg.lstsq.xla import _two_norm_bound
 from tests.linalg_checks import check_svd
 from tests.linalg_inputs import random, with_singular_values
 
@@ -25,8 +26,8 @@ pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (
 
 @pytest.fixture(scope="module")
 def run_kernel(tmp_path_factory):
-    """``run_kernel(kernel, x)``: the kernel on the (batch, m, n) array ``x``; returns the raw bytes of
-    its outputs, back to back."""
+    """``run_kernel(kernel, x, *extra)``: the kernel on the (batch, m, n) array ``x`` (and the extra
+    arguments some kernels take); returns the raw bytes of its outputs, back to back."""
     work = tmp_path_factory.mktemp("emulated")
     exe = work / "run_kernel"
     subprocess.run(
@@ -35,12 +36,12 @@ def run_kernel(tmp_path_factory):
         check=True,
     )  # fmt: skip
 
-    def run(kernel: str, x: np.ndarray) -> bytes:
+    def run(kernel: str, x: np.ndarray, *extra) -> bytes:
         batch, m, n = x.shape
         dtype = {np.float32: "f32", np.float64: "f64"}[x.dtype.type]
         np.ascontiguousarray(x).tofile(work / "in.bin")
         args = [str(exe), kernel, dtype, str(batch), str(m), str(n), str(work / "in.bin"), str(work / "out.bin")]
-        subprocess.run(args, check=True, timeout=120)
+        subprocess.run([*args, *map(str, extra)], check=True, timeout=120)
         return (work / "out.bin").read_bytes()
 
     return run
@@ -49,6 +50,18 @@ def run_kernel(tmp_path_factory):
 def qr_r(run_kernel, x):
     c = x.shape[-1]
     return np.frombuffer(run_kernel("qr_r", x), x.dtype).reshape(x.shape[0], c, c)
+
+
+def qr_solve(run_kernel, a, b, rcond):
+    """``(r, solution, certified)`` of the fused least-squares kernel on ``[a | b]``."""
+    batch, _, n = a.shape
+    c = n + b.shape[-1]
+    raw = run_kernel("qr_solve", np.concatenate([a, b], axis=-1), n, repr(float(rcond)))
+    sizes = [batch * c * c, batch * n * (c - n)]
+    values = np.frombuffer(raw, a.dtype, count=sum(sizes))
+    r, solution = np.split(values, sizes[:1])
+    certified = np.frombuffer(raw, np.int32, offset=values.nbytes)
+    return r.reshape(batch, c, c), solution.reshape(batch, n, c - n), certified
 
 
 def svd(run_kernel, kernel, x):
@@ -100,6 +113,75 @@ def test_qr_r_scaling_zero_columns_and_nan(run_kernel):
     x[3, 7, 2] = np.nan
     r = qr_r(run_kernel, x)
     assert np.isnan(r[3]).any() and np.isfinite(r[:3]).all()
+
+
+def first_rung(r, rcond):
+    """lstsq's first certificate (lowering/linalg/lstsq/xla.py) in float64, and its margin: the bound's
+    distance from 1/rcond, relative."""
+    r = r.astype(np.float64)
+    bound = np.asarray(_two_norm_bound(r, 0) * _two_norm_bound(np.linalg.inv(r), 0))
+    return bound * rcond < 1, np.abs(bound * rcond - 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_qr_solve_matches_numpy_and_certifies_as_the_first_rung(run_kernel, dtype):
+    rng = np.random.default_rng(5)
+    eps = np.finfo(dtype).eps
+    conditions = np.geomspace(1, 0.1 / eps, 12)  # across 1/rcond = 1 / (40 eps)
+    limit = 40960 // (64 * np.dtype(dtype).itemsize)  # rows of a 64-column [A | b] at the 40 KiB cap
+    cases = [  # (a, b, whether R is well determined)
+        (random(rng, (3, 64, 16), dtype), random(rng, (3, 64, 1), dtype), True),  # ANCHORS' tiny lstsq
+        (random(rng, (2, 9, 6), dtype), random(rng, (2, 9, 3), dtype), True),  # [A | b] square
+        (random(rng, (1, limit, 61), dtype), random(rng, (1, limit, 3), dtype), True),
+        (
+            np.stack([with_singular_values(rng, (), 40, 10, np.geomspace(1, 1 / c, 10)) for c in conditions]).astype(dtype),
+            random(rng, (len(conditions), 40, 2), dtype),
+            False,
+        ),
+    ]
+    for a, b, unique in cases:
+        m, n = a.shape[-2:]
+        rcond = eps * m  # numpy's default
+        r, x, certified = qr_solve(run_kernel, a, b, rcond)
+        check_r(np.concatenate([a, b], axis=-1), r, unique=unique)
+        want, margin = first_rung(r[:, :n, :n], rcond)
+        clear = margin > 0.1  # near 1/rcond the kernel's R⁻¹ is off by about condition * eps = 1/m
+        np.testing.assert_array_equal(certified[clear], want[clear])
+        assert want.any() and (unique or not want.all())
+        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        for i in np.flatnonzero(certified):
+            x_np = np.linalg.lstsq(a64[i], b64[i], rcond=None)[0]
+            condition = np.linalg.cond(a64[i])
+            np.testing.assert_allclose(x[i], x_np, atol=50 * eps * condition * np.abs(x_np).max())
+
+
+def test_qr_solve_certifies_exactly_as_the_first_rung_where_r_is_accurate(run_kernel):
+    """At rcond = 1e-3 the threshold lies where float64 R⁻¹ has 12 digits, so the kernel's flag must
+    follow the rung's bound to within rounding, across a sweep of conditions that straddles it."""
+    rng = np.random.default_rng(7)
+    conditions = np.geomspace(30, 3e3, 40)
+    a = np.stack([with_singular_values(rng, (), 24, 7, np.geomspace(1, 1 / c, 7)) for c in conditions])
+    r, _, certified = qr_solve(run_kernel, a, random(rng, (len(conditions), 24, 1)), 1e-3)
+    want, margin = first_rung(r[:, :7, :7], 1e-3)
+    assert 5 < want.sum() < 35 and margin.min() > 1e-9
+    np.testing.assert_array_equal(certified, want)
+
+
+def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_kernel):
+    rng = np.random.default_rng(6)
+    a, b = random(rng, (6, 30, 8), np.float32), random(rng, (6, 30, 1), np.float32)
+    a[0] *= 1e-30  # the scaled Grams keep tiny and huge problems certifiable
+    a[1] *= 1e30
+    a[2, :, 5] = 0  # a zero pivot
+    a[3, :, 6] = a[3, :, 2]  # rank-deficient without a zero pivot
+    a[4, 3, 3] = np.nan
+    b[5, 7, 0] = np.inf  # A itself is fine: the certificate is about A
+    _, x, certified = qr_solve(run_kernel, a, b, np.finfo(np.float32).eps * 30)
+    np.testing.assert_array_equal(certified, [1, 1, 0, 0, 0, 1])
+    for i in (0, 1):
+        x_np = np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64), rcond=None)[0]
+        np.testing.assert_allclose(x[i], x_np, rtol=1e-4, atol=1e-4 * np.abs(x_np).max())
+    assert not np.isfinite(x[5]).all()
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""lstsq on the GPU with the block QR kernel against float64 numpy (skipped without a GPU)."""
+"""lstsq on the GPU with the fused QR-solve kernel (and the block QR kernel it builds on) against
+float64 numpy (skipped without a GPU)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def normal_residual(a, b, x):
     return np.max(np.linalg.norm(at @ (a @ x - b), axis=(-2, -1)) / np.linalg.norm(at @ b, axis=(-2, -1)))
 
 
-CASES = [  # (batch, m, n, k), dtype, whether [A | b] fits the kernel (≤ 64 columns, ≤ 40 KiB)
+CASES = [  # (batch, m, n, k), dtype, whether [A | b] fits the kernels (≤ 64 columns, ≤ 40 KiB)
     ((8192, 64, 16, 1), np.float32, True),
     ((8192, 64, 16, 1), np.float64, True),
     ((64, 200, 30, 2), np.float32, True),
@@ -44,7 +45,7 @@ def test_matches_numpy(shape, dtype, uses_kernel):
     rng = np.random.default_rng(0)
     a, b = random(rng, (batch, m, n), dtype), random(rng, (batch, m, k), dtype)
     f = jax.jit(jf.linalg.lstsq)
-    assert ("jaxforge_qr_r" in f.lower(*on_gpu(a, b)).as_text()) == uses_kernel
+    assert ("jaxforge_qr_solve" in f.lower(*on_gpu(a, b)).as_text()) == uses_kernel
     x, res, rank, s = f(*on_gpu(a, b))
     eps = np.finfo(dtype).eps
     sample = range(min(batch, 32))
@@ -52,6 +53,30 @@ def test_matches_numpy(shape, dtype, uses_kernel):
     np.testing.assert_allclose(np.asarray(x)[: len(sample)], x_np, rtol=1e4 * eps, atol=1e4 * eps)
     assert normal_residual(a, b, x) <= 1e3 * eps
     np.testing.assert_array_equal(rank, n)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_ill_conditioned(dtype):
+    """Condition 1e6: the kernel's certificate holds in float64 (1/rcond = 2e14) and fails in float32
+    (1/rcond = 2e5), where the later rungs and the SVD of R decide; either way numpy's answer."""
+    rng = np.random.default_rng(3)
+    a = with_singular_values(rng, (16,), 40, 12, np.geomspace(1, 1e-6, 12)).astype(dtype)
+    b = random(rng, (16, 40, 1), dtype)
+    x, _, rank, _ = jax.jit(jf.linalg.lstsq)(*on_gpu(a, b))
+    rcond = default_rcond(dtype, 40, 12)
+    x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64), rcond=rcond)[0] for i in range(16)])
+    rank_np = [np.linalg.matrix_rank(a[i].astype(np.float64), rcond * np.linalg.norm(a[i], 2)) for i in range(16)]
+    np.testing.assert_array_equal(rank, rank_np)
+    if dtype == np.float64:
+        np.testing.assert_allclose(x, x_np, rtol=1e6 * 1e3 * np.finfo(dtype).eps)
+    assert normal_residual(a, b, x) <= 1e3 * np.finfo(dtype).eps * 1e6
+
+
+def test_empty_batch_and_no_rows():
+    for a, b in ((np.zeros((0, 30, 6), np.float32), np.zeros((0, 30, 1), np.float32)),
+                 (np.zeros((4, 0, 6), np.float32), np.zeros((4, 0, 2), np.float32))):  # fmt: skip
+        x, _, rank, _ = jax.jit(jf.linalg.lstsq)(*on_gpu(a, b))
+        assert x.shape == (a.shape[0], 6, b.shape[-1]) and np.all(np.asarray(x) == 0) and np.all(np.asarray(rank) == 0)
 
 
 def test_rank_deficient_and_nan():

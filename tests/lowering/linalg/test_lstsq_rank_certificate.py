@@ -1,14 +1,24 @@
 """The cheap full-rank certificate of the lstsq lowering: a true upper bound of the 2-norm, tight
-enough to spare a well-conditioned large problem the SVD of R, its cheapest rung where it can."""
+enough to spare a well-conditioned large problem the SVD of R, its cheapest rung where it can; and
+how a GPU kernel that takes the first rung itself (``fused``) hands over to the later ones."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxforge.lowering.linalg.lstsq.xla import CERTIFICATE_SQUARINGS, _full_rank_certificate, _two_norm_bound
+from jaxforge.lowering.linalg.lstsq.xla import (
+    CERTIFICATE_SQUARINGS,
+    _full_rank_certificate,
+    _two_norm_bound,
+    augmented_qr,
+    lstsq_xla,
+)
+from jaxforge.primitives.linalg._ops import solve_triangular
 from jaxforge.primitives.linalg.lstsq import default_rcond
-from tests.linalg_inputs import with_singular_values
+from tests.linalg_inputs import random, well_conditioned, with_singular_values
 
 
 @pytest.mark.parametrize("squarings", CERTIFICATE_SQUARINGS)
@@ -47,3 +57,50 @@ def test_rank_deficient_and_non_finite_r_are_not_certified():
     rcond = default_rcond(np.float64, 40, 12)
     for squarings in CERTIFICATE_SQUARINGS:
         assert not certificate(r, rcond, squarings) and not certificate(nan, rcond, squarings)
+
+
+def fused_in_jnp(marker=0.0, proven=None):
+    """``lstsq_xla``'s ``fused`` as the qr_solve kernel computes it (QR of ``[A | b]``, the solve, the
+    first rung), with ``marker`` added to its solution and ``proven``, if given, forced."""
+
+    def fused(a, b, rcond):
+        r, c = augmented_qr()(a, b)
+        r_inv = solve_triangular(r, jnp.broadcast_to(jnp.eye(r.shape[-1], dtype=r.dtype), r.shape))
+        certified = _full_rank_certificate(r, r_inv, rcond, CERTIFICATE_SQUARINGS[0])
+        return r, c, solve_triangular(r, c) + marker, certified if proven is None else jnp.full_like(certified, proven)
+
+    return fused
+
+
+def test_a_fused_kernel_s_solution_is_taken_only_where_it_certifies_the_whole_batch():
+    rng = np.random.default_rng(2)
+    a, b = well_conditioned(rng, (3,), 20, 6), random(rng, (3, 20, 2))
+    rcond = default_rcond(np.float64, 20, 6)
+    run = jax.jit(lambda a, b, fused: lstsq_xla(a, b, rcond=rcond, fused=fused), static_argnums=2)
+    want = lstsq_xla(a, b, rcond=rcond)
+    np.testing.assert_allclose(run(a, b, fused_in_jnp(1e3, True))[0], want[0] + 1e3, rtol=1e-12)
+    for fused in (fused_in_jnp(), fused_in_jnp(1e3, False)):  # certified, or left to the later rungs
+        for got, expected in zip(run(a, b, fused), want):
+            np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("case", ["rank_deficient", "second_rung"])
+def test_with_a_fused_kernel_the_later_rungs_and_the_svd_still_decide(case):
+    rng = np.random.default_rng(3)
+    n = 48
+    if case == "rank_deficient":  # no rung certifies: the SVD of R gives rank and solution
+        a = with_singular_values(rng, (2,), 60, n, np.r_[np.ones(n - 4), np.zeros(4)])
+        rcond = default_rcond(np.float64, 60, n)
+    else:  # the kernel's rung fails, the tight one (two squarings) certifies
+        a = with_singular_values(rng, (2,), 60, n, np.geomspace(1, 1e-2, n))
+        r = np.linalg.qr(a, mode="r")
+        bounds = [np.max(np.asarray(_two_norm_bound(r, q) * _two_norm_bound(np.linalg.inv(r), q))) for q in (0, 2)]
+        rcond = 1 / np.sqrt(bounds[0] * bounds[1])  # between the two rungs' bounds
+    b = random(rng, (2, 60, 1))
+    got = lstsq_xla(a, b, rcond=rcond, fused=fused_in_jnp(1e3))  # a wrong solution, never certified
+    want = lstsq_xla(a, b, rcond=rcond)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
+    x_np = np.stack([np.linalg.lstsq(a[i], b[i], rcond=rcond)[0] for i in range(2)])
+    np.testing.assert_allclose(got[0], x_np, rtol=1e-8, atol=1e-8)
+    np.testing.assert_array_equal(got[2], n - 4 if case == "rank_deficient" else n)

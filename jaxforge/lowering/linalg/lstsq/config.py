@@ -1,7 +1,8 @@
 """Dispatch of lstsq_p on CUDA: which QR factors a tall problem.
 
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
-columns and 40 KiB, tall or square (m >= columns). CholeskyQR2 takes large tall float32 and
+columns and 40 KiB, tall or square (m >= columns). Where it fits, its fused form (qr_solve) also
+back-substitutes and certifies the rank in the same block. CholeskyQR2 takes large tall float32 and
 complex64 problems (at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many
 rows; its products run in double width), where matrix products beat geqrf's panel steps. Other
 shapes use cuSOLVER through the default lowering; the limits are to be tuned on the H200.
@@ -22,6 +23,14 @@ def qr_r_block_fits(m: int, cols: int, dtype) -> bool:
 
 def use_qr_r_block(m: int, cols: int, dtype) -> bool:
     return build.enabled(QR_R_VALIDATED) and qr_r_block_fits(m, cols, dtype)
+
+
+QR_SOLVE_VALIDATED = False  # not yet run on a GPU: see build.enabled
+
+
+def use_qr_solve(m: int, n: int, k: int, dtype) -> bool:
+    """Whether the fused kernel solves an ``m x n`` problem with ``k`` right-hand sides."""
+    return build.enabled(QR_SOLVE_VALIDATED) and n >= 1 and qr_r_block_fits(m, n + k, dtype)
 
 
 CHOLESKY_QR_MIN_COLS = 256

@@ -1,26 +1,37 @@
 """CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-Large tall float32 problems: CholeskyQR2 (cholesky_qr.py), matrix products in float64, with
-Householder as its on-device fallback. Small ones: csrc/qr_r*.{cuh,cu} computes only the R of
-``[A | b]`` (Householder in shared memory, one block per matrix). Elsewhere, or where the kernel
-cannot be built, cuSOLVER's geqrf runs as in the default.
+Small tall problems: csrc/qr_solve.cuh solves in one kernel, the R of ``[A | b]`` (Householder in
+shared memory, one block per matrix, Q never formed), the back-substitution and the first rung of
+the full-rank certificate; a batch it certifies needs nothing else. Large tall float32 problems:
+CholeskyQR2 (cholesky_qr.py), matrix products in float64, with Householder as its on-device
+fallback; the Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the
+kernel cannot be built, cuSOLVER's geqrf runs as in the default.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config
 from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2
 from jaxforge.lowering.linalg.lstsq.xla import augmented_qr, lstsq_xla, qr_r_lapack
 
+QR_R_TARGETS = {"float32": "jaxforge_qr_r_f32", "float64": "jaxforge_qr_r_f64"}
+QR_SOLVE_TARGETS = {"float32": "jaxforge_qr_solve_f32", "float64": "jaxforge_qr_solve_f64"}
 KERNEL = build.declare(
     build.Kernel(
         name="qr_r",
         sources=("linalg/lstsq/csrc/qr_r_ffi.cu",),
-        headers=("linalg/lstsq/csrc/qr_r.cuh", "csrc/xla_ffi.h", "csrc/launch.h"),
-        targets={"jaxforge_qr_r_f32": "JaxforgeQrRF32", "jaxforge_qr_r_f64": "JaxforgeQrRF64"},
+        headers=("linalg/lstsq/csrc/qr_r.cuh", "linalg/lstsq/csrc/qr_solve.cuh", "csrc/xla_ffi.h", "csrc/launch.h"),
+        targets={
+            QR_R_TARGETS["float32"]: "JaxforgeQrRF32",
+            QR_R_TARGETS["float64"]: "JaxforgeQrRF64",
+            QR_SOLVE_TARGETS["float32"]: "JaxforgeQrSolveF32",
+            QR_SOLVE_TARGETS["float64"]: "JaxforgeQrSolveF64",
+        },
     )
 )
 
@@ -29,11 +40,28 @@ def qr_r_cuda(x):
     *batch, m, cols = x.shape
     if not (config.use_qr_r_block(m, cols, x.dtype) and build.ensure_loaded(KERNEL)):
         return qr_r_lapack(x)
-    return jax.ffi.ffi_call(KERNEL.target(x.dtype), jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
+    return jax.ffi.ffi_call(QR_R_TARGETS[x.dtype.name], jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
+
+
+def qr_solve_cuda(a, b, rcond: float):
+    """The kernel's ``(R, Qᴴb, x, certified)`` of ``A = QR`` (see ``lstsq_xla``'s ``fused``)."""
+    *batch, _, n = a.shape
+    k = b.shape[-1]
+    cols = n + k
+    result_types = (
+        jax.ShapeDtypeStruct((*batch, cols, cols), a.dtype),
+        jax.ShapeDtypeStruct((*batch, n, k), a.dtype),
+        jax.ShapeDtypeStruct(tuple(batch), jnp.int32),
+    )
+    call = jax.ffi.ffi_call(QR_SOLVE_TARGETS[a.dtype.name], result_types)
+    r_aug, x, certified = call(jnp.concatenate([a, b], axis=-1), rcond=np.float64(rcond))
+    return r_aug[..., :n, :n], r_aug[..., :n, n:], x, certified != 0
 
 
 def lstsq_cuda(a, b, *, rcond: float):
     m, n = a.shape[-2:]
+    if config.use_qr_solve(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
+        return lstsq_xla(a, b, rcond=rcond, fused=qr_solve_cuda)
     householder = augmented_qr(qr_r_cuda)
     factor = cholesky_qr2(householder) if config.use_cholesky_qr2(m, n, a.dtype) else householder
     return lstsq_xla(a, b, rcond=rcond, factor=factor)

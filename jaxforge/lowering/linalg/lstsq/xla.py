@@ -8,7 +8,8 @@
   proves full rank. The bounds come in rungs (``CERTIFICATE_SQUARINGS``), each tighter and dearer
   than the last; only when some matrix of the batch lacks every certificate does a ``lax.cond``
   (decided on device) run the SVD of ``R`` for the exact rank and the truncated-SVD solution of
-  the rank-deficient ones.
+  the rank-deficient ones. A GPU kernel may take the first rung along with the QR and the solve
+  (``fused``); then a batch it certifies costs that one kernel.
 * ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
   apart from it, so XLA drops them when the caller does not use them. They are tied to ``x`` so
   that no two LAPACK calls run side by side (see ``_ops.after``).
@@ -47,26 +48,30 @@ def augmented_qr(qr_r=qr_r_lapack):
     return factor
 
 
-def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr()):
-    """The algorithm above; ``factor(a, b) -> (R, Qᴴb)`` serves m >= n (a GPU lowering may replace it)."""
+def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
+    """The algorithm above. For m >= n, ``factor(a, b) -> (R, Qᴴb)``, or a kernel that also solves:
+    ``fused(a, b, rcond) -> (R, Qᴴb, x, certified)``, ``x = R⁻¹Qᴴb`` and ``certified`` (per matrix)
+    the first rung's certificate, which then replaces it (a GPU lowering may pass either)."""
     *batch, m, n = a.shape
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
     if m >= n:
-        r, c = factor(a, b)
+        if fused is None:
+            r, c = factor(a, b)
+        else:
+            r, c, x_fused, proven = fused(a, b, rcond)
         solve = lambda r: solve_triangular(r, c)  # noqa: E731
         factors = lambda ur, vhr: (ur, ct(vhr))  # A = Q·(U_R S V_Rᴴ)  # noqa: E731
         rhs = c
     else:
+        fused = None  # it serves m >= n only
         q, r = lax.linalg.qr(ct(a), full_matrices=False)
         solve = lambda r: mm(q, solve_triangular(r, b, adjoint=True))  # noqa: E731
         factors = lambda ur, vhr: (ct(vhr), mm(q, ur))  # A = V_R S (Q U_R)ᴴ  # noqa: E731
         rhs = b
-
-    def certified():
-        return jnp.full(batch, k, jnp.int32), solve(r)
+    full_rank = jnp.full(batch, k, jnp.int32)
 
     def exact():
         u_r, s_r, vh_r = lax.linalg.svd(r, full_matrices=False)
@@ -75,18 +80,24 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr()):
         u_small, v = factors(u_r, vh_r)  # thin SVD of A, with U given in the basis of rhs
         keep = jnp.arange(k) < rank[..., None]
         truncated = truncated_pinv(u_small, s_r, v, keep, rhs)
-        full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
-        return rank, jnp.where(full, full_rank, truncated)
+        full_rank_x = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
+        return rank, jnp.where(full, full_rank_x, truncated)
 
-    r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+    def by_rungs(rungs):
+        r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
 
-    def certify(rungs):
-        if not rungs:
-            return exact()
-        proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
-        return lax.cond(proven, certified, lambda: certify(rungs[1:]))
+        def certify(rungs):
+            if not rungs:
+                return exact()
+            proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
+            return lax.cond(proven, lambda: (full_rank, solve(r)), lambda: certify(rungs[1:]))
 
-    rank, x = certify(CERTIFICATE_SQUARINGS)
+        return certify(rungs)
+
+    if fused is None:
+        rank, x = by_rungs(CERTIFICATE_SQUARINGS)
+    else:  # the kernel's own first rung
+        rank, x = lax.cond(jnp.all(proven), lambda: (full_rank, x_fused), lambda: by_rungs(CERTIFICATE_SQUARINGS[1:]))
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)

@@ -55,6 +55,7 @@ struct Real<float> {
   static __device__ float hypot(float x, float y) { return hypotf(x, y); }
   static __device__ float ldexp(float x, int e) { return ldexpf(x, e); }
   static __device__ float frexp(float x, int* e) { return frexpf(x, e); }
+  static __device__ int ilogb(float x) { return ilogbf(x); }
 };
 
 template <>
@@ -66,6 +67,7 @@ struct Real<double> {
   static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
   static __device__ double ldexp(double x, int e) { return ::ldexp(x, e); }
   static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
+  static __device__ int ilogb(double x) { return ::ilogb(x); }
 };
 
 template <typename T>

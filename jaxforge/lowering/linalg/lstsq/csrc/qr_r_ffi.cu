@@ -1,15 +1,18 @@
-// XLA FFI handlers for the batched Householder R factor (qr_r.cuh), float32 and float64.
+// XLA FFI handlers for the batched Householder R factor (qr_r.cuh) and the fused least-squares
+// solve built on it (qr_solve.cuh), float32 and float64.
 //
-// Operand x: (*batch, m, c), row-major, with 1 <= c <= 64, m >= c and m * c * sizeof(T) <= 40960
-// bytes. Result r: (*batch, c, c), the upper-triangular factor of x = Q R (LAPACK dgeqrf signs: the
-// diagonal may be negative), zeros below the diagonal. Other shapes are rejected with
-// InvalidArgument.
+// qr_r: operand x (*batch, m, c), row-major, with 1 <= c <= 64, m >= c and m * c * sizeof(T) <=
+// 40960 bytes. Result r: (*batch, c, c), the upper-triangular factor of x = Q R (LAPACK dgeqrf
+// signs: the diagonal may be negative), zeros below the diagonal.
+// qr_solve: operand x = [A | b] as for qr_r, attribute rcond (f64); results r as qr_r, solution
+// (*batch, n, c - n) with 1 <= n < c, certified (*batch,) int32 (see qr_solve.cuh).
+// Other shapes are rejected with InvalidArgument.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "csrc/xla_ffi.h"
-#include "qr_r.cuh"
+#include "qr_solve.cuh"
 
 namespace ffi = xla::ffi;
 using jaxforge::ShapeString;
@@ -17,36 +20,84 @@ namespace qr = jaxforge::qr_r;
 
 namespace {
 
+// The operand's (batch, m, c) where the kernel supports it; else the error to return.
+template <typename T>
+ffi::Error OperandShape(const char* name, ffi::Span<const int64_t> dims, int64_t& batch,
+                        int64_t& m, int64_t& c) {
+  if (dims.size() < 2) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": operand must have rank >= 2, got shape " +
+                                       ShapeString(dims));
+  }
+  m = dims[dims.size() - 2];
+  c = dims[dims.size() - 1];
+  if (!qr::supported<T>(m, c)) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": operand shape " + ShapeString(dims) +
+        " is outside the kernel's limits 1 <= c <= " + std::to_string(qr::kMaxCols) +
+        ", m >= c, m * c * " + std::to_string(sizeof(T)) + " <= " +
+        std::to_string(qr::kMaxMatrixBytes) + " bytes (shape (..., m, c))");
+  }
+  batch = 1;
+  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  return ffi::Error::Success();
+}
+
+// Guards against a caller whose result shape disagrees with the kernel's writes.
+ffi::Error CheckResult(const char* name, const char* result, ffi::Span<const int64_t> dims,
+                       size_t element_count, int64_t want, ffi::Span<const int64_t> operand) {
+  if (element_count == static_cast<size_t>(want)) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(name) + ": result " + result + " of shape " +
+                                     ShapeString(dims) + " does not match operand shape " +
+                                     ShapeString(operand));
+}
+
+ffi::Error LaunchError(const char* name, cudaError_t err) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(name) + ": CUDA launch failed: " +
+                              cudaGetErrorString(err));
+}
+
 template <ffi::DataType DT>
 ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT> r) {
   using T = ffi::NativeType<DT>;
-  const auto dims = x.dimensions();
-  if (dims.size() < 2) {
-    return ffi::Error::InvalidArgument("qr_r: operand must have rank >= 2, got shape " +
-                                       ShapeString(dims));
+  int64_t batch, m, c;
+  if (auto e = OperandShape<T>("qr_r", x.dimensions(), batch, m, c); e.failure()) return e;
+  if (auto e = CheckResult("qr_r", "r", r->dimensions(), r->element_count(), batch * c * c,
+                           x.dimensions());
+      e.failure()) {
+    return e;
   }
-  const int64_t m = dims[dims.size() - 2];
-  const int64_t c = dims[dims.size() - 1];
-  if (!qr::supported<T>(m, c)) {
-    return ffi::Error::InvalidArgument(
-        "qr_r: operand shape " + ShapeString(dims) + " is outside the kernel's limits 1 <= c <= " +
-        std::to_string(qr::kMaxCols) + ", m >= c, m * c * " + std::to_string(sizeof(T)) +
-        " <= " + std::to_string(qr::kMaxMatrixBytes) + " bytes (shape (..., m, c))");
+  return LaunchError("qr_r", qr::launch(stream, x.typed_data(), r->typed_data(), batch,
+                                        static_cast<int>(m), static_cast<int>(c)));
+}
+
+template <ffi::DataType DT>
+ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> x, double rcond,
+                       ffi::ResultBuffer<DT> r, ffi::ResultBuffer<DT> solution,
+                       ffi::ResultBuffer<ffi::S32> certified) {
+  using T = ffi::NativeType<DT>;
+  int64_t batch, m, c;
+  if (auto e = OperandShape<T>("qr_solve", x.dimensions(), batch, m, c); e.failure()) return e;
+  const auto sol_dims = solution->dimensions();
+  const int64_t n = sol_dims.size() >= 2 ? sol_dims[sol_dims.size() - 2] : 0;
+  if (n < 1 || n >= c) {
+    return ffi::Error::InvalidArgument("qr_solve: solution shape " + ShapeString(sol_dims) +
+                                       " must be (..., n, c - n) with 1 <= n < c, for operand " +
+                                       ShapeString(x.dimensions()));
   }
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
-  // Guards against a caller whose result shape disagrees with the kernel's writes.
-  if (r->element_count() != static_cast<size_t>(batch * c * c)) {
-    return ffi::Error::InvalidArgument("qr_r: result shape " + ShapeString(r->dimensions()) +
-                                       " does not match operand shape " + ShapeString(dims));
+  for (auto [result, dims, count, want] :
+       {std::tuple{"r", r->dimensions(), r->element_count(), batch * c * c},
+        std::tuple{"solution", sol_dims, solution->element_count(), batch * n * (c - n)},
+        std::tuple{"certified", certified->dimensions(), certified->element_count(), batch}}) {
+    if (auto e = CheckResult("qr_solve", result, dims, count, want, x.dimensions()); e.failure()) {
+      return e;
+    }
   }
-  const cudaError_t err = qr::launch(stream, x.typed_data(), r->typed_data(), batch,
-                                     static_cast<int>(m), static_cast<int>(c));
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("qr_r: CUDA launch failed: ") +
-                                cudaGetErrorString(err));
-  }
-  return ffi::Error::Success();
+  return LaunchError("qr_solve", qr::launch_solve(stream, x.typed_data(), r->typed_data(),
+                                                  solution->typed_data(), certified->typed_data(),
+                                                  batch, static_cast<int>(m), static_cast<int>(c),
+                                                  static_cast<int>(n), static_cast<T>(rcond)));
 }
 
 template <ffi::DataType DT>
@@ -59,5 +110,20 @@ auto QrRBinding() {
 
 }  // namespace
 
+template <ffi::DataType DT>
+auto QrSolveBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .template Arg<ffi::Buffer<DT>>()          // x = [A | b]
+      .template Attr<double>("rcond")
+      .template Ret<ffi::Buffer<DT>>()          // r
+      .template Ret<ffi::Buffer<DT>>()          // solution
+      .template Ret<ffi::Buffer<ffi::S32>>();  // certified
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF32, QrRImpl<ffi::F32>, QrRBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF64, QrRImpl<ffi::F64>, QrRBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF32, QrSolveImpl<ffi::F32>,
+                              QrSolveBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF64, QrSolveImpl<ffi::F64>,
+                              QrSolveBinding<ffi::F64>());

@@ -1,0 +1,54 @@
+"""Which lstsq kernel the CUDA lowering calls, and the program it builds around the fused one,
+lowered for cuda on this CPU machine."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jaxforge as jf
+from jaxforge.lowering import build
+from jaxforge.lowering.linalg.lstsq import config, cuda
+from jaxforge.primitives.linalg.lstsq import default_rcond
+
+F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def test_the_fused_kernel_takes_what_fits_one_block(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    assert config.use_qr_solve(64, 16, 1, F32)  # ANCHORS' tiny lstsq: 17 columns, 4.3 KiB
+    assert config.use_qr_solve(80, 60, 4, F64) and not config.use_qr_solve(81, 60, 4, F64)  # 40 KiB
+    assert not config.use_qr_solve(64, 63, 2, F32)  # 65 columns
+    assert not config.use_qr_solve(16, 14, 4, F32)  # [A | b] wide
+    assert not config.use_qr_solve(64, 16, 1, np.dtype(np.complex64))
+
+
+def test_kernels_stay_off_until_validated(monkeypatch):
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    assert config.use_qr_solve(64, 16, 1, F32) == config.QR_SOLVE_VALIDATED
+    assert config.use_qr_r_block(64, 17, F32) == config.QR_R_VALIDATED
+
+
+def lowered_for_cuda(m, n, k, dtype):
+    args = (jax.ShapeDtypeStruct((8, m, n), dtype), jax.ShapeDtypeStruct((8, m, k), dtype))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in cuda.QR_SOLVE_TARGETS.values()]
+    exported = jax.export.export(jax.jit(jf.linalg.lstsq), platforms=("cuda",), disabled_checks=checks)(*args)
+    return exported.mlir_module()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypatch, dtype):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    with jax.enable_x64(dtype == F64):
+        text = lowered_for_cuda(64, 16, 1, dtype)
+        short = {F32: "f32", F64: "f64"}[dtype]
+        call = next(line for line in text.splitlines() if cuda.QR_SOLVE_TARGETS[dtype.name] in line)
+        rcond = re.search(r"rcond = ([0-9.eE+-]+) : f64", call).group(1)
+        assert float(rcond) == default_rcond(dtype, 64, 16)
+        assert f"(tensor<8x64x17x{short}>) -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
+        assert "jaxforge_qr_r" not in text  # the kernel's certificate replaces the factor-only call
+        assert "jaxforge_qr_solve" not in lowered_for_cuda(200, 70, 1, dtype)  # 71 columns
