@@ -52,3 +52,11 @@ def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypat
         assert f"(tensor<8x64x17x{short}>) -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
         assert "jaxforge_qr_r" not in text  # the kernel's certificate replaces the factor-only call
         assert "jaxforge_qr_solve" not in lowered_for_cuda(200, 70, 1, dtype)  # 71 columns
+
+
+def test_cholesky_qr_rules_can_admit_batches_only(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    assert config.use_cholesky_qr2(1, 16384, 1024, F32) and not config.use_cholesky_qr2(256, 512, 128, F32)
+    monkeypatch.setattr(config, "CHOLESKY_QR_RULES", ((1, 256, 4), (64, 64, 4)))
+    assert config.use_cholesky_qr2(256, 512, 128, F32) and not config.use_cholesky_qr2(8, 512, 128, F32)
+    assert not config.use_cholesky_qr2(256, 512, 128, F64)  # no wider type for float64's Grams

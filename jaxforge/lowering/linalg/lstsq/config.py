@@ -2,10 +2,11 @@
 
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
 columns and 40 KiB, tall or square (m >= columns). Where it fits, its fused form (qr_solve) also
-back-substitutes and certifies the rank in the same block. CholeskyQR2 takes large tall float32 and
-complex64 problems (at least CHOLESKY_QR_MIN_COLS columns and CHOLESKY_QR_MIN_ASPECT times as many
-rows; its products run in double width), where matrix products beat geqrf's panel steps. Other
-shapes use cuSOLVER through the default lowering; the limits are to be tuned on the H200.
+back-substitutes and certifies the rank in the same block. CholeskyQR2 takes tall float32 and
+complex64 problems that one of CHOLESKY_QR_RULES admits (its products run in double width), where
+matrix products beat geqrf's panel steps: large single matrices, and batches, which cuSOLVER
+factors one matrix at a time. Other shapes use cuSOLVER through the default lowering; the limits
+are to be set from the benchmark's lstsq-cholesky_qr2 and lstsq-householder rows on the H200.
 """
 
 from jaxforge.lowering import build
@@ -33,11 +34,11 @@ def use_qr_solve(m: int, n: int, k: int, dtype) -> bool:
     return build.enabled(QR_SOLVE_VALIDATED) and n >= 1 and qr_r_block_fits(m, n + k, dtype)
 
 
-CHOLESKY_QR_MIN_COLS = 256
-CHOLESKY_QR_MIN_ASPECT = 4
+# (min batch, min columns n, min aspect m / n): CholeskyQR2 where any rule holds.
+CHOLESKY_QR_RULES = ((1, 256, 4),)
 CHOLESKY_QR_VALIDATED = False  # not yet timed on a GPU: see build.enabled
 
 
-def use_cholesky_qr2(m: int, n: int, dtype) -> bool:
-    large = n >= CHOLESKY_QR_MIN_COLS and m >= CHOLESKY_QR_MIN_ASPECT * n
+def use_cholesky_qr2(batch: int, m: int, n: int, dtype) -> bool:
+    large = any(batch >= b and n >= cols and m >= aspect * n for b, cols, aspect in CHOLESKY_QR_RULES)
     return build.enabled(CHOLESKY_QR_VALIDATED) and large and dtype.name in ("float32", "complex64")

@@ -10,6 +10,8 @@ kernel cannot be built, cuSOLVER's geqrf runs as in the default.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,9 +61,9 @@ def qr_solve_cuda(a, b, rcond: float):
 
 
 def lstsq_cuda(a, b, *, rcond: float):
-    m, n = a.shape[-2:]
+    *batch, m, n = a.shape
     if config.use_qr_solve(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
         return lstsq_xla(a, b, rcond=rcond, fused=qr_solve_cuda)
     householder = augmented_qr(qr_r_cuda)
-    factor = cholesky_qr2(householder) if config.use_cholesky_qr2(m, n, a.dtype) else householder
+    factor = cholesky_qr2(householder) if config.use_cholesky_qr2(math.prod(batch), m, n, a.dtype) else householder
     return lstsq_xla(a, b, rcond=rcond, factor=factor)
