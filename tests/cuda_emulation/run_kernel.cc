@@ -3,8 +3,9 @@
 // back to back, to another. tests/lowering/linalg/test_kernels_emulated.py builds and drives it.
 //
 //   run_kernel qr_r             f32|f64 BATCH M C IN OUT   -> r (BATCH, C, C)
-//   run_kernel qr_solve         f32|f64 BATCH M C IN OUT N RCOND
-//                                   -> r (BATCH, C, C), solution (BATCH, N, C - N), certified (BATCH,) int32
+//   run_kernel qr_solve         f32|f64 BATCH M N IN OUT K RCOND   IN: a (BATCH, M, N), b (BATCH, M, K)
+//                       -> r (BATCH, C, C), solution (BATCH, N, K), certified (BATCH,) int32
+//                          with C = N + K when M >= N, else M
 //   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
@@ -50,21 +51,22 @@ void write(FILE* f, const V& values) {
 template <typename T>
 int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, const char* out,
         char** extra) {
-  const std::vector<T> x = read<T>(in, static_cast<size_t>(batch * m * n));
+  const int rhs = kernel == "qr_solve" ? std::stoi(extra[0]) : 0;  // b's columns, read after a
+  const std::vector<T> x = read<T>(in, static_cast<size_t>(batch * m * (n + rhs)));
   FILE* f = std::fopen(out, "wb");
   if (kernel == "qr_r") {
     std::vector<T> r(static_cast<size_t>(batch * n * n));
     if (!jaxforge::qr_r::supported<T>(m, n)) return 3;
     jaxforge::qr_r::launch<T>(nullptr, x.data(), r.data(), batch, m, n);
     write(f, r);
-  } else if (kernel == "qr_solve") {  // n here is c, the columns of [A | b]
-    const int a_cols = std::stoi(extra[0]);
+  } else if (kernel == "qr_solve") {
     const T rcond = static_cast<T>(std::stod(extra[1]));
-    if (!jaxforge::qr_r::supported<T>(m, n) || a_cols < 1 || a_cols >= n) return 3;
-    std::vector<T> r(batch * n * n), solution(batch * a_cols * (n - a_cols));
+    if (!jaxforge::qr_r::supported_solve<T>(m, n, rhs)) return 3;
+    const int c = m >= n ? n + rhs : m;
+    std::vector<T> r(batch * c * c), solution(batch * n * rhs);
     std::vector<int32_t> certified(batch);
-    jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), r.data(), solution.data(), certified.data(), batch,
-                                    m, n, a_cols, rcond);
+    jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), x.data() + batch * m * n, r.data(), solution.data(),
+                                    certified.data(), batch, m, n, rhs, rcond);
     write(f, r), write(f, solution), write(f, certified);
   } else {
     const int k = std::min(m, n);
@@ -84,7 +86,7 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
 
 int main(int argc, char** argv) {
   if (argc != (argc > 1 && std::string(argv[1]) == "qr_solve" ? 10 : 8)) {
-    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT [A_COLS RCOND for qr_solve]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT [K RCOND for qr_solve]\n", argv[0]);
     return 2;
   }
   emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::svd_jacobi::smem, jaxforge::svd_jacobi_block::smem};

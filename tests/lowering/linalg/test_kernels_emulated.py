@@ -26,8 +26,9 @@ pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (
 
 @pytest.fixture(scope="module")
 def run_kernel(tmp_path_factory):
-    """``run_kernel(kernel, x, *extra)``: the kernel on the (batch, m, n) array ``x`` (and the extra
-    arguments some kernels take); returns the raw bytes of its outputs, back to back."""
+    """``run_kernel(kernel, x, *extra, tail=None)``: the kernel on the (batch, m, n) array ``x`` (and
+    the extra arguments and second input ``tail`` some kernels take); returns the raw bytes of its
+    outputs, back to back."""
     work = tmp_path_factory.mktemp("emulated")
     exe = work / "run_kernel"
     subprocess.run(
@@ -36,10 +37,11 @@ def run_kernel(tmp_path_factory):
         check=True,
     )  # fmt: skip
 
-    def run(kernel: str, x: np.ndarray, *extra) -> bytes:
+    def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None) -> bytes:
         batch, m, n = x.shape
         dtype = {np.float32: "f32", np.float64: "f64"}[x.dtype.type]
-        np.ascontiguousarray(x).tofile(work / "in.bin")
+        data = x.tobytes() if tail is None else x.tobytes() + tail.astype(x.dtype).tobytes()
+        (work / "in.bin").write_bytes(data)
         args = [str(exe), kernel, dtype, str(batch), str(m), str(n), str(work / "in.bin"), str(work / "out.bin")]
         subprocess.run([*args, *map(str, extra)], check=True, timeout=120)
         return (work / "out.bin").read_bytes()
@@ -53,15 +55,17 @@ def qr_r(run_kernel, x):
 
 
 def qr_solve(run_kernel, a, b, rcond):
-    """``(r, solution, certified)`` of the fused least-squares kernel on ``[a | b]``."""
-    batch, _, n = a.shape
-    c = n + b.shape[-1]
-    raw = run_kernel("qr_solve", np.concatenate([a, b], axis=-1), n, repr(float(rcond)))
-    sizes = [batch * c * c, batch * n * (c - n)]
+    """``(r, solution, certified)`` of the fused least-squares kernel: r is R of ``[a | b]`` when
+    tall, of ``aᵀ`` when wide."""
+    batch, m, n = a.shape
+    k = b.shape[-1]
+    c = n + k if m >= n else m
+    raw = run_kernel("qr_solve", a, k, repr(float(rcond)), tail=b)
+    sizes = [batch * c * c, batch * n * k]
     values = np.frombuffer(raw, a.dtype, count=sum(sizes))
     r, solution = np.split(values, sizes[:1])
     certified = np.frombuffer(raw, np.int32, offset=values.nbytes)
-    return r.reshape(batch, c, c), solution.reshape(batch, n, c - n), certified
+    return r.reshape(batch, c, c), solution.reshape(batch, n, k), certified
 
 
 def svd(run_kernel, kernel, x):
@@ -128,29 +132,33 @@ def test_qr_solve_matches_numpy_and_certifies_as_the_first_rung(run_kernel, dtyp
     rng = np.random.default_rng(5)
     eps = np.finfo(dtype).eps
     conditions = np.geomspace(1, 0.1 / eps, 12)  # across 1/rcond = 1 / (40 eps)
-    limit = 40960 // (64 * np.dtype(dtype).itemsize)  # rows of a 64-column [A | b] at the 40 KiB cap
+    graded = lambda m, n: np.stack(  # noqa: E731
+        [with_singular_values(rng, (), m, n, np.geomspace(1, 1 / c, min(m, n))) for c in conditions]
+    ).astype(dtype)
+    limit = 40960 // (64 * np.dtype(dtype).itemsize)  # rows of 64 columns at the 40 KiB cap
     cases = [  # (a, b, whether R is well determined)
         (random(rng, (3, 64, 16), dtype), random(rng, (3, 64, 1), dtype), True),  # ANCHORS' tiny lstsq
         (random(rng, (2, 9, 6), dtype), random(rng, (2, 9, 3), dtype), True),  # [A | b] square
         (random(rng, (1, limit, 61), dtype), random(rng, (1, limit, 3), dtype), True),
-        (
-            np.stack([with_singular_values(rng, (), 40, 10, np.geomspace(1, 1 / c, 10)) for c in conditions]).astype(dtype),
-            random(rng, (len(conditions), 40, 2), dtype),
-            False,
-        ),
+        (graded(40, 10), random(rng, (len(conditions), 40, 2), dtype), False),
+        (random(rng, (3, 16, 64), dtype), random(rng, (3, 16, 1), dtype), True),  # wide: QR of Aᵀ
+        (random(rng, (2, 6, 9), dtype), random(rng, (2, 6, 3), dtype), True),
+        (random(rng, (1, 64, limit), dtype), random(rng, (1, 64, 2), dtype), True),
+        (graded(10, 40), random(rng, (len(conditions), 10, 2), dtype), False),
     ]
     for a, b, unique in cases:
         m, n = a.shape[-2:]
-        rcond = eps * m  # numpy's default
+        rcond = eps * max(m, n)  # numpy's default
         r, x, certified = qr_solve(run_kernel, a, b, rcond)
-        check_r(np.concatenate([a, b], axis=-1), r, unique=unique)
-        want, margin = first_rung(r[:, :n, :n], rcond)
-        clear = margin > 0.1  # near 1/rcond the kernel's R⁻¹ is off by about condition * eps = 1/m
+        check_r(np.concatenate([a, b], axis=-1) if m >= n else np.swapaxes(a, -1, -2), r, unique=unique)
+        k = min(m, n)
+        want, margin = first_rung(r[:, :k, :k], rcond)
+        clear = margin > 0.1  # near 1/rcond the kernel's R⁻¹ is off by about condition * eps = 1/max(m, n)
         np.testing.assert_array_equal(certified[clear], want[clear])
         assert want.any() and (unique or not want.all())
         a64, b64 = a.astype(np.float64), b.astype(np.float64)
         for i in np.flatnonzero(certified):
-            x_np = np.linalg.lstsq(a64[i], b64[i], rcond=None)[0]
+            x_np = np.linalg.lstsq(a64[i], b64[i], rcond=None)[0]  # the minimum-norm one when wide
             condition = np.linalg.cond(a64[i])
             np.testing.assert_allclose(x[i], x_np, atol=50 * eps * condition * np.abs(x_np).max())
 
@@ -167,7 +175,8 @@ def test_qr_solve_certifies_exactly_as_the_first_rung_where_r_is_accurate(run_ke
     np.testing.assert_array_equal(certified, want)
 
 
-def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_kernel):
+@pytest.mark.parametrize("wide", [False, True])
+def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_kernel, wide):
     rng = np.random.default_rng(6)
     a, b = random(rng, (6, 30, 8), np.float32), random(rng, (6, 30, 1), np.float32)
     a[0] *= 1e-30  # the scaled Grams keep tiny and huge problems certifiable
@@ -175,6 +184,8 @@ def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_
     a[2, :, 5] = 0  # a zero pivot
     a[3, :, 6] = a[3, :, 2]  # rank-deficient without a zero pivot
     a[4, 3, 3] = np.nan
+    if wide:  # the same matrices transposed: 8 x 30
+        a, b = np.ascontiguousarray(np.swapaxes(a, -1, -2)), random(rng, (6, 8, 1), np.float32)
     b[5, 7, 0] = np.inf  # A itself is fine: the certificate is about A
     _, x, certified = qr_solve(run_kernel, a, b, np.finfo(np.float32).eps * 30)
     np.testing.assert_array_equal(certified, [1, 1, 0, 0, 0, 1])

@@ -4,6 +4,7 @@ lowered for cuda on this CPU machine."""
 from __future__ import annotations
 
 import re
+import subprocess
 
 import jax
 import numpy as np
@@ -23,7 +24,32 @@ def test_the_fused_kernel_takes_what_fits_one_block(monkeypatch):
     assert config.use_qr_solve(80, 60, 4, F64) and not config.use_qr_solve(81, 60, 4, F64)  # 40 KiB
     assert not config.use_qr_solve(64, 63, 2, F32)  # 65 columns
     assert not config.use_qr_solve(16, 14, 4, F32)  # [A | b] wide
+    assert config.use_qr_solve(16, 64, 1, F32) and config.use_qr_solve(64, 160, 1, F32)  # wide: Aᵀ fits
+    assert not config.use_qr_solve(65, 100, 1, F32) and not config.use_qr_solve(40, 257, 1, F32)
+    assert not config.use_qr_solve(40, 256, 64, F32)  # Y (n x k) passes the 96 KiB of a block
     assert not config.use_qr_solve(64, 16, 1, np.dtype(np.complex64))
+
+
+SOLVE_SHAPES = [(64, 16, 1), (80, 60, 4), (9, 6, 3), (16, 64, 1), (40, 256, 64), (6, 9, 2), (64, 80, 7)]
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_solve_bytes_match_the_kernel_layout(tmp_path):
+    # A host program that prints the kernel's own solve_layout<T>(m, n, k, warps).bytes.
+    def line(t, m, n, k):
+        rows, cols = (m, n + k) if m >= n else (n, m)
+        return f'  std::printf("%d\\n", q::solve_layout<{t}>({m}, {n}, {k}, q::warps_for({rows}, {cols})).bytes);\n'
+
+    lines = "".join(line(t, *shape) for t in ("float", "double") for shape in SOLVE_SHAPES)
+    source = tmp_path / "layout.cu"
+    source.write_text(
+        '#include <cstdio>\n#include "linalg/lstsq/csrc/qr_solve.cuh"\nnamespace q = jaxforge::qr_r;\n'
+        f"int main() {{\n{lines}}}\n"
+    )
+    exe = tmp_path / "layout"
+    subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
+    printed = [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
+    assert printed == [config.qr_solve_bytes(*shape, size) for size in (4, 8) for shape in SOLVE_SHAPES]
 
 
 def test_kernels_stay_off_until_validated(monkeypatch):
@@ -49,8 +75,11 @@ def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypat
         call = next(line for line in text.splitlines() if cuda.QR_SOLVE_TARGETS[dtype.name] in line)
         rcond = re.search(r"rcond = ([0-9.eE+-]+) : f64", call).group(1)
         assert float(rcond) == default_rcond(dtype, 64, 16)
-        assert f"(tensor<8x64x17x{short}>) -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
+        operands = f"(tensor<8x64x16x{short}>, tensor<8x64x1x{short}>)"
+        assert f"{operands} -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
         assert "jaxforge_qr_r" not in text  # the kernel's certificate replaces the factor-only call
+        wide = lowered_for_cuda(16, 40, 2, dtype)  # R of Aᵀ: 16 x 16
+        assert f"-> (tensor<8x16x16x{short}>, tensor<8x40x2x{short}>, tensor<8xi32>)" in wide
         assert "jaxforge_qr_solve" not in lowered_for_cuda(200, 70, 1, dtype)  # 71 columns
 
 

@@ -30,12 +30,14 @@ def normal_residual(a, b, x):
     return np.max(np.linalg.norm(at @ (a @ x - b), axis=(-2, -1)) / np.linalg.norm(at @ b, axis=(-2, -1)))
 
 
-CASES = [  # (batch, m, n, k), dtype, whether [A | b] fits the kernels (≤ 64 columns, ≤ 40 KiB)
+CASES = [  # (batch, m, n, k), dtype, whether [A | b] (Aᵀ when wide) fits the kernel (≤ 64 columns, ≤ 40 KiB)
     ((8192, 64, 16, 1), np.float32, True),
     ((8192, 64, 16, 1), np.float64, True),
     ((64, 200, 30, 2), np.float32, True),
     ((64, 200, 30, 2), np.float64, False),
     ((16, 512, 128, 4), np.float32, False),
+    ((1024, 16, 64, 1), np.float32, True),  # wide: the minimum-norm solution, Q applied in the kernel
+    ((64, 30, 200, 2), np.float64, False),
 ]
 
 
@@ -52,7 +54,7 @@ def test_matches_numpy(shape, dtype, uses_kernel):
     x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64))[0] for i in sample])
     np.testing.assert_allclose(np.asarray(x)[: len(sample)], x_np, rtol=1e4 * eps, atol=1e4 * eps)
     assert normal_residual(a, b, x) <= 1e3 * eps
-    np.testing.assert_array_equal(rank, n)
+    np.testing.assert_array_equal(rank, min(m, n))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -64,8 +66,9 @@ def test_ill_conditioned(dtype):
     b = random(rng, (16, 40, 1), dtype)
     x, _, rank, _ = jax.jit(jf.linalg.lstsq)(*on_gpu(a, b))
     rcond = default_rcond(dtype, 40, 12)
-    x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64), rcond=rcond)[0] for i in range(16)])
-    rank_np = [np.linalg.matrix_rank(a[i].astype(np.float64), rcond * np.linalg.norm(a[i], 2)) for i in range(16)]
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    x_np = np.stack([np.linalg.lstsq(a64[i], b64[i], rcond=rcond)[0] for i in range(16)])
+    rank_np = [np.linalg.matrix_rank(a64[i], rcond * np.linalg.norm(a64[i], 2)) for i in range(16)]
     np.testing.assert_array_equal(rank, rank_np)
     if dtype == np.float64:
         np.testing.assert_allclose(x, x_np, rtol=1e6 * 1e3 * np.finfo(dtype).eps)

@@ -60,22 +60,30 @@ def test_rank_deficient_and_non_finite_r_are_not_certified():
 
 
 def fused_in_jnp(marker=0.0, proven=None):
-    """``lstsq_xla``'s ``fused`` as the qr_solve kernel computes it (QR of ``[A | b]``, the solve, the
-    first rung), with ``marker`` added to its solution and ``proven``, if given, forced."""
+    """``lstsq_xla``'s ``fused`` as the qr_solve kernel computes it (QR of ``[A | b]``, or of ``Aᴴ``
+    when wide, the solve, the first rung), with ``marker`` added to its solution and ``proven``, if
+    given, forced."""
 
     def fused(a, b, rcond):
-        r, c = augmented_qr()(a, b)
+        m, n = a.shape[-2:]
+        if m >= n:
+            r, c = augmented_qr()(a, b)
+            x, factor = solve_triangular(r, c), lambda a, b: (r, c)
+        else:
+            q, r = jnp.linalg.qr(jnp.swapaxes(a, -1, -2).conj())
+            x, factor = q @ solve_triangular(r, b, adjoint=True), None
         r_inv = solve_triangular(r, jnp.broadcast_to(jnp.eye(r.shape[-1], dtype=r.dtype), r.shape))
         certified = _full_rank_certificate(r, r_inv, rcond, CERTIFICATE_SQUARINGS[0])
-        return r, c, solve_triangular(r, c) + marker, certified if proven is None else jnp.full_like(certified, proven)
+        return r, x + marker, certified if proven is None else jnp.full_like(certified, proven), factor
 
     return fused
 
 
-def test_a_fused_kernel_s_solution_is_taken_only_where_it_certifies_the_whole_batch():
+@pytest.mark.parametrize("m,n", [(20, 6), (6, 20)])
+def test_a_fused_kernel_s_solution_is_taken_only_where_it_certifies_the_whole_batch(m, n):
     rng = np.random.default_rng(2)
-    a, b = well_conditioned(rng, (3,), 20, 6), random(rng, (3, 20, 2))
-    rcond = default_rcond(np.float64, 20, 6)
+    a, b = well_conditioned(rng, (3,), m, n), random(rng, (3, m, 2))
+    rcond = default_rcond(np.float64, m, n)
     run = jax.jit(lambda a, b, fused: lstsq_xla(a, b, rcond=rcond, fused=fused), static_argnums=2)
     want = lstsq_xla(a, b, rcond=rcond)
     np.testing.assert_allclose(run(a, b, fused_in_jnp(1e3, True))[0], want[0] + 1e3, rtol=1e-12)
@@ -84,23 +92,25 @@ def test_a_fused_kernel_s_solution_is_taken_only_where_it_certifies_the_whole_ba
             np.testing.assert_allclose(got, expected, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("case", ["rank_deficient", "second_rung"])
-def test_with_a_fused_kernel_the_later_rungs_and_the_svd_still_decide(case):
+def test_with_a_fused_kernel_the_later_rungs_and_the_svd_still_decide(case, wide):
     rng = np.random.default_rng(3)
-    n = 48
+    m, n = (48, 60) if wide else (60, 48)
+    k = min(m, n)
     if case == "rank_deficient":  # no rung certifies: the SVD of R gives rank and solution
-        a = with_singular_values(rng, (2,), 60, n, np.r_[np.ones(n - 4), np.zeros(4)])
-        rcond = default_rcond(np.float64, 60, n)
+        a = with_singular_values(rng, (2,), m, n, np.r_[np.ones(k - 4), np.zeros(4)])
+        rcond = default_rcond(np.float64, m, n)
     else:  # the kernel's rung fails, the tight one (two squarings) certifies
-        a = with_singular_values(rng, (2,), 60, n, np.geomspace(1, 1e-2, n))
-        r = np.linalg.qr(a, mode="r")
+        a = with_singular_values(rng, (2,), m, n, np.geomspace(1, 1e-2, k))
+        r = np.linalg.qr(a, mode="r")[..., :k, :k] if not wide else np.linalg.qr(np.swapaxes(a, -1, -2), mode="r")
         bounds = [np.max(np.asarray(_two_norm_bound(r, q) * _two_norm_bound(np.linalg.inv(r), q))) for q in (0, 2)]
         rcond = 1 / np.sqrt(bounds[0] * bounds[1])  # between the two rungs' bounds
-    b = random(rng, (2, 60, 1))
+    b = random(rng, (2, m, 1))
     got = lstsq_xla(a, b, rcond=rcond, fused=fused_in_jnp(1e3))  # a wrong solution, never certified
     want = lstsq_xla(a, b, rcond=rcond)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-10)
     x_np = np.stack([np.linalg.lstsq(a[i], b[i], rcond=rcond)[0] for i in range(2)])
     np.testing.assert_allclose(got[0], x_np, rtol=1e-8, atol=1e-8)
-    np.testing.assert_array_equal(got[2], n - 4 if case == "rank_deficient" else n)
+    np.testing.assert_array_equal(got[2], k - 4 if case == "rank_deficient" else k)

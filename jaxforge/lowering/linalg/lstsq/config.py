@@ -1,8 +1,9 @@
 """Dispatch of lstsq_p on CUDA: which QR factors a tall problem.
 
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
-columns and 40 KiB, tall or square (m >= columns). Where it fits, its fused form (qr_solve) also
-back-substitutes and certifies the rank in the same block. CholeskyQR2 takes tall float32 and
+columns and 40 KiB, tall or square (m >= columns). Its fused form (qr_solve) also solves and
+certifies the rank in the same block, for tall problems whose ``[A | b]`` fits and wide ones whose
+``Aᵀ`` does (it applies Q from its reflectors, never forming it). CholeskyQR2 takes tall float32 and
 complex64 problems that one of CHOLESKY_QR_RULES admits (its products run in double width), where
 matrix products beat geqrf's panel steps: large single matrices, and batches, which cuSOLVER
 factors one matrix at a time. Other shapes use cuSOLVER through the default lowering; the limits
@@ -27,11 +28,28 @@ def use_qr_r_block(m: int, cols: int, dtype) -> bool:
 
 
 QR_SOLVE_VALIDATED = False  # not yet run on a GPU: see build.enabled
+QR_SOLVE_MAX_BYTES = 96 * 1024  # what every supported GPU grants a block (sm_86/sm_89: 99 KiB)
+
+
+def _factored(m: int, n: int, k: int) -> tuple[int, int, int]:
+    """(rows, columns, p) of what the fused kernel factors: [A | b] when tall, Aᵀ when wide."""
+    return (m, n + k, n) if m >= n else (n, m, m)
+
+
+def qr_solve_bytes(m: int, n: int, k: int, itemsize: int) -> int:
+    """The fused kernel's shared memory (csrc/qr_solve.cuh: solve_layout), in bytes."""
+    rows, cols, p = _factored(m, n, k)
+    warps = min(max(-(-rows * cols // 256), 1), 8)
+    align = lambda elements: (elements * itemsize + 15) & ~15  # noqa: E731
+    factor = align((rows | 1) * cols + warps * cols + 4 * warps + 2 * cols) // itemsize
+    return align(factor + p * (k + p) + (0 if m >= n else n * k))
 
 
 def use_qr_solve(m: int, n: int, k: int, dtype) -> bool:
     """Whether the fused kernel solves an ``m x n`` problem with ``k`` right-hand sides."""
-    return build.enabled(QR_SOLVE_VALIDATED) and n >= 1 and qr_r_block_fits(m, n + k, dtype)
+    rows, cols, _ = _factored(m, n, k)
+    fits = min(m, n, k) >= 1 and qr_r_block_fits(rows, cols, dtype)
+    return build.enabled(QR_SOLVE_VALIDATED) and fits and qr_solve_bytes(m, n, k, dtype.itemsize) <= QR_SOLVE_MAX_BYTES
 
 
 # (min batch, min columns n, min aspect m / n): CholeskyQR2 where any rule holds.

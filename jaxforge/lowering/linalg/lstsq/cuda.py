@@ -1,8 +1,8 @@
 """CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-Small tall problems: csrc/qr_solve.cuh solves in one kernel, the R of ``[A | b]`` (Householder in
-shared memory, one block per matrix, Q never formed), the back-substitution and the first rung of
-the full-rank certificate; a batch it certifies needs nothing else. Large tall float32 problems:
+Small problems: csrc/qr_solve.cuh solves in one kernel, the Householder QR of ``[A | b]`` (of ``Aᵀ``
+when wide) in shared memory, one block per matrix, Q never formed, the substitutions and the first
+rung of the full-rank certificate; a batch it certifies needs nothing else. Large tall float32 problems:
 CholeskyQR2 (cholesky_qr.py), matrix products in float64, with Householder as its on-device
 fallback; the Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the
 kernel cannot be built, cuSOLVER's geqrf runs as in the default.
@@ -46,18 +46,20 @@ def qr_r_cuda(x):
 
 
 def qr_solve_cuda(a, b, rcond: float):
-    """The kernel's ``(R, Qᴴb, x, certified)`` of ``A = QR`` (see ``lstsq_xla``'s ``fused``)."""
-    *batch, _, n = a.shape
+    """The kernel's ``(R, x, certified, factor)`` (see ``lstsq_xla``'s ``fused``): R of ``[A | b]``
+    when tall, whose ``(R, Qᴴb)`` then serve as ``factor``; R of ``Aᵀ`` when wide."""
+    *batch, m, n = a.shape
     k = b.shape[-1]
-    cols = n + k
+    cols = n + k if m >= n else m
     result_types = (
         jax.ShapeDtypeStruct((*batch, cols, cols), a.dtype),
         jax.ShapeDtypeStruct((*batch, n, k), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), jnp.int32),
     )
-    call = jax.ffi.ffi_call(QR_SOLVE_TARGETS[a.dtype.name], result_types)
-    r_aug, x, certified = call(jnp.concatenate([a, b], axis=-1), rcond=np.float64(rcond))
-    return r_aug[..., :n, :n], r_aug[..., :n, n:], x, certified != 0
+    r, x, certified = jax.ffi.ffi_call(QR_SOLVE_TARGETS[a.dtype.name], result_types)(a, b, rcond=np.float64(rcond))
+    if m < n:
+        return r, x, certified != 0, None
+    return r[..., :n, :n], x, certified != 0, lambda a, b: (r[..., :n, :n], r[..., :n, n:])
 
 
 def lstsq_cuda(a, b, *, rcond: float):

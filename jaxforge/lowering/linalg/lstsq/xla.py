@@ -49,59 +49,68 @@ def augmented_qr(qr_r=qr_r_lapack):
 
 
 def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
-    """The algorithm above. For m >= n, ``factor(a, b) -> (R, Qᴴb)``, or a kernel that also solves:
-    ``fused(a, b, rcond) -> (R, Qᴴb, x, certified)``, ``x = R⁻¹Qᴴb`` and ``certified`` (per matrix)
-    the first rung's certificate, which then replaces it (a GPU lowering may pass either)."""
+    """The algorithm above. ``factor(a, b) -> (R, Qᴴb)`` serves m >= n. A GPU lowering may replace
+    it, or pass a kernel that also solves and takes the first rung itself:
+    ``fused(a, b, rcond) -> (R, x, certified, factor)``, with R of ``A`` (of ``Aᴴ`` when wide),
+    ``x`` the full-rank solution, ``certified`` per matrix, and the ``factor`` (or None when wide)
+    that the later rungs use where the batch is not certified."""
     *batch, m, n = a.shape
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
-    if m >= n:
-        if fused is None:
-            r, c = factor(a, b)
-        else:
-            r, c, x_fused, proven = fused(a, b, rcond)
-        solve = lambda r: solve_triangular(r, c)  # noqa: E731
-        factors = lambda ur, vhr: (ur, ct(vhr))  # A = Q·(U_R S V_Rᴴ)  # noqa: E731
-        rhs = c
+    if fused is None:
+        r, *solvers = _factored(a, b, factor)
+        rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=CERTIFICATE_SQUARINGS)
     else:
-        fused = None  # it serves m >= n only
-        q, r = lax.linalg.qr(ct(a), full_matrices=False)
-        solve = lambda r: mm(q, solve_triangular(r, b, adjoint=True))  # noqa: E731
-        factors = lambda ur, vhr: (ct(vhr), mm(q, ur))  # A = V_R S (Q U_R)ᴴ  # noqa: E731
-        rhs = b
-    full_rank = jnp.full(batch, k, jnp.int32)
+        r, x_fused, certified, factor = fused(a, b, rcond)
+        rank, x = lax.cond(
+            jnp.all(certified),
+            lambda: (jnp.full(batch, k, jnp.int32), x_fused),
+            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=CERTIFICATE_SQUARINGS[1:]),
+        )
+    s = lax.linalg.svd(after(r, x), compute_uv=False)
+    bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
+    x = poison(bad_a | nonfinite_matrices(x), x)
+    return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
+
+
+def _factored(a, b, factor):
+    """``(R, solve, factors, rhs)``: the triangular factor; ``solve(R)``, the full-rank solution;
+    ``factors(U_R, V_Rᴴ) -> (U, V)``, the thin SVD of ``A`` from that of ``R``, with ``U`` in the basis
+    of ``rhs``, the right-hand side the truncated solution applies it to."""
+    m, n = a.shape[-2:]
+    if m >= n:
+        r, c = factor(a, b)
+        return r, lambda r: solve_triangular(r, c), lambda ur, vhr: (ur, ct(vhr)), c  # A = Q·(U_R S V_Rᴴ)
+    q, r = lax.linalg.qr(ct(a), full_matrices=False)
+    solve = lambda r: mm(q, solve_triangular(r, b, adjoint=True))  # noqa: E731
+    return r, solve, lambda ur, vhr: (ct(vhr), mm(q, ur)), b  # A = V_R S (Q U_R)ᴴ
+
+
+def _rank_and_solution(r, solve, factors, rhs, *, rcond: float, rungs):
+    """numpy's rank and solution: full rank where a rung certifies the whole batch, else by the SVD."""
+    *batch, k = r.shape[:-1]
 
     def exact():
         u_r, s_r, vh_r = lax.linalg.svd(r, full_matrices=False)
         rank = jnp.sum(s_r > rcond * s_r[..., :1], axis=-1, dtype=jnp.int32)
         full = (rank == k)[..., None, None]
-        u_small, v = factors(u_r, vh_r)  # thin SVD of A, with U given in the basis of rhs
+        u_small, v = factors(u_r, vh_r)
         keep = jnp.arange(k) < rank[..., None]
         truncated = truncated_pinv(u_small, s_r, v, keep, rhs)
-        full_rank_x = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
-        return rank, jnp.where(full, full_rank_x, truncated)
+        full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
+        return rank, jnp.where(full, full_rank, truncated)
 
-    def by_rungs(rungs):
-        r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+    r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
 
-        def certify(rungs):
-            if not rungs:
-                return exact()
-            proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
-            return lax.cond(proven, lambda: (full_rank, solve(r)), lambda: certify(rungs[1:]))
+    def certify(rungs):
+        if not rungs:
+            return exact()
+        proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
+        return lax.cond(proven, lambda: (jnp.full(batch, k, jnp.int32), solve(r)), lambda: certify(rungs[1:]))
 
-        return certify(rungs)
-
-    if fused is None:
-        rank, x = by_rungs(CERTIFICATE_SQUARINGS)
-    else:  # the kernel's own first rung
-        rank, x = lax.cond(jnp.all(proven), lambda: (full_rank, x_fused), lambda: by_rungs(CERTIFICATE_SQUARINGS[1:]))
-    s = lax.linalg.svd(after(r, x), compute_uv=False)
-    bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
-    x = poison(bad_a | nonfinite_matrices(x), x)
-    return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
+    return certify(rungs)
 
 
 def _full_rank_certificate(r, r_inv, rcond: float, squarings: int):

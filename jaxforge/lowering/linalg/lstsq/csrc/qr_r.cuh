@@ -70,6 +70,11 @@ struct Real<double> {
   static __device__ int ilogb(double x) { return ::ilogb(x); }
 };
 
+// Warps of the block that factors an m x c matrix: about kElemsPerWarp elements each.
+inline int warps_for(int m, int c) {
+  return std::clamp((m * c + kElemsPerWarp - 1) / kElemsPerWarp, 1, kMaxWarps);
+}
+
 template <typename T>
 inline bool supported(int64_t m, int64_t c) {
   return c >= 1 && c <= kMaxCols && m >= c &&
@@ -82,6 +87,7 @@ struct Layout {
   int part_off;  // warps x c partial dot products v^T A[:, k], one row per row slice
   int red_off;   // 2 slots x warps x (max |x|, sum of squares) norm partials
   int diag_off;  // c entries: beta_j, kept apart so that A[j,j] = alpha stays readable
+  int tau_off;   // c entries: tau_j, for a caller that applies Q (v_j stays below A's diagonal)
   int bytes;
 };
 
@@ -92,7 +98,8 @@ __host__ __device__ inline Layout layout(int m, int c, int warps) {
   l.part_off = l.ld * c;
   l.red_off = l.part_off + warps * c;
   l.diag_off = l.red_off + 4 * warps;
-  l.bytes = ((l.diag_off + c) * static_cast<int>(sizeof(T)) + 15) & ~15;
+  l.tau_off = l.diag_off + c;
+  l.bytes = ((l.tau_off + c) * static_cast<int>(sizeof(T)) + 15) & ~15;
   return l;
 }
 
@@ -166,22 +173,23 @@ __device__ __forceinline__ T group_sum(T x, int g) {
   return x;
 }
 
-// R of one matrix, executed by the whole block. A column step costs at most three barriers: norm
-// partials posted, v scaled, dot products posted; the next column's norm partials are taken
-// during the rank-1 update, which already holds its updated entries in registers.
+// Householder QR of the m x c matrix in A (column-major, loaded by the caller), executed by the
+// whole block: R above A's diagonal and in diag, v_j below the diagonal, tau_j in tau. A column
+// step costs at most three barriers: norm partials posted, v scaled, dot products posted; the next
+// column's norm partials are taken during the rank-1 update, which already holds its updated
+// entries in registers.
 template <typename T>
-__device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c, const Layout& l,
-                       T* A) {
+__device__ void householder(int m, int c, const Layout& l, T* A) {
   T* part = A + l.part_off;
   T* red = A + l.red_off;
   T* diag = A + l.diag_off;
+  T* taus = A + l.tau_off;
   const int ld = l.ld;
   const int tid = threadIdx.x;
   const int nthreads = blockDim.x;
   const int warps = nthreads >> 5;
 
-  for_each_row_major(m, c, [&](int idx, int i, int j) { A[j * ld + i] = x[idx]; });
-  __syncthreads();
+  __syncthreads();  // A loaded
   {
     T amax = T(0), ssq = T(0);
     column_partials(A, 1, m, amax, ssq);
@@ -219,9 +227,10 @@ __device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c,
       beta = signbit(alpha) ? h : -h;
       tau = (beta - alpha) / beta;
     }
-    if (tid == 0) diag[j] = beta;
-    const int nt = c - 1 - j;  // trailing columns
-    if (nt == 0) break;
+    if (tid == 0) {
+      diag[j] = beta;
+      taus[j] = tau;
+    }
     const bool reflect = tau != T(0);
     if (reflect) {
       // |x_i| <= xnorm <= |alpha - beta|: dividing cannot overflow where a reciprocal could.
@@ -229,6 +238,8 @@ __device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c,
 #pragma unroll 1
       for (int i = j + 1 + tid; i < m; i += nthreads) Aj[i] /= delta;
     }
+    const int nt = c - 1 - j;  // trailing columns
+    if (nt == 0) break;  // the last v is kept too, for a caller that applies Q
     __syncthreads();  // v complete; everyone is done reading red, which is posted to again below
 
     T amax_next = T(0), ssq_next = T(0);
@@ -283,10 +294,24 @@ __device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c,
     post_partials(amax_next, ssq_next, red);
   }
   __syncthreads();  // R complete in A and diag
+}
 
+// Stores the c x c R of householder() to r, row-major, zeros below the diagonal.
+template <typename T>
+__device__ __forceinline__ void store_r(T* __restrict__ r, int c, const Layout& l, const T* A) {
+  const T* diag = A + l.diag_off;
   for_each_row_major(c, c, [&](int idx, int i, int j) {
-    r[idx] = j > i ? A[j * ld + i] : (j == i ? diag[i] : T(0));
+    r[idx] = j > i ? A[j * l.ld + i] : (j == i ? diag[i] : T(0));
   });
+}
+
+// R of the row-major m x c matrix x, executed by the whole block.
+template <typename T>
+__device__ void qr_one(const T* __restrict__ x, T* __restrict__ r, int m, int c, const Layout& l,
+                       T* A) {
+  for_each_row_major(m, c, [&](int idx, int i, int j) { A[j * l.ld + i] = x[idx]; });
+  householder(m, c, l, A);
+  store_r(r, c, l, A);
 }
 
 // Grid-stride over matrices, one per block; the dynamic shared memory is layout<T>(m, c, warps).
@@ -307,7 +332,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 template <typename T>
 cudaError_t launch(cudaStream_t stream, const T* x, T* r, int64_t batch, int m, int c) {
   if (batch == 0) return cudaSuccess;
-  const int warps = std::clamp((m * c + kElemsPerWarp - 1) / kElemsPerWarp, 1, kMaxWarps);
+  const int warps = warps_for(m, c);
   const Layout l = layout<T>(m, c, warps);
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
   JAXFORGE_LAUNCH(qr_r_kernel<T>, static_cast<unsigned>(blocks), warps * 32, l.bytes, stream)(

@@ -4,8 +4,9 @@
 // qr_r: operand x (*batch, m, c), row-major, with 1 <= c <= 64, m >= c and m * c * sizeof(T) <=
 // 40960 bytes. Result r: (*batch, c, c), the upper-triangular factor of x = Q R (LAPACK dgeqrf
 // signs: the diagonal may be negative), zeros below the diagonal.
-// qr_solve: operand x = [A | b] as for qr_r, attribute rcond (f64); results r as qr_r, solution
-// (*batch, n, c - n) with 1 <= n < c, certified (*batch,) int32 (see qr_solve.cuh).
+// qr_solve: operands a (*batch, m, n) and b (*batch, m, k), attribute rcond (f64); results r
+// (*batch, c, c) with c = n + k when m >= n, else m; solution (*batch, n, k); certified (*batch,)
+// int32 (see qr_solve.cuh).
 // Other shapes are rejected with InvalidArgument.
 #include <cuda_runtime.h>
 
@@ -73,31 +74,42 @@ ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT>
 }
 
 template <ffi::DataType DT>
-ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> x, double rcond,
+ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b, double rcond,
                        ffi::ResultBuffer<DT> r, ffi::ResultBuffer<DT> solution,
                        ffi::ResultBuffer<ffi::S32> certified) {
   using T = ffi::NativeType<DT>;
-  int64_t batch, m, c;
-  if (auto e = OperandShape<T>("qr_solve", x.dimensions(), batch, m, c); e.failure()) return e;
-  const auto sol_dims = solution->dimensions();
-  const int64_t n = sol_dims.size() >= 2 ? sol_dims[sol_dims.size() - 2] : 0;
-  if (n < 1 || n >= c) {
-    return ffi::Error::InvalidArgument("qr_solve: solution shape " + ShapeString(sol_dims) +
-                                       " must be (..., n, c - n) with 1 <= n < c, for operand " +
-                                       ShapeString(x.dimensions()));
+  const auto dims = a.dimensions();
+  const auto b_dims = b.dimensions();
+  if (dims.size() < 2 || b_dims.size() != dims.size()) {
+    return ffi::Error::InvalidArgument("qr_solve: a must have rank >= 2 and b the same rank, got " +
+                                       ShapeString(dims) + " and " + ShapeString(b_dims));
   }
-  for (auto [result, dims, count, want] :
+  const int64_t m = dims[dims.size() - 2], n = dims[dims.size() - 1], k = b_dims[dims.size() - 1];
+  bool same_batch = b_dims[dims.size() - 2] == m;
+  for (size_t i = 0; i + 2 < dims.size(); ++i) same_batch = same_batch && b_dims[i] == dims[i];
+  if (!qr::supported_solve<T>(m, n, k) || !same_batch) {
+    return ffi::Error::InvalidArgument(
+        "qr_solve: a " + ShapeString(dims) + " and b " + ShapeString(b_dims) +
+        " are outside the kernel's limits: b (..., m, k) with a (..., m, n), the same batch; [A | b] (tall) or Aᵀ "
+        "(wide) within the qr_r limits (<= 64 columns, " + std::to_string(qr::kMaxMatrixBytes) +
+        " bytes) and the whole solve within " + std::to_string(qr::kMaxSolveBytes) + " bytes");
+  }
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  const int64_t c = m >= n ? n + k : m;
+  for (auto [result, result_dims, count, want] :
        {std::tuple{"r", r->dimensions(), r->element_count(), batch * c * c},
-        std::tuple{"solution", sol_dims, solution->element_count(), batch * n * (c - n)},
+        std::tuple{"solution", solution->dimensions(), solution->element_count(), batch * n * k},
         std::tuple{"certified", certified->dimensions(), certified->element_count(), batch}}) {
-    if (auto e = CheckResult("qr_solve", result, dims, count, want, x.dimensions()); e.failure()) {
+    if (auto e = CheckResult("qr_solve", result, result_dims, count, want, dims); e.failure()) {
       return e;
     }
   }
-  return LaunchError("qr_solve", qr::launch_solve(stream, x.typed_data(), r->typed_data(),
-                                                  solution->typed_data(), certified->typed_data(),
-                                                  batch, static_cast<int>(m), static_cast<int>(c),
-                                                  static_cast<int>(n), static_cast<T>(rcond)));
+  return LaunchError("qr_solve", qr::launch_solve(stream, a.typed_data(), b.typed_data(),
+                                                  r->typed_data(), solution->typed_data(),
+                                                  certified->typed_data(), batch,
+                                                  static_cast<int>(m), static_cast<int>(n),
+                                                  static_cast<int>(k), static_cast<T>(rcond)));
 }
 
 template <ffi::DataType DT>
@@ -114,7 +126,8 @@ template <ffi::DataType DT>
 auto QrSolveBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .template Arg<ffi::Buffer<DT>>()          // x = [A | b]
+      .template Arg<ffi::Buffer<DT>>()          // a
+      .template Arg<ffi::Buffer<DT>>()          // b
       .template Attr<double>("rcond")
       .template Ret<ffi::Buffer<DT>>()          // r
       .template Ret<ffi::Buffer<DT>>()          // solution
