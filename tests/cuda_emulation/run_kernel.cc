@@ -2,8 +2,8 @@
 // kernel header's own launch(): reads the input matrices from a raw file and writes the outputs,
 // back to back, to another. tests/lowering/linalg/test_kernels_emulated.py builds and drives it.
 //
-//   run_kernel qr_r             f32|f64 BATCH M C IN OUT   -> r (BATCH, C, C)
-//   run_kernel qr_solve         f32|f64 BATCH M N IN OUT K RCOND   IN: a (BATCH, M, N), b (BATCH, M, K)
+//   run_kernel qr_r             f32|f64|c64|c128 BATCH M C IN OUT   -> r (BATCH, C, C)
+//   run_kernel qr_solve         f32|f64|c64|c128 BATCH M N IN OUT K RCOND   IN: a (BATCH, M, N), b (BATCH, M, K)
 //                       -> r (BATCH, C, C), solution (BATCH, N, K), certified (BATCH,) int32
 //                          with C = N + K when M >= N, else M
 //   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 // The kernels' `extern __shared__ unsigned char smem[]`, one per kernel namespace.
@@ -60,7 +61,7 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     jaxforge::qr_r::launch<T>(nullptr, x.data(), r.data(), batch, m, n);
     write(f, r);
   } else if (kernel == "qr_solve") {
-    const T rcond = static_cast<T>(std::stod(extra[1]));
+    const auto rcond = static_cast<jaxforge::RealOf<T>>(std::stod(extra[1]));
     if (!jaxforge::qr_r::supported_solve<T>(m, n, rhs)) return 3;
     const int c = m >= n ? n + rhs : m;
     std::vector<T> r(batch * c * c), solution(batch * n * rhs);
@@ -68,7 +69,7 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), x.data() + batch * m * n, r.data(), solution.data(),
                                     certified.data(), batch, m, n, rhs, rcond);
     write(f, r), write(f, solution), write(f, certified);
-  } else {
+  } else if constexpr (std::is_floating_point_v<T>) {  // the SVD kernels are real
     const int k = std::min(m, n);
     std::vector<T> s(batch * k), u(batch * m * k), vt(batch * k * n);
     std::vector<int32_t> info(batch);
@@ -77,6 +78,8 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
                                                      : jaxforge::svd_jacobi_block::launch<T>;
     call(nullptr, x.data(), s.data(), u.data(), vt.data(), info.data(), batch, m, n);
     write(f, s), write(f, u), write(f, vt), write(f, info);
+  } else {
+    return 4;
   }
   std::fclose(f);
   return 0;
@@ -86,13 +89,16 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
 
 int main(int argc, char** argv) {
   if (argc != (argc > 1 && std::string(argv[1]) == "qr_solve" ? 10 : 8)) {
-    std::fprintf(stderr, "usage: %s KERNEL f32|f64 BATCH M N IN OUT [K RCOND for qr_solve]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s KERNEL f32|f64|c64|c128 BATCH M N IN OUT [K RCOND for qr_solve]\n", argv[0]);
     return 2;
   }
   emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::svd_jacobi::smem, jaxforge::svd_jacobi_block::smem};
   const std::string kernel = argv[1], dtype = argv[2];
   const int64_t batch = std::stoll(argv[3]);
   const int m = std::stoi(argv[4]), n = std::stoi(argv[5]);
-  return dtype == "f32" ? run<float>(kernel, batch, m, n, argv[6], argv[7], argv + 8)
-                        : run<double>(kernel, batch, m, n, argv[6], argv[7], argv + 8);
+  const auto go = [&](auto zero) { return run<decltype(zero)>(kernel, batch, m, n, argv[6], argv[7], argv + 8); };
+  if (dtype == "f32") return go(0.0f);
+  if (dtype == "f64") return go(0.0);
+  if (dtype == "c64") return go(jaxforge::Complex<float>());
+  return go(jaxforge::Complex<double>());
 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import pathlib
 
 import pytest
@@ -118,3 +119,22 @@ def test_the_validation_switch(monkeypatch):
     assert build.enabled(True) and not build.enabled(False)
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     assert build.enabled(False)
+
+
+def test_every_declared_kernel_lists_the_headers_it_includes():
+    """The cache key hashes the declared files only: an undeclared header edit would load a stale
+    library. Quoted includes resolve against the including file's folder, then jaxforge/lowering/."""
+
+    def includes(path: pathlib.Path) -> set[pathlib.Path]:
+        found = set()
+        for name in re.findall(r'^#include "([^"]+)"', path.read_text(), flags=re.MULTILINE):
+            here, root = path.parent / name, build.PACKAGE_LOWERING / name
+            target = here if here.exists() else root
+            if target.exists():  # else a system or XLA header on the -I path
+                found |= {target.resolve()} | includes(target)
+        return found
+
+    for kernel in build.declared_kernels().values():
+        files = {p.resolve() for p in kernel.files().values()}
+        used = set().union(*(includes(build.PACKAGE_LOWERING / source) for source in kernel.sources))
+        assert used <= files, f"{kernel.name} does not declare {sorted(str(p) for p in used - files)}"

@@ -3,6 +3,7 @@
 // always_inline on templates), which are kept out of each build's warnings here, once.
 #pragma once
 
+#include <complex>
 #include <cstdint>
 #include <string>
 
@@ -14,7 +15,29 @@
 #pragma GCC diagnostic pop
 #pragma nv_diagnostic pop
 
+#include "csrc/scalar.h"
+
 namespace jaxforge {
+
+// The kernels' element type for an FFI buffer's: Complex<R> for std::complex<R> (same layout).
+template <typename N>
+struct KernelType {
+  using type = N;
+};
+template <typename R>
+struct KernelType<std::complex<R>> {
+  using type = Complex<R>;
+};
+
+// An FFI buffer's data as the kernels' element type.
+template <typename N>
+typename KernelType<N>::type* KernelData(N* data) {
+  return reinterpret_cast<typename KernelType<N>::type*>(data);
+}
+template <typename N>
+const typename KernelType<N>::type* KernelData(const N* data) {
+  return reinterpret_cast<const typename KernelType<N>::type*>(data);
+}
 
 // "(d0, d1, ...)", for error messages that name the shape they refuse.
 inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {

@@ -6,6 +6,7 @@ to the gpu tests."""
 
 from __future__ import annotations
 
+import math
 import pathlib
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ def run_kernel(tmp_path_factory):
 
     def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None) -> bytes:
         batch, m, n = x.shape
-        dtype = {np.float32: "f32", np.float64: "f64"}[x.dtype.type]
+        dtype = {np.float32: "f32", np.float64: "f64", np.complex64: "c64", np.complex128: "c128"}[x.dtype.type]
         data = x.tobytes() if tail is None else x.tobytes() + tail.astype(x.dtype).tobytes()
         (work / "in.bin").write_bytes(data)
         args = [str(exe), kernel, dtype, str(batch), str(m), str(n), str(work / "in.bin"), str(work / "out.bin")]
@@ -56,7 +57,7 @@ def qr_r(run_kernel, x):
 
 def qr_solve(run_kernel, a, b, rcond):
     """``(r, solution, certified)`` of the fused least-squares kernel: r is R of ``[a | b]`` when
-    tall, of ``aᵀ`` when wide."""
+    tall, of ``aᴴ`` when wide."""
     batch, m, n = a.shape
     k = b.shape[-1]
     c = n + k if m >= n else m
@@ -80,14 +81,30 @@ def svd(run_kernel, kernel, x):
     return s.reshape(batch, k), u.reshape(batch, m, k), vh.reshape(batch, k, n), info
 
 
+def to_double(x):
+    """``x`` in float64, or complex128 where complex."""
+    return x.astype(np.result_type(x.dtype, np.float64))
+
+
+def adjoint(x):
+    return np.swapaxes(x, -1, -2).conj()
+
+
+def largest(dtype):
+    """(rows, columns) of the widest tall matrix the kernels hold: up to 64 columns, 40 KiB."""
+    size = np.dtype(dtype).itemsize
+    cols = min(64, math.isqrt(40960 // size))
+    return 40960 // (cols * size), cols
+
+
 def check_r(x, r, *, unique: bool = True):
     """``r`` is upper triangular (exact zeros below) with ``RᵀR = XᵀX``; where ``unique`` (X of full
     column rank) it also equals numpy's R up to row signs."""
     assert np.all(np.tril(r, -1) == 0)
-    x64, r64 = x.astype(np.float64), r.astype(np.float64)
+    x64, r64 = to_double(x), to_double(r)
     bound = 50 * np.finfo(x.dtype).eps * np.sqrt(x.shape[-2])
-    gram = np.swapaxes(x64, -1, -2) @ x64
-    error = np.linalg.norm(np.swapaxes(r64, -1, -2) @ r64 - gram, axis=(-2, -1)) / np.linalg.norm(gram, axis=(-2, -1))
+    gram = adjoint(x64) @ x64
+    error = np.linalg.norm(adjoint(r64) @ r64 - gram, axis=(-2, -1)) / np.linalg.norm(gram, axis=(-2, -1))
     assert error.max() <= bound, error.max()
     if unique:
         want = np.linalg.qr(x64, mode="r")
@@ -96,11 +113,11 @@ def check_r(x, r, *, unique: bool = True):
         assert (np.abs(r64 * signs[..., :, None] - want) / scale).max() <= bound
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
 def test_qr_r_matches_numpy(run_kernel, dtype):
     rng = np.random.default_rng(0)
-    limit = 40960 // (64 * np.dtype(dtype).itemsize)  # rows of a 64-column matrix at the 40 KiB cap
-    for x in (random(rng, (3, 40, 17), dtype), random(rng, (2, 5, 1), dtype), random(rng, (1, limit, 64), dtype)):
+    rows, cols = largest(dtype)
+    for x in (random(rng, (3, 40, 17), dtype), random(rng, (2, 5, 1), dtype), random(rng, (1, rows, cols), dtype)):
         check_r(x, qr_r(run_kernel, x))
 
 
@@ -122,41 +139,42 @@ def test_qr_r_scaling_zero_columns_and_nan(run_kernel):
 def first_rung(r, rcond):
     """lstsq's first certificate (lowering/linalg/lstsq/xla.py) in float64, and its margin: the bound's
     distance from 1/rcond, relative."""
-    r = r.astype(np.float64)
+    r = to_double(r)
     bound = np.asarray(_two_norm_bound(r, 0) * _two_norm_bound(np.linalg.inv(r), 0))
     return bound * rcond < 1, np.abs(bound * rcond - 1)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
 def test_qr_solve_matches_numpy_and_certifies_as_the_first_rung(run_kernel, dtype):
     rng = np.random.default_rng(5)
     eps = np.finfo(dtype).eps
     conditions = np.geomspace(1, 0.1 / eps, 12)  # across 1/rcond = 1 / (40 eps)
     graded = lambda m, n: np.stack(  # noqa: E731
-        [with_singular_values(rng, (), m, n, np.geomspace(1, 1 / c, min(m, n))) for c in conditions]
+        [with_singular_values(rng, (), m, n, np.geomspace(1, 1 / c, min(m, n)), np.result_type(dtype, np.float64))
+         for c in conditions]
     ).astype(dtype)
-    limit = 40960 // (64 * np.dtype(dtype).itemsize)  # rows of 64 columns at the 40 KiB cap
+    rows, cols = largest(dtype)
     cases = [  # (a, b, whether R is well determined)
         (random(rng, (3, 64, 16), dtype), random(rng, (3, 64, 1), dtype), True),  # ANCHORS' tiny lstsq
         (random(rng, (2, 9, 6), dtype), random(rng, (2, 9, 3), dtype), True),  # [A | b] square
-        (random(rng, (1, limit, 61), dtype), random(rng, (1, limit, 3), dtype), True),
+        (random(rng, (1, rows, cols - 3), dtype), random(rng, (1, rows, 3), dtype), True),
         (graded(40, 10), random(rng, (len(conditions), 40, 2), dtype), False),
-        (random(rng, (3, 16, 64), dtype), random(rng, (3, 16, 1), dtype), True),  # wide: QR of Aᵀ
+        (random(rng, (3, 16, 64), dtype), random(rng, (3, 16, 1), dtype), True),  # wide: QR of Aᴴ
         (random(rng, (2, 6, 9), dtype), random(rng, (2, 6, 3), dtype), True),
-        (random(rng, (1, 64, limit), dtype), random(rng, (1, 64, 2), dtype), True),
+        (random(rng, (1, cols, rows), dtype), random(rng, (1, cols, 2), dtype), True),
         (graded(10, 40), random(rng, (len(conditions), 10, 2), dtype), False),
     ]
     for a, b, unique in cases:
         m, n = a.shape[-2:]
         rcond = eps * max(m, n)  # numpy's default
         r, x, certified = qr_solve(run_kernel, a, b, rcond)
-        check_r(np.concatenate([a, b], axis=-1) if m >= n else np.swapaxes(a, -1, -2), r, unique=unique)
+        check_r(np.concatenate([a, b], axis=-1) if m >= n else adjoint(a), r, unique=unique)
         k = min(m, n)
         want, margin = first_rung(r[:, :k, :k], rcond)
         clear = margin > 0.1  # near 1/rcond the kernel's R⁻¹ is off by about condition * eps = 1/max(m, n)
         np.testing.assert_array_equal(certified[clear], want[clear])
         assert want.any() and (unique or not want.all())
-        a64, b64 = a.astype(np.float64), b.astype(np.float64)
+        a64, b64 = to_double(a), to_double(b)
         for i in np.flatnonzero(certified):
             x_np = np.linalg.lstsq(a64[i], b64[i], rcond=None)[0]  # the minimum-norm one when wide
             condition = np.linalg.cond(a64[i])
@@ -175,22 +193,23 @@ def test_qr_solve_certifies_exactly_as_the_first_rung_where_r_is_accurate(run_ke
     np.testing.assert_array_equal(certified, want)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
 @pytest.mark.parametrize("wide", [False, True])
-def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_kernel, wide):
+def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_kernel, wide, dtype):
     rng = np.random.default_rng(6)
-    a, b = random(rng, (6, 30, 8), np.float32), random(rng, (6, 30, 1), np.float32)
+    a, b = random(rng, (6, 30, 8), dtype), random(rng, (6, 30, 1), dtype)
     a[0] *= 1e-30  # the scaled Grams keep tiny and huge problems certifiable
     a[1] *= 1e30
     a[2, :, 5] = 0  # a zero pivot
     a[3, :, 6] = a[3, :, 2]  # rank-deficient without a zero pivot
     a[4, 3, 3] = np.nan
     if wide:  # the same matrices transposed: 8 x 30
-        a, b = np.ascontiguousarray(np.swapaxes(a, -1, -2)), random(rng, (6, 8, 1), np.float32)
+        a, b = np.ascontiguousarray(np.swapaxes(a, -1, -2)), random(rng, (6, 8, 1), dtype)
     b[5, 7, 0] = np.inf  # A itself is fine: the certificate is about A
     _, x, certified = qr_solve(run_kernel, a, b, np.finfo(np.float32).eps * 30)
     np.testing.assert_array_equal(certified, [1, 1, 0, 0, 0, 1])
     for i in (0, 1):
-        x_np = np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64), rcond=None)[0]
+        x_np = np.linalg.lstsq(to_double(a[i]), to_double(b[i]), rcond=None)[0]
         np.testing.assert_allclose(x[i], x_np, rtol=1e-4, atol=1e-4 * np.abs(x_np).max())
     assert not np.isfinite(x[5]).all()
 

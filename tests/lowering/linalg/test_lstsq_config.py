@@ -15,7 +15,7 @@ from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config, cuda
 from jaxforge.primitives.linalg.lstsq import default_rcond
 
-F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
+F16, F32, F64, C64, C128 = map(np.dtype, (np.float16, np.float32, np.float64, np.complex64, np.complex128))
 
 
 def test_the_fused_kernel_takes_what_fits_one_block(monkeypatch):
@@ -27,7 +27,8 @@ def test_the_fused_kernel_takes_what_fits_one_block(monkeypatch):
     assert config.use_qr_solve(16, 64, 1, F32) and config.use_qr_solve(64, 160, 1, F32)  # wide: Aᵀ fits
     assert not config.use_qr_solve(65, 100, 1, F32) and not config.use_qr_solve(40, 257, 1, F32)
     assert not config.use_qr_solve(40, 256, 64, F32)  # Y (n x k) passes the 96 KiB of a block
-    assert not config.use_qr_solve(64, 16, 1, np.dtype(np.complex64))
+    assert config.use_qr_solve(64, 16, 1, np.dtype(np.complex64)) and not config.use_qr_solve(64, 16, 1, F16)
+    assert config.use_qr_solve(51, 40, 10, C128) and not config.use_qr_solve(52, 40, 10, C128)  # 40 KiB
 
 
 SOLVE_SHAPES = [(64, 16, 1), (80, 60, 4), (9, 6, 3), (16, 64, 1), (40, 256, 64), (6, 9, 2), (64, 80, 7)]
@@ -65,13 +66,13 @@ def lowered_for_cuda(m, n, k, dtype):
     return exported.mlir_module()
 
 
-@pytest.mark.parametrize("dtype", [F32, F64])
+@pytest.mark.parametrize("dtype", [F32, F64, C64])
 def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypatch, dtype):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     with jax.enable_x64(dtype == F64):
         text = lowered_for_cuda(64, 16, 1, dtype)
-        short = {F32: "f32", F64: "f64"}[dtype]
+        short = {F32: "f32", F64: "f64", C64: "complex<f32>"}[dtype]
         call = next(line for line in text.splitlines() if cuda.QR_SOLVE_TARGETS[dtype.name] in line)
         rcond = re.search(r"rcond = ([0-9.eE+-]+) : f64", call).group(1)
         assert float(rcond) == default_rcond(dtype, 64, 16)

@@ -24,13 +24,18 @@ def on_gpu(*xs):
     return [jax.device_put(x, jax.devices("gpu")[0]) for x in xs]
 
 
+def to_double(x):
+    x = np.asarray(x)
+    return x.astype(np.result_type(x.dtype, np.float64))
+
+
 def normal_residual(a, b, x):
-    a, b, x = (np.asarray(v, np.float64) for v in (a, b, x))
-    at = np.swapaxes(a, -1, -2)
+    a, b, x = (to_double(v) for v in (a, b, x))
+    at = np.swapaxes(a, -1, -2).conj()
     return np.max(np.linalg.norm(at @ (a @ x - b), axis=(-2, -1)) / np.linalg.norm(at @ b, axis=(-2, -1)))
 
 
-CASES = [  # (batch, m, n, k), dtype, whether [A | b] (Aᵀ when wide) fits the kernel (≤ 64 columns, ≤ 40 KiB)
+CASES = [  # (batch, m, n, k), dtype, whether [A | b] (Aᴴ when wide) fits the kernel (≤ 64 columns, ≤ 40 KiB)
     ((8192, 64, 16, 1), np.float32, True),
     ((8192, 64, 16, 1), np.float64, True),
     ((64, 200, 30, 2), np.float32, True),
@@ -38,6 +43,8 @@ CASES = [  # (batch, m, n, k), dtype, whether [A | b] (Aᵀ when wide) fits the 
     ((16, 512, 128, 4), np.float32, False),
     ((1024, 16, 64, 1), np.float32, True),  # wide: the minimum-norm solution, Q applied in the kernel
     ((64, 30, 200, 2), np.float64, False),
+    ((2048, 64, 16, 1), np.complex64, True),
+    ((256, 16, 40, 2), np.complex128, True),
 ]
 
 
@@ -51,7 +58,7 @@ def test_matches_numpy(shape, dtype, uses_kernel):
     x, res, rank, s = f(*on_gpu(a, b))
     eps = np.finfo(dtype).eps
     sample = range(min(batch, 32))
-    x_np = np.stack([np.linalg.lstsq(a[i].astype(np.float64), b[i].astype(np.float64))[0] for i in sample])
+    x_np = np.stack([np.linalg.lstsq(to_double(a[i]), to_double(b[i]))[0] for i in sample])
     np.testing.assert_allclose(np.asarray(x)[: len(sample)], x_np, rtol=1e4 * eps, atol=1e4 * eps)
     assert normal_residual(a, b, x) <= 1e3 * eps
     np.testing.assert_array_equal(rank, min(m, n))

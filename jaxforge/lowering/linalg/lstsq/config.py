@@ -3,7 +3,7 @@
 The block Householder kernel keeps one ``[A | b]`` in a thread block's shared memory: at most 64
 columns and 40 KiB, tall or square (m >= columns). Its fused form (qr_solve) also solves and
 certifies the rank in the same block, for tall problems whose ``[A | b]`` fits and wide ones whose
-``Aᵀ`` does (it applies Q from its reflectors, never forming it). CholeskyQR2 takes tall float32 and
+``Aᴴ`` does (it applies Q from its reflectors, never forming it). CholeskyQR2 takes tall float32 and
 complex64 problems that one of CHOLESKY_QR_RULES admits (its products run in double width), where
 matrix products beat geqrf's panel steps: large single matrices, and batches, which cuSOLVER
 factors one matrix at a time. Other shapes use cuSOLVER through the default lowering; the limits
@@ -20,7 +20,7 @@ QR_R_VALIDATED = False  # not yet run on a GPU: see build.enabled
 def qr_r_block_fits(m: int, cols: int, dtype) -> bool:
     """Whether an ``m x cols`` ``[A | b]`` of ``dtype`` fits the block kernel."""
     fits = 0 < cols <= min(m, QR_R_MAX_COLS) and m * cols * dtype.itemsize <= QR_R_MAX_BYTES
-    return fits and dtype.name in ("float32", "float64")
+    return fits and dtype.name in ("float32", "float64", "complex64", "complex128")
 
 
 def use_qr_r_block(m: int, cols: int, dtype) -> bool:
@@ -32,7 +32,7 @@ QR_SOLVE_MAX_BYTES = 96 * 1024  # what every supported GPU grants a block (sm_86
 
 
 def _factored(m: int, n: int, k: int) -> tuple[int, int, int]:
-    """(rows, columns, p) of what the fused kernel factors: [A | b] when tall, Aᵀ when wide."""
+    """(rows, columns, p) of what the fused kernel factors: [A | b] when tall, Aᴴ when wide."""
     return (m, n + k, n) if m >= n else (n, m, m)
 
 

@@ -1,6 +1,6 @@
 """CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-Small problems: csrc/qr_solve.cuh solves in one kernel, the Householder QR of ``[A | b]`` (of ``Aᵀ``
+Small problems: csrc/qr_solve.cuh solves in one kernel, the Householder QR of ``[A | b]`` (of ``Aᴴ``
 when wide) in shared memory, one block per matrix, Q never formed, the substitutions and the first
 rung of the full-rank certificate; a batch it certifies needs nothing else. Large tall float32 problems:
 CholeskyQR2 (cholesky_qr.py), matrix products in float64, with Householder as its on-device
@@ -21,18 +21,38 @@ from jaxforge.lowering.linalg.lstsq import config
 from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2
 from jaxforge.lowering.linalg.lstsq.xla import augmented_qr, lstsq_xla, qr_r_lapack
 
-QR_R_TARGETS = {"float32": "jaxforge_qr_r_f32", "float64": "jaxforge_qr_r_f64"}
-QR_SOLVE_TARGETS = {"float32": "jaxforge_qr_solve_f32", "float64": "jaxforge_qr_solve_f64"}
+QR_R_TARGETS = {
+    "float32": "jaxforge_qr_r_f32",
+    "float64": "jaxforge_qr_r_f64",
+    "complex64": "jaxforge_qr_r_c64",
+    "complex128": "jaxforge_qr_r_c128",
+}
+QR_SOLVE_TARGETS = {
+    "float32": "jaxforge_qr_solve_f32",
+    "float64": "jaxforge_qr_solve_f64",
+    "complex64": "jaxforge_qr_solve_c64",
+    "complex128": "jaxforge_qr_solve_c128",
+}
 KERNEL = build.declare(
     build.Kernel(
         name="qr_r",
         sources=("linalg/lstsq/csrc/qr_r_ffi.cu",),
-        headers=("linalg/lstsq/csrc/qr_r.cuh", "linalg/lstsq/csrc/qr_solve.cuh", "csrc/xla_ffi.h", "csrc/launch.h"),
+        headers=(
+            "linalg/lstsq/csrc/qr_r.cuh",
+            "linalg/lstsq/csrc/qr_solve.cuh",
+            "csrc/xla_ffi.h",
+            "csrc/launch.h",
+            "csrc/scalar.h",
+        ),
         targets={
-            QR_R_TARGETS["float32"]: "JaxforgeQrRF32",
-            QR_R_TARGETS["float64"]: "JaxforgeQrRF64",
-            QR_SOLVE_TARGETS["float32"]: "JaxforgeQrSolveF32",
-            QR_SOLVE_TARGETS["float64"]: "JaxforgeQrSolveF64",
+            "jaxforge_qr_r_f32": "JaxforgeQrRF32",
+            "jaxforge_qr_r_f64": "JaxforgeQrRF64",
+            "jaxforge_qr_r_c64": "JaxforgeQrRC64",
+            "jaxforge_qr_r_c128": "JaxforgeQrRC128",
+            "jaxforge_qr_solve_f32": "JaxforgeQrSolveF32",
+            "jaxforge_qr_solve_f64": "JaxforgeQrSolveF64",
+            "jaxforge_qr_solve_c64": "JaxforgeQrSolveC64",
+            "jaxforge_qr_solve_c128": "JaxforgeQrSolveC128",
         },
     )
 )
@@ -47,7 +67,7 @@ def qr_r_cuda(x):
 
 def qr_solve_cuda(a, b, rcond: float):
     """The kernel's ``(R, x, certified, factor)`` (see ``lstsq_xla``'s ``fused``): R of ``[A | b]``
-    when tall, whose ``(R, Qᴴb)`` then serve as ``factor``; R of ``Aᵀ`` when wide."""
+    when tall, whose ``(R, Qᴴb)`` then serve as ``factor``; R of ``Aᴴ`` when wide."""
     *batch, m, n = a.shape
     k = b.shape[-1]
     cols = n + k if m >= n else m

@@ -26,7 +26,11 @@ KERNEL = build.declare(
         name="svd_jacobi",
         sources=("linalg/svd/csrc/svd_jacobi_ffi.cu",),
         headers=(
-            "linalg/svd/csrc/svd_jacobi.cuh", "linalg/svd/csrc/svd_jacobi_block.cuh", "csrc/xla_ffi.h", "csrc/launch.h"
+            "linalg/svd/csrc/svd_jacobi.cuh",
+            "linalg/svd/csrc/svd_jacobi_block.cuh",
+            "csrc/xla_ffi.h",
+            "csrc/launch.h",
+            "csrc/scalar.h",
         ),
         targets={
             WARP_TARGETS["float32"]: "JaxforgeSvdJacobiF32",

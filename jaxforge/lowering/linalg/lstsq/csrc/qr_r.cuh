@@ -6,21 +6,23 @@
 //   x (batch, m, c)  input, 1 <= c <= kMaxCols, m >= c, m * c * sizeof(T) <= kMaxMatrixBytes
 //   r (batch, c, c)  upper-triangular R with x = Q R, exact zeros below the diagonal
 //
-// Math (LAPACK dgeqr2 / dlarfg): for column j, with alpha = A[j,j] and x = A[j+1:m, j],
-//   xnorm = ||x||_2;  xnorm == 0: tau = 0, beta = alpha, no reflection (a zero column divides by
-//   nothing);  otherwise beta = -sign(alpha) hypot(alpha, xnorm), tau = (beta - alpha) / beta,
-//   v = [1; x / (alpha - beta)], and H = I - tau v v^T maps A[j:m, j] to beta e_1. H is applied to
-//   the trailing columns as A[j:m, k] -= tau (v^T A[j:m, k]) v. R[j,j] = beta, R[j,k>j] = A[j,k]
-//   after the updates. Sign convention as dgeqrf: R's diagonal may be negative; for a full-rank x,
-//   R is unique up to the signs of its rows. NaN/Inf propagate through the arithmetic (no
-//   data-dependent loops).
+// T is float, double or Complex<float/double> (csrc/scalar.h). Math (LAPACK zgeqr2 / zlarfg,
+// dgeqr2 / dlarfg for real T): for column j, with alpha = A[j,j] and x = A[j+1:m, j],
+//   xnorm = ||x||_2;  xnorm == 0 and alpha real: tau = 0, beta = alpha, no reflection (a zero
+//   column divides by nothing);  otherwise beta = -sign(Re alpha) |(alpha, xnorm)| (real),
+//   tau = (beta - alpha) / beta, v = [1; x / (alpha - beta)], and H = I - tau v vᴴ, whose Hᴴ maps
+//   A[j:m, j] to beta e_1. Hᴴ is applied to the trailing columns as
+//   A[j:m, k] -= conj(tau) (vᴴ A[j:m, k]) v. R[j,j] = beta, R[j,k>j] = A[j,k] after the updates.
+//   Sign convention as geqrf: R's diagonal is real and may be negative; for a full-rank x, R is
+//   unique up to the signs of its rows (phases, for complex). NaN/Inf propagate through the
+//   arithmetic (no data-dependent loops).
 //
-// Norm: one block reduction of (max |x_i|, plain sum of squares in T). Accurate whenever
-// max |x_i| lies in [kSafeLo, kSafeHi] = [2^-56, 2^56] (float), [2^-504, 2^504] (double): at most
-// m < 2^14 squares of entries <= kSafeHi cannot overflow, and what underflow loses (< 2^14 half
-// ulps of the smallest subnormal in all) stays below one unit roundoff of the largest square.
-// Outside that range (and finite), a second reduction sums the squares scaled by 2^-e, e the
-// exponent of the maximum, as dnrm2 would.
+// Norm: one block reduction of (max of |Re x_i|, |Im x_i|; plain sum of |x_i|² in the real type).
+// Accurate whenever that maximum lies in [kSafeLo, kSafeHi] = [2^-56, 2^56] (float),
+// [2^-504, 2^504] (double): at most 2m < 2^15 squares of parts <= kSafeHi cannot overflow, and
+// what underflow loses (< 2^15 half ulps of the smallest subnormal in all) stays below one unit
+// roundoff of the largest square. Outside that range (and finite), a second reduction sums the
+// squares scaled by 2^-e, e the exponent of the maximum, as dnrm2 would.
 //
 // Shared memory: A column-major with leading dimension ld = m | 1. Column accesses (reductions,
 // rank-1 update) are stride-1 across lanes; the odd ld makes the row-major global loads and stores,
@@ -34,6 +36,7 @@
 #include <cstdint>
 
 #include "csrc/launch.h"
+#include "csrc/scalar.h"
 
 namespace jaxforge::qr_r {
 
@@ -53,8 +56,6 @@ struct Real<float> {
   static constexpr float kSafeHi = 0x1p56f;
   static __device__ float sqrt(float x) { return sqrtf(x); }
   static __device__ float hypot(float x, float y) { return hypotf(x, y); }
-  static __device__ float ldexp(float x, int e) { return ldexpf(x, e); }
-  static __device__ float frexp(float x, int* e) { return frexpf(x, e); }
   static __device__ int ilogb(float x) { return ilogbf(x); }
 };
 
@@ -65,8 +66,6 @@ struct Real<double> {
   static constexpr double kSafeHi = 0x1p504;
   static __device__ double sqrt(double x) { return ::sqrt(x); }
   static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
-  static __device__ double ldexp(double x, int e) { return ::ldexp(x, e); }
-  static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
   static __device__ int ilogb(double x) { return ::ilogb(x); }
 };
 
@@ -123,15 +122,15 @@ __device__ __forceinline__ void for_each_row_major(int rows, int c, F f) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void accumulate(T a, T& amax, T& ssq) {
-  amax = fmax(amax, fabs(a));  // fmax drops NaN, but ssq carries it
-  ssq += a * a;
+template <typename T, typename R = RealOf<T>>
+__device__ __forceinline__ void accumulate(T a, R& amax, R& ssq) {
+  amax = fmax(amax, max_part(a));  // fmax drops NaN, but ssq carries it
+  ssq += abs2(a);
 }
 
 // This thread's share of the norm partials of col[first:m].
-template <typename T>
-__device__ __forceinline__ void column_partials(const T* col, int first, int m, T& amax, T& ssq) {
+template <typename T, typename R = RealOf<T>>
+__device__ __forceinline__ void column_partials(const T* col, int first, int m, R& amax, R& ssq) {
 #pragma unroll 1
   for (int i = first + static_cast<int>(threadIdx.x); i < m; i += blockDim.x) {
     accumulate(col[i], amax, ssq);
@@ -169,7 +168,7 @@ __device__ __forceinline__ void read_partials(const T* red, int warps, T& amax, 
 template <typename T>
 __device__ __forceinline__ T group_sum(T x, int g) {
 #pragma unroll 1
-  for (int off = g >> 1; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
+  for (int off = g >> 1; off > 0; off >>= 1) x += shfl_xor(x, off);
   return x;
 }
 
@@ -180,8 +179,9 @@ __device__ __forceinline__ T group_sum(T x, int g) {
 // entries in registers.
 template <typename T>
 __device__ void householder(int m, int c, const Layout& l, T* A) {
+  using R = RealOf<T>;
   T* part = A + l.part_off;
-  T* red = A + l.red_off;
+  R* red = reinterpret_cast<R*>(A + l.red_off);  // (max |x|, sum of squares) pairs, reals
   T* diag = A + l.diag_off;
   T* taus = A + l.tau_off;
   const int ld = l.ld;
@@ -191,7 +191,7 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
 
   __syncthreads();  // A loaded
   {
-    T amax = T(0), ssq = T(0);
+    R amax = R(0), ssq = R(0);
     column_partials(A, 1, m, amax, ssq);
     post_partials(amax, ssq, red);
   }
@@ -200,41 +200,39 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
   for (int j = 0; j < c; ++j) {
     T* const Aj = A + j * ld;
     __syncthreads();  // norm partials of column j posted; its entries final
-    T amax, ssq;
+    R amax, ssq;
     read_partials(red, warps, amax, ssq);
-    T xnorm = Real<T>::sqrt(ssq);
-    const bool unsafe = amax < Real<T>::kSafeLo || amax > Real<T>::kSafeHi;
-    if (amax > T(0) && amax <= Real<T>::kMax && unsafe) {  // finite, nonzero, out of range
-      int e;
-      Real<T>::frexp(amax, &e);
-      T scaled = T(0);
+    R xnorm = Real<R>::sqrt(ssq);
+    const bool unsafe = amax < Real<R>::kSafeLo || amax > Real<R>::kSafeHi;
+    if (amax > R(0) && amax <= Real<R>::kMax && unsafe) {  // finite, nonzero, out of range
+      const int e = Real<R>::ilogb(amax) + 1;
+      R scaled = R(0);
 #pragma unroll 1
       for (int i = j + 1 + tid; i < m; i += nthreads) {
-        const T y = Real<T>::ldexp(Aj[i], -e);  // 2^-e itself may not be representable
-        scaled += y * y;
+        scaled += abs2(scale2(Aj[i], -e));  // 2^-e itself may not be representable
       }
-      post_partials(T(0), scaled, red + 2 * warps);  // second slot: others may still read the first
+      post_partials(R(0), scaled, red + 2 * warps);  // second slot: others may still read the first
       __syncthreads();
-      T unused;
+      R unused;
       read_partials(red + 2 * warps, warps, unused, scaled);
-      xnorm = Real<T>::ldexp(Real<T>::sqrt(scaled), e);
+      xnorm = scale2(Real<R>::sqrt(scaled), e);
     }
     const T alpha = Aj[j];
-    T beta = alpha;
+    R beta = real_part(alpha);
     T tau = T(0);
-    if (xnorm != T(0)) {  // true for NaN, which then spreads through tau
-      const T h = Real<T>::hypot(alpha, xnorm);
-      beta = signbit(alpha) ? h : -h;
-      tau = (beta - alpha) / beta;
+    if (xnorm != R(0) || imag_part(alpha) != R(0)) {  // true for NaN, which then spreads via tau
+      const R h = Real<R>::hypot(Real<R>::hypot(real_part(alpha), imag_part(alpha)), xnorm);
+      beta = signbit(real_part(alpha)) ? h : -h;
+      tau = (T(beta) - alpha) / beta;
     }
     if (tid == 0) {
-      diag[j] = beta;
+      diag[j] = T(beta);
       taus[j] = tau;
     }
-    const bool reflect = tau != T(0);
+    const bool reflect = nonzero(tau);
     if (reflect) {
       // |x_i| <= xnorm <= |alpha - beta|: dividing cannot overflow where a reciprocal could.
-      const T delta = alpha - beta;
+      const T delta = alpha - T(beta);
 #pragma unroll 1
       for (int i = j + 1 + tid; i < m; i += nthreads) Aj[i] /= delta;
     }
@@ -242,7 +240,7 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
     if (nt == 0) break;  // the last v is kept too, for a caller that applies Q
     __syncthreads();  // v complete; everyone is done reading red, which is posted to again below
 
-    T amax_next = T(0), ssq_next = T(0);
+    R amax_next = R(0), ssq_next = R(0);
     if (!reflect) {
       column_partials(Aj + ld, j + 2, m, amax_next, ssq_next);
     } else {
@@ -266,7 +264,9 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
         if (item < items) {
           const T* Ak = A + k * ld;
 #pragma unroll 1
-          for (int i = j + s * g + lig; i < m; i += stride) dot += (i == j ? T(1) : Aj[i]) * Ak[i];
+          for (int i = j + s * g + lig; i < m; i += stride) {
+            dot += conjugate(i == j ? T(1) : Aj[i]) * Ak[i];
+          }
         }
         dot = group_sum(dot, g);
         if (item < items && lig == 0) part[s * c + k] = dot;
@@ -281,7 +281,7 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
         T w = T(0);
 #pragma unroll 1
         for (int t = 0; t < slices; ++t) w += part[t * c + k];
-        const T coef = tau * w;
+        const T coef = conjugate(tau) * w;  // H_jᴴ = I - conj(tau) v vᴴ
         T* Ak = A + k * ld;
 #pragma unroll 1
         for (int i = j + s * g + lig; i < m; i += stride) {

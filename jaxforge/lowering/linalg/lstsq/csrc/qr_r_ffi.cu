@@ -1,5 +1,5 @@
 // XLA FFI handlers for the batched Householder R factor (qr_r.cuh) and the fused least-squares
-// solve built on it (qr_solve.cuh), float32 and float64.
+// solve built on it (qr_solve.cuh): float32, float64, complex64 and complex128.
 //
 // qr_r: operand x (*batch, m, c), row-major, with 1 <= c <= 64, m >= c and m * c * sizeof(T) <=
 // 40960 bytes. Result r: (*batch, c, c), the upper-triangular factor of x = Q R (LAPACK dgeqrf
@@ -16,6 +16,7 @@
 #include "qr_solve.cuh"
 
 namespace ffi = xla::ffi;
+using jaxforge::KernelData;
 using jaxforge::ShapeString;
 namespace qr = jaxforge::qr_r;
 
@@ -61,7 +62,7 @@ ffi::Error LaunchError(const char* name, cudaError_t err) {
 
 template <ffi::DataType DT>
 ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT> r) {
-  using T = ffi::NativeType<DT>;
+  using T = typename jaxforge::KernelType<ffi::NativeType<DT>>::type;
   int64_t batch, m, c;
   if (auto e = OperandShape<T>("qr_r", x.dimensions(), batch, m, c); e.failure()) return e;
   if (auto e = CheckResult("qr_r", "r", r->dimensions(), r->element_count(), batch * c * c,
@@ -69,7 +70,7 @@ ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT>
       e.failure()) {
     return e;
   }
-  return LaunchError("qr_r", qr::launch(stream, x.typed_data(), r->typed_data(), batch,
+  return LaunchError("qr_r", qr::launch(stream, KernelData(x.typed_data()), KernelData(r->typed_data()), batch,
                                         static_cast<int>(m), static_cast<int>(c)));
 }
 
@@ -77,7 +78,7 @@ template <ffi::DataType DT>
 ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b, double rcond,
                        ffi::ResultBuffer<DT> r, ffi::ResultBuffer<DT> solution,
                        ffi::ResultBuffer<ffi::S32> certified) {
-  using T = ffi::NativeType<DT>;
+  using T = typename jaxforge::KernelType<ffi::NativeType<DT>>::type;
   const auto dims = a.dimensions();
   const auto b_dims = b.dimensions();
   if (dims.size() < 2 || b_dims.size() != dims.size()) {
@@ -105,11 +106,11 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
       return e;
     }
   }
-  return LaunchError("qr_solve", qr::launch_solve(stream, a.typed_data(), b.typed_data(),
-                                                  r->typed_data(), solution->typed_data(),
+  return LaunchError("qr_solve", qr::launch_solve(stream, KernelData(a.typed_data()), KernelData(b.typed_data()),
+                                                  KernelData(r->typed_data()), KernelData(solution->typed_data()),
                                                   certified->typed_data(), batch,
                                                   static_cast<int>(m), static_cast<int>(n),
-                                                  static_cast<int>(k), static_cast<T>(rcond)));
+                                                  static_cast<int>(k), static_cast<jaxforge::RealOf<T>>(rcond)));
 }
 
 template <ffi::DataType DT>
@@ -140,3 +141,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF32, QrSolveImpl<ffi::F32>,
                               QrSolveBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF64, QrSolveImpl<ffi::F64>,
                               QrSolveBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC64, QrRImpl<ffi::C64>, QrRBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC128, QrRImpl<ffi::C128>, QrRBinding<ffi::C128>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC64, QrSolveImpl<ffi::C64>,
+                              QrSolveBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC128, QrSolveImpl<ffi::C128>,
+                              QrSolveBinding<ffi::C128>());

@@ -3,24 +3,24 @@
 // certificate of lstsq's first rung (lowering/linalg/lstsq/xla.py), so that a batch whose every
 // matrix is certified needs nothing else. Q is never formed. Framework-free: raw device pointers.
 //
-// Layout contract (row-major, matrices packed back to back), a (batch, m, n), b (batch, m, k),
-// k >= 1, supported_solve<T>(m, n, k):
+// Layout contract (row-major, matrices packed back to back; T real or complex as in qr_r.cuh),
+// a (batch, m, n), b (batch, m, k), k >= 1, supported_solve<T>(m, n, k):
 //   tall, m >= n: QR of [A | b], p = n.  r (batch, n + k, n + k): R of [A | b] as qr_r, so R of A
-//     is r[:n, :n] and Qᵀb is r[:n, n:]; solution x = R⁻¹ Qᵀb.
-//   wide, m < n: QR of Aᵀ, p = m.  r (batch, m, m): R of Aᵀ; solution x = Q R⁻ᵀ b, the
-//     minimum-norm one, with Q applied as its reflectors H_0 ⋯ H_{m-1} to [R⁻ᵀ b; 0].
+//     is r[:n, :n] and Qᴴb is r[:n, n:]; solution x = R⁻¹ Qᴴb.
+//   wide, m < n: QR of Aᴴ, p = m.  r (batch, m, m): R of Aᴴ; solution x = Q R⁻ᴴ b, the
+//     minimum-norm one, with Q applied as its reflectors H_0 ⋯ H_{m-1} to [R⁻ᴴ b; 0].
 //   solution (batch, n, k): as above, where A has full rank p.
 //   certified (batch,) int32: 1 where β(R) β(R⁻¹) rcond < 1, which proves s_p > rcond s_1 (numpy's
-//     full rank), with β(X) = ‖XᵀX‖_F^(1/2) >= ‖X‖₂; else 0, also for NaN, Inf or a zero pivot
+//     full rank), with β(X) = ‖XᴴX‖_F^(1/2) >= ‖X‖₂; else 0, also for NaN, Inf or a zero pivot
 //     (the solution then holds whatever the divisions gave).
 //
-// Math: one thread per column of [y | I] solves by substitution, with y = Qᵀb (tall: R x = y,
-// backward) or y = b (wide: Rᵀ z = y, forward); column t of I gives column t of R⁻¹ by backward
+// Math: one thread per column of [y | I] solves by substitution, with y = Qᴴb (tall: R x = y,
+// backward) or y = b (wide: Rᴴ z = y, forward); column t of I gives column t of R⁻¹ by backward
 // substitution from row t (R⁻¹ is upper triangular). The Gram norms are taken of R and R⁻¹ scaled
-// by 2^-e, e the exponent of their largest entry, which is exact and keeps every product in range:
-// β(X) = 2^e ‖X̂ᵀX̂‖_F^(1/2) with X̂ = 2^-e X.
+// by 2^-e, e the exponent of their largest part, which is exact and keeps every product in range:
+// β(X) = 2^e ‖X̂ᴴX̂‖_F^(1/2) with X̂ = 2^-e X.
 //
-// Shared memory: qr_r's layout for the factored matrix ([A | b], or Aᵀ), then W, p x (k + p)
+// Shared memory: qr_r's layout for the factored matrix ([A | b], or Aᴴ), then W, p x (k + p)
 // row-major: y's solutions in columns [0, k), R⁻¹ in [k, k + p); wide also Y, n x k, where Q
 // is applied. The launch opts in to more than 48 KiB where needed, up to kMaxSolveBytes, which
 // every supported GPU (sm_80 to sm_90a) grants.
@@ -40,7 +40,7 @@ struct SolveLayout {
   int bytes;
 };
 
-// The factored matrix: [A | b] (m x (n + k)) when tall, Aᵀ (n x m) when wide.
+// The factored matrix: [A | b] (m x (n + k)) when tall, Aᴴ (n x m) when wide.
 struct Factored {
   int rows, cols, p;
 };
@@ -71,29 +71,29 @@ inline bool supported_solve(int64_t m, int64_t n, int64_t k) {
 
 // Substitutes this thread's columns of W (see the header); tall: stores its solution columns.
 // Returns the largest |entry| of its columns of R⁻¹ (fmax drops NaN: the Gram sums keep it).
-template <typename T, bool kWide>
-__device__ T substitute(const T* __restrict__ b, T* __restrict__ solution, int p, int k,
+template <typename T, bool kWide, typename R = RealOf<T>>
+__device__ R substitute(const T* __restrict__ b, T* __restrict__ solution, int p, int k,
                         const SolveLayout& l, T* A) {
   const T* diag = A + l.qr.diag_off;
   T* W = A + l.w_off;
   const int ld = l.qr.ld;
   const int stride = k + p;
-  T amax = T(0);
+  R amax = R(0);
 #pragma unroll 1
   for (int t = threadIdx.x; t < stride; t += blockDim.x) {
     if constexpr (kWide) {
-      if (t < k) {  // Rᵀ z = b, forward; R[j, i] (j < i) is A[i * ld + j]
+      if (t < k) {  // Rᴴ z = b, forward; R[j, i] (j < i) is A[i * ld + j]
 #pragma unroll 1
         for (int i = 0; i < p; ++i) {
           T y = b[i * k + t];
 #pragma unroll 1
-          for (int j = 0; j < i; ++j) y -= A[i * ld + j] * W[j * stride + t];
-          W[i * stride + t] = y / diag[i];
+          for (int j = 0; j < i; ++j) y -= conjugate(A[i * ld + j]) * W[j * stride + t];
+          W[i * stride + t] = y / real_part(diag[i]);
         }
         continue;
       }
     }
-    const bool rhs = t < k;  // tall: R x = Qᵀb, the Qᵀb in [A | b]'s columns p + t
+    const bool rhs = t < k;  // tall: R x = Qᴴb, the Qᴴb in [A | b]'s columns p + t
     const int top = rhs ? p - 1 : t - k;
 #pragma unroll 1
     for (int i = p - 1; i > top; --i) W[i * stride + t] = T(0);
@@ -102,20 +102,20 @@ __device__ T substitute(const T* __restrict__ b, T* __restrict__ solution, int p
       T y = rhs ? A[(p + t) * ld + i] : T(i == top ? 1 : 0);
 #pragma unroll 1
       for (int j = i + 1; j <= top; ++j) y -= A[j * ld + i] * W[j * stride + t];
-      const T xi = y / diag[i];
+      const T xi = y / real_part(diag[i]);
       W[i * stride + t] = xi;
       if (rhs) {
         solution[i * k + t] = xi;
       } else {
-        amax = fmax(amax, fabs(xi));
+        amax = fmax(amax, max_part(xi));
       }
     }
   }
   return amax;
 }
 
-// Wide: solution = H_0 ⋯ H_{p-1} [z; 0] for the z in W, H_j = I - tau_j v_j v_jᵀ with v_j below
-// the diagonal of Aᵀ's column j (v_j[j] = 1). One warp per right-hand side; each lane keeps the
+// Wide: solution = H_0 ⋯ H_{p-1} [z; 0] for the z in W, H_j = I - tau_j v_j v_jᴴ with v_j below
+// the diagonal of Aᴴ's column j (v_j[j] = 1). One warp per right-hand side; each lane keeps the
 // same rows throughout, so no lane reads what another wrote.
 template <typename T>
 __device__ void apply_q(T* __restrict__ solution, int rows, int p, int k, const SolveLayout& l,
@@ -135,7 +135,7 @@ __device__ void apply_q(T* __restrict__ solution, int rows, int p, int k, const 
       T dot = T(0);
 #pragma unroll 1
       for (int i = lane; i < rows; i += 32) {
-        if (i >= j) dot += (i == j ? T(1) : v[i]) * Y[i * k + t];
+        if (i >= j) dot += conjugate(i == j ? T(1) : v[i]) * Y[i * k + t];
       }
       const T coef = taus[j] * group_sum(dot, 32);
 #pragma unroll 1
@@ -150,10 +150,10 @@ __device__ void apply_q(T* __restrict__ solution, int rows, int p, int k, const 
 
 // After householder(): the solution (see the header) and whether it is certified, executed by the
 // whole block; the result is block-uniform.
-template <typename T, bool kWide>
+template <typename T, bool kWide, typename R = RealOf<T>>
 __device__ bool solve_one(const T* __restrict__ b, T* __restrict__ solution, const Factored& f,
-                          int k, T rcond, const SolveLayout& l, T* A) {
-  T* red = A + l.qr.red_off;
+                          int k, R rcond, const SolveLayout& l, T* A) {
+  R* red = reinterpret_cast<R*>(A + l.qr.red_off);
   const T* diag = A + l.qr.diag_off;
   T* W = A + l.w_off;
   const int ld = l.qr.ld;
@@ -161,57 +161,56 @@ __device__ bool solve_one(const T* __restrict__ b, T* __restrict__ solution, con
   const int stride = k + p;
   const int warps = blockDim.x >> 5;
 
-  const T amax_inv = substitute<T, kWide>(b, solution, p, k, l, A);
-  T amax_r = T(0);
+  const R amax_inv = substitute<T, kWide>(b, solution, p, k, l, A);
+  R amax_r = R(0);
   for_each_row_major(p, p, [&](int, int i, int j) {
-    if (j >= i) amax_r = fmax(amax_r, fabs(i == j ? diag[i] : A[j * ld + i]));
+    if (j >= i) amax_r = fmax(amax_r, max_part(i == j ? diag[i] : A[j * ld + i]));
   });
-  post_partials(amax_r, T(0), red);
-  post_partials(amax_inv, T(0), red + 2 * warps);
+  post_partials(amax_r, R(0), red);
+  post_partials(amax_inv, R(0), red + 2 * warps);
   __syncthreads();  // W complete, maxima posted
   // Reads A below its diagonal and W's columns [0, k); what follows writes neither.
   if constexpr (kWide) apply_q(solution, f.rows, p, k, l, A);
-  T big_r, big_inv, unused;
+  R big_r, big_inv, unused;
   read_partials(red, warps, big_r, unused);
   read_partials(red + 2 * warps, warps, big_inv, unused);
   // A zero or non-finite maximum: R is singular (a zero pivot gives R⁻¹ an Inf or NaN) or non-finite.
-  if (!(big_r > T(0) && big_r <= Real<T>::kMax && big_inv > T(0) && big_inv <= Real<T>::kMax)) {
+  if (!(big_r > R(0) && big_r <= Real<R>::kMax && big_inv > R(0) && big_inv <= Real<R>::kMax)) {
     return false;
   }
-  const int e_r = Real<T>::ilogb(big_r) + 1;  // 2^-e big in [1/2, 1)
-  const int e_inv = Real<T>::ilogb(big_inv) + 1;
+  const int e_r = Real<R>::ilogb(big_r) + 1;  // 2^-e big in [1/2, 1)
+  const int e_inv = Real<R>::ilogb(big_inv) + 1;
   // Scale both upper triangles in place (R's diagonal into A's, where alpha is no longer needed).
   for_each_row_major(p, p, [&](int, int i, int j) {
     if (j < i) return;
-    A[j * ld + i] = Real<T>::ldexp(i == j ? diag[i] : A[j * ld + i], -e_r);
-    W[i * stride + k + j] = Real<T>::ldexp(W[i * stride + k + j], -e_inv);
+    A[j * ld + i] = scale2(i == j ? diag[i] : A[j * ld + i], -e_r);
+    W[i * stride + k + j] = scale2(W[i * stride + k + j], -e_inv);
   });
   __syncthreads();  // scaled; everyone is done reading red
-  // ‖X̂ᵀX̂‖_F² over the entries i <= j of the symmetric Gram, the off-diagonal ones counted twice.
-  T gram_r = T(0), gram_inv = T(0);
+  // ‖X̂ᴴX̂‖_F² over the entries i <= j of the Hermitian Gram, the off-diagonal ones counted twice.
+  R gram_r = R(0), gram_inv = R(0);
   for_each_row_major(p, p, [&](int, int i, int j) {
     if (j < i) return;
     T g_r = T(0), g_inv = T(0);
 #pragma unroll 1
     for (int h = 0; h <= i; ++h) {
-      g_r += A[i * ld + h] * A[j * ld + h];
-      g_inv += W[h * stride + k + i] * W[h * stride + k + j];
+      g_r += conjugate(A[i * ld + h]) * A[j * ld + h];
+      g_inv += conjugate(W[h * stride + k + i]) * W[h * stride + k + j];
     }
-    const T weight = i == j ? T(1) : T(2);
-    gram_r += weight * g_r * g_r;
-    gram_inv += weight * g_inv * g_inv;
+    const R weight = i == j ? R(1) : R(2);
+    gram_r += weight * abs2(g_r);
+    gram_inv += weight * abs2(g_inv);
   });
-  post_partials(T(0), gram_r, red);
-  post_partials(T(0), gram_inv, red + 2 * warps);
+  post_partials(R(0), gram_r, red);
+  post_partials(R(0), gram_inv, red + 2 * warps);
   __syncthreads();
   read_partials(red, warps, unused, gram_r);
   read_partials(red + 2 * warps, warps, unused, gram_inv);
-  // The scaled Grams' Frobenius norms lie in [1/16, p²]: their fourth roots neither over- nor
+  // The scaled Grams' Frobenius norms lie in [1/16, 2p²]: their fourth roots neither over- nor
   // underflow. Overflow of the unscaled bound means "not certified", which is safe.
-  const T bound = Real<T>::ldexp(Real<T>::sqrt(Real<T>::sqrt(gram_r)) *
-                                     Real<T>::sqrt(Real<T>::sqrt(gram_inv)),
-                                 e_r + e_inv);
-  return bound * rcond < T(1);  // false for NaN
+  const R bound = scale2(Real<R>::sqrt(Real<R>::sqrt(gram_r)) * Real<R>::sqrt(Real<R>::sqrt(gram_inv)),
+                         e_r + e_inv);
+  return bound * rcond < R(1);  // false for NaN
 }
 
 // Grid-stride over problems, one per block; the dynamic shared memory is solve_layout<T>(m, n, k).
@@ -219,7 +218,7 @@ template <typename T, bool kWide>
 __global__ void __launch_bounds__(kMaxWarps * 32)
     qr_solve_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ r,
                     T* __restrict__ solution, int32_t* __restrict__ certified, int64_t batch, int m,
-                    int n, int k, T rcond) {
+                    int n, int k, RealOf<T> rcond) {
   extern __shared__ __align__(16) unsigned char smem[];
   T* A = reinterpret_cast<T*>(smem);
   const Factored f = factored(m, n, k);
@@ -228,8 +227,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
   for (int64_t i = blockIdx.x; i < batch; i += gridDim.x) {
     const T* ai = a + i * m * n;
     const T* bi = b + i * m * k;
-    if constexpr (kWide) {  // Aᵀ's column j is A's row j
-      for_each_row_major(m, n, [&](int idx, int row, int col) { A[row * ld + col] = ai[idx]; });
+    if constexpr (kWide) {  // Aᴴ's column j is A's row j, conjugated
+      for_each_row_major(m, n, [&](int idx, int row, int col) { A[row * ld + col] = conjugate(ai[idx]); });
     } else {  // [A | b]
       for_each_row_major(m, f.cols, [&](int, int row, int col) {
         A[col * ld + row] = col < n ? ai[row * n + col] : bi[row * k + col - n];
@@ -248,7 +247,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32)
 // error, cudaSuccess otherwise (also for batch == 0, which launches nothing).
 template <typename T>
 cudaError_t launch_solve(cudaStream_t stream, const T* a, const T* b, T* r, T* solution,
-                         int32_t* certified, int64_t batch, int m, int n, int k, T rcond) {
+                         int32_t* certified, int64_t batch, int m, int n, int k, RealOf<T> rcond) {
   if (batch == 0) return cudaSuccess;
   const Factored f = factored(m, n, k);
   const int warps = warps_for(f.rows, f.cols);
