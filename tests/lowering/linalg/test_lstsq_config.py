@@ -48,7 +48,8 @@ def test_solve_bytes_match_the_kernel_layout(tmp_path):
         f"int main() {{\n{lines}}}\n"
     )
     exe = tmp_path / "layout"
-    subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
+    nvcc = [build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}"]
+    subprocess.run([*nvcc, str(source), "-o", str(exe)], check=True)
     printed = [int(v) for v in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
     assert printed == [config.qr_solve_bytes(*shape, size) for size in (4, 8) for shape in SOLVE_SHAPES]
 
