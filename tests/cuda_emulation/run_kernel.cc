@@ -6,7 +6,7 @@
 //   run_kernel qr_solve         f32|f64|c64|c128 BATCH M N IN OUT K RCOND   IN: a (BATCH, M, N), b (BATCH, M, K)
 //                       -> r (BATCH, C, C), solution (BATCH, N, K), certified (BATCH,) int32
 //                          with C = N + K when M >= N, else M
-//   run_kernel svd_jacobi       f32|f64 BATCH M N IN OUT   -> s (BATCH, K), u (BATCH, M, K),
+//   run_kernel svd_jacobi       f32|f64|c64|c128 BATCH M N IN OUT   -> s (BATCH, K) real, u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
 #include "cuda_runtime.h"
@@ -69,17 +69,20 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), x.data() + batch * m * n, r.data(), solution.data(),
                                     certified.data(), batch, m, n, rhs, rcond);
     write(f, r), write(f, solution), write(f, certified);
-  } else if constexpr (std::is_floating_point_v<T>) {  // the SVD kernels are real
+  } else {
     const int k = std::min(m, n);
-    std::vector<T> s(batch * k), u(batch * m * k), vt(batch * k * n);
+    std::vector<jaxforge::RealOf<T>> s(batch * k);
+    std::vector<T> u(batch * m * k), vt(batch * k * n);
     std::vector<int32_t> info(batch);
-    const auto call = kernel == "svd_jacobi"         ? jaxforge::svd_jacobi::launch<T, false>
-                      : kernel == "svd_jacobi_lanes" ? jaxforge::svd_jacobi::launch<T, true>
-                                                     : jaxforge::svd_jacobi_block::launch<T>;
+    auto call = jaxforge::svd_jacobi::launch<T, false>;
+    if constexpr (std::is_floating_point_v<T>) {  // the other sweeps are real only
+      if (kernel == "svd_jacobi_lanes") call = jaxforge::svd_jacobi::launch<T, true>;
+      if (kernel == "svd_jacobi_block") call = jaxforge::svd_jacobi_block::launch<T>;
+    } else if (kernel != "svd_jacobi") {
+      return 4;
+    }
     call(nullptr, x.data(), s.data(), u.data(), vt.data(), info.data(), batch, m, n);
     write(f, s), write(f, u), write(f, vt), write(f, info);
-  } else {
-    return 4;
   }
   std::fclose(f);
   return 0;

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
+#include <type_traits>
 
 namespace jaxforge {
 
@@ -35,6 +36,11 @@ struct Complex {
   __host__ __device__ Complex& operator-=(Complex b) { return *this = *this - b; }
   __host__ __device__ Complex& operator/=(Complex b) { return *this = *this / b; }
 };
+
+template <typename R>
+__host__ __device__ inline Complex<R> operator*(R a, Complex<R> b) {
+  return {a * b.re, a * b.im};
+}
 
 template <typename T>
 struct Scalar {
@@ -75,10 +81,31 @@ __host__ __device__ inline R max_part(R x) { return fabs(x); }
 template <typename R>
 __host__ __device__ inline R max_part(Complex<R> x) { return fmax(fabs(x.re), fabs(x.im)); }
 
+// |x|
+template <typename R>
+__host__ __device__ inline R magnitude(R x) { return fabs(x); }
+template <typename R>
+__host__ __device__ inline R magnitude(Complex<R> x) { return hypot(x.re, x.im); }
+
 template <typename R>
 __host__ __device__ inline bool nonzero(R x) { return x != R(0); }  // true for NaN
 template <typename R>
 __host__ __device__ inline bool nonzero(Complex<R> x) { return x.re != R(0) || x.im != R(0); }
+
+template <typename R>
+__host__ __device__ inline bool finite(R x) { return isfinite(x); }
+template <typename R>
+__host__ __device__ inline bool finite(Complex<R> x) { return isfinite(x.re) && isfinite(x.im); }
+
+// The T whose every part is x (a NaN marker, say).
+template <typename T>
+__host__ __device__ inline T splat(RealOf<T> x) {
+  if constexpr (std::is_same_v<T, RealOf<T>>) {
+    return x;
+  } else {
+    return T(x, x);
+  }
+}
 
 // x 2^e, exact where the result is normal.
 __host__ __device__ inline float scale2(float x, int e) { return ldexpf(x, e); }

@@ -74,10 +74,11 @@ def svd(run_kernel, kernel, x):
     batch, m, n = x.shape
     k = min(m, n)
     raw = run_kernel(kernel, x)
-    sizes = [batch * k, batch * m * k, batch * k * n]
-    values = np.frombuffer(raw, x.dtype, count=sum(sizes))
-    s, u, vh = np.split(values, np.cumsum(sizes)[:2])
-    info = np.frombuffer(raw, np.int32, offset=values.nbytes)
+    real = np.finfo(x.dtype).dtype  # s is real
+    s = np.frombuffer(raw, real, count=batch * k)
+    vectors = np.frombuffer(raw, x.dtype, count=batch * k * (m + n), offset=s.nbytes)
+    u, vh = np.split(vectors, [batch * m * k])
+    info = np.frombuffer(raw, np.int32, offset=s.nbytes + vectors.nbytes)
     return s.reshape(batch, k), u.reshape(batch, m, k), vh.reshape(batch, k, n), info
 
 
@@ -215,11 +216,20 @@ def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_
 
 
 @pytest.mark.parametrize(
-    "kernel,dtype", [("svd_jacobi", np.float32), ("svd_jacobi", np.float64), ("svd_jacobi_lanes", np.float32)]
+    "kernel,dtype",
+    [
+        ("svd_jacobi", np.float32),
+        ("svd_jacobi", np.float64),
+        ("svd_jacobi", np.complex64),
+        ("svd_jacobi", np.complex128),
+        ("svd_jacobi_lanes", np.float32),
+    ],
 )
 def test_warp_svd_matches_numpy(run_kernel, kernel, dtype):
-    """Both sweeps of the one-warp kernel: a row per lane, and a column per lane (float32 only)."""
+    """Both sweeps of the one-warp kernel: a row per lane (real and complex), and a column per lane
+    (float32 only)."""
     rng = np.random.default_rng(2)
+    wide_type = np.result_type(dtype, np.float64)
     deficient = np.r_[np.linspace(2, 1, 6), np.zeros(6)]
     cases = [
         random(rng, (2, 20, 13), dtype),
@@ -227,8 +237,8 @@ def test_warp_svd_matches_numpy(run_kernel, kernel, dtype):
         random(rng, (1, 9, 17), dtype),  # wide
         random(rng, (1, 32, 20), dtype),  # every lane holds a row
         random(rng, (1, 1, 1), dtype),
-        with_singular_values(rng, (1,), 24, 16, np.geomspace(1, 1e-6, 16)).astype(dtype),
-        with_singular_values(rng, (1,), 12, 12, deficient).astype(dtype),
+        with_singular_values(rng, (1,), 24, 16, np.geomspace(1, 1e-6, 16), wide_type).astype(dtype),
+        with_singular_values(rng, (1,), 12, 12, deficient, wide_type).astype(dtype),
     ]
     for x in cases:
         s, u, vh, info = svd(run_kernel, kernel, x)
@@ -249,12 +259,19 @@ def test_block_svd_matches_numpy(run_kernel):
         check_svd(x, s, u, vh)
 
 
-@pytest.mark.parametrize("kernel", ["svd_jacobi", "svd_jacobi_lanes", "svd_jacobi_block"])
-def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel):
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [("svd_jacobi", np.float32), ("svd_jacobi", np.complex64), ("svd_jacobi_lanes", np.float32),
+     ("svd_jacobi_block", np.float32)],
+)  # fmt: skip
+def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, dtype):
     one_warp = kernel != "svd_jacobi_block"
-    x = random(np.random.default_rng(4), (3, 12, 10) if one_warp else (2, 40, 12), np.float32)
+    x = random(np.random.default_rng(4), (3, 12, 10) if one_warp else (2, 40, 12), dtype)
     x[1, 3, 4] = np.inf if one_warp else np.nan
+    if np.iscomplexobj(x):
+        x[1, 3, 4], x[2, 5, 6] = complex(1, np.nan), complex(2, -np.inf)  # only the imaginary parts
     s, u, vh, info = svd(run_kernel, kernel, x)
-    assert info[1] == -1 and all(np.isnan(v[1]).all() for v in (s, u, vh))
-    keep = [i for i in range(x.shape[0]) if i != 1]
+    bad = [1, 2] if np.iscomplexobj(x) else [1]
+    assert np.all(info[bad] == -1) and all(np.isnan(v[bad]).all() for v in (s, u, vh))
+    keep = [i for i in range(x.shape[0]) if i not in bad]
     check_svd(x[keep], s[keep], u[keep], vh[keep])

@@ -35,6 +35,7 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     block = lambda m, n, dtype=F32, arch="sm_90a", full=False: config.use_jacobi_block(m, n, dtype, full, arch)  # noqa: E731
     assert config.use_jacobi_warp(32, 17, F32, False) and not block(32, 17)
+    assert config.use_jacobi_warp(32, 17, np.dtype(np.complex64), False) and not block(32, 17, np.dtype(np.complex64))
     assert block(64, 64) and block(200, 37) and block(45, 130) and block(128, 128)
     assert not block(64, 64, F64)  # float64 stays with cuSOLVER
     assert not block(128, 128, arch="sm_80") and block(64, 64, arch="sm_80")  # 199 KB > sm_80's 163 KiB
@@ -46,3 +47,22 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
 def test_kernels_stay_off_until_validated(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
     assert config.use_jacobi_block(64, 64, F32, False, "sm_90a") == config.JACOBI_BLOCK_VALIDATED
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(monkeypatch, dtype):
+    import jax
+
+    import jaxforge as jf
+    from jaxforge.lowering.linalg.svd import cuda
+
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    target = cuda.WARP_TARGETS[np.dtype(dtype).name]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
+    exported = jax.export.export(jax.jit(jf.linalg.svd), platforms=("cuda",), disabled_checks=checks)(
+        jax.ShapeDtypeStruct((8, 20, 12), dtype)
+    )
+    call = next(line for line in exported.mlir_module().splitlines() if target in line)
+    element = {np.float32: "f32", np.complex64: "complex<f32>"}[dtype]
+    assert f"-> (tensor<8x12xf32>, tensor<8x20x12x{element}>, tensor<8x12x12x{element}>, tensor<8xi32>)" in call

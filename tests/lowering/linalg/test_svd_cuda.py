@@ -38,6 +38,15 @@ def test_kernel_is_used_and_matches_numpy(dtype, shape):
     check_svd(a, s, u, vh)
 
 
+@pytest.mark.parametrize("dtype", [np.complex64, np.complex128])
+@pytest.mark.parametrize("shape", [(4096, 32, 32), (100, 9, 31)])
+def test_complex_kernel_is_used_and_matches_numpy(dtype, shape):
+    a = random(np.random.default_rng(0), shape, dtype)
+    f, (u, s, vh) = gpu_svd(a)
+    assert "jaxforge_svd_jacobi_c" in f.lower(on_gpu(a)).as_text() and s.dtype == np.finfo(dtype).dtype
+    check_svd(a, s, u, vh)
+
+
 @pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1)])
 def test_lanes_variant_is_used_and_matches_numpy(shape, monkeypatch):
     from jaxforge.lowering.linalg.svd import config

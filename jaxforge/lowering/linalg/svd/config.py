@@ -28,7 +28,8 @@ def _thin(m: int, n: int, full_matrices: bool) -> bool:
 
 def use_jacobi_warp(m: int, n: int, dtype, full_matrices: bool) -> bool:
     fits = 0 < m <= JACOBI_WARP_MAX_DIM and 0 < n <= JACOBI_WARP_MAX_DIM
-    return build.enabled(JACOBI_WARP_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name in ("float32", "float64")
+    types = ("float32", "float64", "complex64", "complex128")
+    return build.enabled(JACOBI_WARP_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name in types
 
 
 def jacobi_block_bytes(rows: int, cols: int) -> int:

@@ -18,7 +18,12 @@ from jaxforge.lowering.linalg.svd.polar import svd_polar
 from jaxforge.lowering.linalg.svd.xla import svd_xla
 from jaxforge.primitives.linalg._ops import ct, mm
 
-WARP_TARGETS = {"float32": "jaxforge_svd_jacobi_f32", "float64": "jaxforge_svd_jacobi_f64"}
+WARP_TARGETS = {
+    "float32": "jaxforge_svd_jacobi_f32",
+    "float64": "jaxforge_svd_jacobi_f64",
+    "complex64": "jaxforge_svd_jacobi_c64",
+    "complex128": "jaxforge_svd_jacobi_c128",
+}
 LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"  # the one-warp kernel with a column per lane (config.JACOBI_LANES)
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
 KERNEL = build.declare(
@@ -35,6 +40,8 @@ KERNEL = build.declare(
         targets={
             WARP_TARGETS["float32"]: "JaxforgeSvdJacobiF32",
             WARP_TARGETS["float64"]: "JaxforgeSvdJacobiF64",
+            WARP_TARGETS["complex64"]: "JaxforgeSvdJacobiC64",
+            WARP_TARGETS["complex128"]: "JaxforgeSvdJacobiC128",
             LANES_TARGET: "JaxforgeSvdJacobiLanesF32",
             BLOCK_TARGET: "JaxforgeSvdJacobiBlockF32",
         },
@@ -69,7 +76,7 @@ def jacobi_svd(a, target: str):
     *batch, m, n = a.shape
     k = min(m, n)
     result_types = (
-        jax.ShapeDtypeStruct((*batch, k), a.dtype),
+        jax.ShapeDtypeStruct((*batch, k), jnp.finfo(a.dtype).dtype),  # real
         jax.ShapeDtypeStruct((*batch, m, k), a.dtype),
         jax.ShapeDtypeStruct((*batch, k, n), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), np.int32),  # sweeps used, -1 where the result is NaN

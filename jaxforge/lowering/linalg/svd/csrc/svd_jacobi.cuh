@@ -1,11 +1,12 @@
 // Batched thin SVD of small matrices (m, n <= 32) by one-sided (Hestenes) Jacobi, one warp per
 // matrix. Framework-free: raw device pointers and a CUDA stream.
 //
-// Layout contract (row-major, last dim contiguous, matrices packed back to back), k = min(m, n):
+// Layout contract (row-major, last dim contiguous, matrices packed back to back), k = min(m, n),
+// T float, double or Complex<float/double> (csrc/scalar.h; the column-per-lane sweeps: real only):
 //   a    (batch, m, n)  input
-//   s    (batch, k)     singular values, descending, >= 0
+//   s    (batch, k)     singular values (real), descending, >= 0
 //   u    (batch, m, k)  left singular vectors as columns
-//   vt   (batch, k, n)  right singular vectors as rows;   a = u @ diag(s) @ vt
+//   vt   (batch, k, n)  right singular vectors as rows;   a = u @ diag(s) @ vt (vt = Vᴴ)
 //   info (batch)        sweeps used (>= 1, the last one applied no rotation), or -1 if the matrix
 //                       held NaN/Inf or did not converge within the sweep cap; s, u and vt of that
 //                       matrix are then all NaN.
@@ -14,7 +15,7 @@
 // it for a zero matrix); completing an orthonormal basis is not worth its cost in a warp. The other
 // factor is always orthonormal, being a product of rotations.
 //
-// Work matrix W = A (m >= n) or A^T (m < n), R = max(m, n) rows by C = min(m, n) columns. Lane i
+// Work matrix W = A (m >= n) or Aᴴ (m < n), R = max(m, n) rows by C = min(m, n) columns. Lane i
 // owns row i of W and of the C x C rotation accumulator V, stored in a per-warp slice of shared
 // memory rather than in registers: the pair loop indexes columns p and q at runtime, which would
 // demote register arrays to local memory, and unrolling all 496 pairs at compile time would make
@@ -28,8 +29,10 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "csrc/launch.h"
+#include "csrc/scalar.h"
 
 namespace jaxforge::svd_jacobi {
 
@@ -116,6 +119,27 @@ __device__ __forceinline__ void warp_sum3(T& x, T& y, T& z) {
   }
 }
 
+// The Gram entries of a column pair over the warp: real gamma as warp_sum3, complex gamma as its
+// two parts.
+template <typename R>
+__device__ __forceinline__ void warp_sum_gram(R& alpha, R& beta, R& gamma) {
+  warp_sum3(alpha, beta, gamma);
+}
+template <typename R>
+__device__ __forceinline__ void warp_sum_gram(R& alpha, R& beta, Complex<R>& gamma) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const R ao = __shfl_xor_sync(kFullMask, alpha, off);
+    const R bo = __shfl_xor_sync(kFullMask, beta, off);
+    const R ro = __shfl_xor_sync(kFullMask, gamma.re, off);
+    const R io = __shfl_xor_sync(kFullMask, gamma.im, off);
+    alpha = Real<R>::add_rn(alpha, ao);
+    beta = Real<R>::add_rn(beta, bo);
+    gamma.re = Real<R>::add_rn(gamma.re, ro);
+    gamma.im = Real<R>::add_rn(gamma.im, io);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
@@ -163,6 +187,32 @@ __device__ __forceinline__ void rutishauser(A alpha, A beta, A gamma, A& c, A& s
   s = c * t;
 }
 
+// The rotation of columns p, q as a_p <- c a_p - sq a_q, a_q <- sp a_p + c a_q. Real: Rutishauser's
+// (sp = sq = s). Complex, with gamma = |gamma| e^(i phi): Rutishauser's on (alpha, beta, |gamma|)
+// and sq = s e^(-i phi), sp = s e^(i phi), which is unitary and zeroes the pair's Gram entry (it
+// is the real rotation of a_p and e^(-i phi) a_q); for real gamma it is the real rotation itself.
+template <typename T>
+struct Rotation {
+  RealOf<T> c;
+  T sp, sq;
+};
+
+template <typename R>
+__device__ __forceinline__ Rotation<R> jacobi_rotation(R alpha, R beta, R gamma) {
+  R c, s;
+  rutishauser(alpha, beta, gamma, c, s);
+  return {c, s, s};
+}
+
+template <typename R>
+__device__ __forceinline__ Rotation<Complex<R>> jacobi_rotation(R alpha, R beta, Complex<R> gamma) {
+  const R g = magnitude(gamma);
+  R c, s;
+  rutishauser(alpha, beta, g, c, s);
+  const Complex<R> phase = conjugate(gamma) / g;  // e^(-i phi)
+  return {c, conjugate(phase) * s, phase * s};
+}
+
 // The player at position `pos` in round `t` of the circle method over `players` (even): position 0
 // keeps player 0, the others turn by one each round; round t pairs positions i and players-1-i, so
 // over players - 1 rounds every pair meets once.
@@ -184,11 +234,12 @@ __device__ __forceinline__ int opponent(int who, int t, int players) {
 // squared norm underflows to 0 is treated as zero: no rotation involves it.
 template <typename T>
 __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
+  using R = RealOf<T>;
   const bool in_w = lane < rows;
   const bool in_v = lane < cols;
-  const T tol = jacobi_tolerance<T>(rows);
+  const R tol = jacobi_tolerance<R>(rows);
 #pragma unroll 1
-  for (int sweep = 1; sweep <= Real<T>::kMaxSweeps; ++sweep) {
+  for (int sweep = 1; sweep <= Real<R>::kMaxSweeps; ++sweep) {
     bool rotated = false;
 #pragma unroll 1
     for (int p = 0; p < cols - 1; ++p) {
@@ -198,21 +249,20 @@ __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, i
 #pragma unroll 1
       for (int q = p + 1; q < cols; ++q) {
         const T aq = in_w ? W[q * ldw + lane] : T(0);
-        T alpha = Real<T>::mul_rn(ap, ap);
-        T beta = Real<T>::mul_rn(aq, aq);
-        T gamma = Real<T>::mul_rn(ap, aq);
-        warp_sum3(alpha, beta, gamma);
-        if (!needs_rotation(alpha, beta, gamma, tol)) continue;
+        R alpha = abs2(ap);
+        R beta = abs2(aq);
+        T gamma = conjugate(ap) * aq;
+        warp_sum_gram(alpha, beta, gamma);
+        if (!needs_rotation(alpha, beta, magnitude(gamma), tol)) continue;
         rotated = true;
-        T c, s;
-        rutishauser(alpha, beta, gamma, c, s);
-        const T ap_new = c * ap - s * aq;
-        if (in_w) W[q * ldw + lane] = s * ap + c * aq;
+        const Rotation<T> rot = jacobi_rotation(alpha, beta, gamma);
+        const T ap_new = rot.c * ap - rot.sq * aq;
+        if (in_w) W[q * ldw + lane] = rot.sp * ap + rot.c * aq;
         ap = ap_new;
         if (in_v) {
           const T vq = V[q * ldv + lane];
-          V[q * ldv + lane] = s * vp + c * vq;
-          vp = c * vp - s * vq;
+          V[q * ldv + lane] = rot.sp * vp + rot.c * vq;
+          vp = rot.c * vp - rot.sq * vq;
         }
       }
       if (in_w) W[p * ldw + lane] = ap;
@@ -315,8 +365,8 @@ __device__ __forceinline__ void rotate_columns(S* x, S* y, int len, S c, S s, in
   }
 }
 
-// W (column-major, leading dim ldw) = a (m x n, row-major) scaled by 2^-e, transposed when m < n;
-// `threads` threads share the loop, this one being `tid`.
+// W (column-major, leading dim ldw) = a (m x n, row-major) scaled by 2^-e, conjugate-transposed
+// when m < n; `threads` threads share the loop, this one being `tid`.
 template <typename T>
 __device__ void load_scaled(const T* a, T* W, int ldw, int m, int n, int e, int tid, int threads) {
   const bool transposed = m < n;
@@ -324,7 +374,8 @@ __device__ void load_scaled(const T* a, T* W, int ldw, int m, int n, int e, int 
   for (int idx = tid; idx < m * n; idx += threads) {
     const int i = idx / n;
     const int j = idx % n;
-    W[transposed ? i * ldw + j : j * ldw + i] = Real<T>::ldexp(a[idx], -e);
+    const T x = scale2(a[idx], -e);
+    W[transposed ? i * ldw + j : j * ldw + i] = transposed ? conjugate(x) : x;
   }
 }
 
@@ -344,20 +395,22 @@ __device__ void rank_order(const T* sv, int* perm, int cols, int tid, int thread
 
 // dst holds k vectors of length len, the r-th being column perm[r] of src (column-major, leading
 // dim ld, elements of T or wider), divided by its norm sv[perm[r]] when `normalize` (0 where that
-// norm is 0). The vectors are the columns of dst (len x k) or, with `as_rows`, its rows (k x len).
+// norm is 0). The vectors are the columns of dst (len x k) or, with `as_rows`, its rows (k x len),
+// conjugated (rows of a factor's adjoint).
 // The loop runs over dst's linear index so that global stores coalesce; `threads` threads share
 // it, this one being `tid`.
 template <typename T, typename S>
 __device__ void store_vectors(T* dst, int len, int k, bool as_rows, const S* src, int ld,
-                              const T* sv, bool normalize, const int* perm, int tid, int threads) {
+                              const RealOf<T>* sv, bool normalize, const int* perm, int tid,
+                              int threads) {
 #pragma unroll 1
   for (int idx = tid; idx < len * k; idx += threads) {
     const int r = as_rows ? idx / len : idx % k;
     const int i = as_rows ? idx % len : idx / k;
     const int j = perm[r];
     T x = static_cast<T>(src[j * ld + i]);
-    if (normalize) x = sv[j] > T(0) ? x / sv[j] : T(0);
-    dst[idx] = x;
+    if (normalize) x = sv[j] > RealOf<T>(0) ? x / sv[j] : T(0);
+    dst[idx] = as_rows ? conjugate(x) : x;
   }
 }
 
@@ -368,11 +421,12 @@ __device__ void fill(T* dst, int count, T value, int tid, int threads) {
 }
 
 // One matrix, executed by a whole warp (all control flow is warp-uniform).
-// m >= n: W = A (m x n) and A = (W / s) diag(s) V^T, so u = W / s and vt = V^T.
-// m <  n: W = A^T (n x m) and A = V diag(s) (W / s)^T, so u = V and vt = (W / s)^T.
+// m >= n: W = A (m x n) and A = (W / s) diag(s) Vᴴ, so u = W / s and vt = Vᴴ.
+// m <  n: W = Aᴴ (n x m) and A = V diag(s) (W / s)ᴴ, so u = V and vt = (W / s)ᴴ.
 template <typename T, bool kLanes>
-__device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
-                        const WarpLayout& l, T* W, T* V, T* sv, int* perm, int lane) {
+__device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, int m, int n,
+                        const WarpLayout& l, T* W, T* V, RealOf<T>* sv, int* perm, int lane) {
+  using R = RealOf<T>;
   const bool transposed = m < n;
   const int rows = transposed ? n : m;
   const int cols = transposed ? m : n;
@@ -380,18 +434,17 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
 
   // Scale by a power of two (exact) so that max |a_ij| lies in [0.5, 1): squared norms, at most
   // 32, can then neither overflow nor lose the large entries to underflow.
-  T amax = T(0);
+  R amax = R(0);
   bool finite = true;
 #pragma unroll 1
   for (int idx = lane; idx < m * n; idx += 32) {
-    const T x = fabs(a[idx]);
-    finite = finite && x <= Real<T>::kMax;  // false for NaN and Inf
-    amax = fmax(amax, x);
+    finite = finite && jaxforge::finite(a[idx]);
+    amax = fmax(amax, max_part(a[idx]));
   }
   int sweeps = -1;
   int e = 0;
   if (__all_sync(kFullMask, finite)) {
-    Real<T>::frexp(warp_max(amax), &e);
+    Real<R>::frexp(warp_max(amax), &e);
     load_scaled(a, W, l.ldw, m, n, e, lane, 32);
     if (lane < cols) {
 #pragma unroll 1
@@ -399,6 +452,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     }
     __syncwarp();  // the load above wrote other lanes' rows of W
     if constexpr (kLanes) {
+      static_assert(std::is_floating_point_v<T>, "the column-per-lane sweeps are real only");
       sweeps = jacobi_sweeps_lanes(W, l.ldw, V, l.ldv, rows, cols, lane);
     } else {
       sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
@@ -406,23 +460,24 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   }
   if (lane == 0) *info = sweeps;
   if (sweeps < 0) {
-    fill(s, k, Real<T>::nan(), lane, 32);
-    fill(u, m * k, Real<T>::nan(), lane, 32);
-    fill(vt, k * n, Real<T>::nan(), lane, 32);
+    const R nan = Real<R>::nan();
+    fill(s, k, nan, lane, 32);
+    fill(u, m * k, splat<T>(nan), lane, 32);
+    fill(vt, k * n, splat<T>(nan), lane, 32);
     return;
   }
 
 #pragma unroll 1
   for (int j = 0; j < cols; ++j) {
     const T aj = lane < rows ? W[j * l.ldw + lane] : T(0);
-    const T norm = Real<T>::sqrt(warp_sum(Real<T>::mul_rn(aj, aj)));
+    const R norm = Real<R>::sqrt(warp_sum(abs2(aj)));
     if (lane == j) sv[j] = norm;
   }
   __syncwarp();
   rank_order(sv, perm, cols, lane, 32);
   __syncwarp();
 
-  if (lane < k) s[lane] = Real<T>::ldexp(sv[perm[lane]], e);
+  if (lane < k) s[lane] = Real<R>::ldexp(sv[perm[lane]], e);
   store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
                 perm, lane, 32);
   store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
@@ -435,7 +490,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
 // kLanes: the sweeps of jacobi_sweeps_lanes (a column per lane) instead of jacobi_sweeps (a row).
 template <typename T, bool kLanes>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
-    svd_jacobi_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
+    svd_jacobi_kernel(const T* __restrict__ a, RealOf<T>* __restrict__ s, T* __restrict__ u,
                       T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m, int n) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int lane = threadIdx.x & 31;
@@ -448,7 +503,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
   int* perm = reinterpret_cast<int*>(slice + l.perm_byte);
   for (int64_t b = blockIdx.x * int64_t{warps} + warp; b < batch; b += int64_t{gridDim.x} * warps) {
     svd_one<T, kLanes>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l,
-                       W, W + l.v_off, W + l.s_off, perm, lane);
+                       W, W + l.v_off, reinterpret_cast<RealOf<T>*>(W + l.s_off), perm, lane);
     __syncwarp();  // the next matrix overwrites shared memory other lanes may still be reading
   }
 }
@@ -456,7 +511,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
 // Enqueues the batched SVD on `stream`. Requires batch >= 1 and 1 <= m, n <= kMaxDim (the FFI
 // handler answers empty problems). Returns the launch error, cudaSuccess otherwise.
 template <typename T, bool kLanes = false>
-cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
+cudaError_t launch(cudaStream_t stream, const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
   const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);

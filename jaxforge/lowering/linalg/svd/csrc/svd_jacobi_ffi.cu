@@ -1,9 +1,9 @@
 // XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
-// float32 and float64, rows or, float32 only, columns in the lanes) and one block per matrix
+// float32, float64, complex64 and complex128, rows or, float32 only, columns in the lanes) and one block per matrix
 // (svd_jacobi_block.cuh, float32, max(m, n) <= 256, min(m, n) <= 128, within the device's shared
 // memory per block).
 //
-// Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending,
+// Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending and real,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
 // info (*batch) int32: sweeps used, or -1 where the matrix held NaN/Inf or did not converge
 // (s, u, vt all NaN there); 0 for empty matrices, which launch no kernel. Shapes beyond a
@@ -18,6 +18,7 @@
 #include "svd_jacobi_block.cuh"
 
 namespace ffi = xla::ffi;
+using jaxforge::KernelData;
 using jaxforge::ShapeString;
 namespace sj = jaxforge::svd_jacobi;
 namespace sjb = jaxforge::svd_jacobi_block;
@@ -27,7 +28,7 @@ namespace {
 enum class Kernel { kWarp, kWarpLanes, kBlock };
 
 template <ffi::DataType DT, Kernel K>
-ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuffer<DT> s,
+ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuffer<ffi::ToReal(DT)> s,
                          ffi::ResultBuffer<DT> u, ffi::ResultBuffer<DT> vt,
                          ffi::ResultBuffer<ffi::S32> info) {
   const std::string name = K == Kernel::kWarp        ? "svd_jacobi"
@@ -60,16 +61,16 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
     return ffi::Error::InvalidArgument(name + ": result shapes do not match operand shape " +
                                        ShapeString(dims));
   }
-  using T = ffi::NativeType<DT>;
+  using T = typename jaxforge::KernelType<ffi::NativeType<DT>>::type;
   const auto launch = [&]() -> cudaError_t {
     if (batch == 0) return cudaSuccess;  // nothing to launch, for either kernel
     if (k == 0) return cudaMemsetAsync(info->typed_data(), 0, batch * sizeof(int32_t), stream);
     // Instantiates only this kernel's launcher (the block one is float32 only).
     if constexpr (kOneWarp) {
-      return sj::launch<T, K == Kernel::kWarpLanes>(stream, a.typed_data(), s->typed_data(),
-                                                    u->typed_data(), vt->typed_data(),
-                                                    info->typed_data(), batch, static_cast<int>(m),
-                                                    static_cast<int>(n));
+      return sj::launch<T, K == Kernel::kWarpLanes>(
+          stream, KernelData(a.typed_data()), s->typed_data(), KernelData(u->typed_data()),
+          KernelData(vt->typed_data()), info->typed_data(), batch, static_cast<int>(m),
+          static_cast<int>(n));
     } else {
       return sjb::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
                             info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
@@ -87,7 +88,7 @@ auto SvdJacobiBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .template Arg<ffi::Buffer<DT>>()         // a
-      .template Ret<ffi::Buffer<DT>>()         // s
+      .template Ret<ffi::Buffer<ffi::ToReal(DT)>>()  // s
       .template Ret<ffi::Buffer<DT>>()         // u
       .template Ret<ffi::Buffer<DT>>()         // vt
       .template Ret<ffi::Buffer<ffi::S32>>();  // info
@@ -99,6 +100,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF32, (SvdJacobiImpl<ffi::F32, Ker
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiF64, (SvdJacobiImpl<ffi::F64, Kernel::kWarp>),
                               SvdJacobiBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiC64, (SvdJacobiImpl<ffi::C64, Kernel::kWarp>),
+                              SvdJacobiBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiC128, (SvdJacobiImpl<ffi::C128, Kernel::kWarp>),
+                              SvdJacobiBinding<ffi::C128>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiLanesF32, (SvdJacobiImpl<ffi::F32, Kernel::kWarpLanes>),
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32, (SvdJacobiImpl<ffi::F32, Kernel::kBlock>),
