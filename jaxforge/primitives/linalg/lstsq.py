@@ -118,8 +118,8 @@ def _jvp(primals, tangents, *, rcond: float):
         # The factors are recomputed with jax's differentiable QR so that second derivatives flow
         # through them; x and rank come from the primitive (the kernel on GPU). Every LAPACK call
         # is chained after the previous one (see _ops.after).
-        q, r = lax.linalg.qr(after(a if m >= n else ct(a), x), full_matrices=False)
-        _, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+        q, r = lax.linalg.qr(after(after(a if m >= n else ct(a), x), s[..., None]), full_matrices=False)
+        _, u_r, vh_r = svd_p.bind(after(r, q), full_matrices=False, compute_uv=True, grad_eps=0.0)
         u, v = (mm(q, u_r), ct(vh_r)) if m >= n else (ct(vh_r), mm(q, u_r))  # thin SVD of A
         r = after(r, u_r)
         ds = jnp.real(diagonal(mm(mm(ct(u), da), v)))
@@ -145,7 +145,7 @@ def _full_rank_tangent(a, b, x, q, r, da, db):
     # Aᴴ = QR: dx = Q R⁻ᴴ(db - dA x) + (I - QQᴴ) dAᴴ z, z = R⁻¹R⁻ᴴ b
     z = solve_triangular(r, solve_triangular(r, b, adjoint=True))
     w = mm(ct(da), z)
-    return mm(q, solve_triangular(r, db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
+    return mm(q, solve_triangular(after(r, z), db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
 
 
 def _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db):

@@ -84,6 +84,7 @@ def _factored(a, b, factor):
         r, c = factor(a, b)
         return r, lambda r: solve_triangular(r, c), lambda ur, vhr: (ur, ct(vhr)), c  # A = Q·(U_R S V_Rᴴ)
     q, r = lax.linalg.qr(ct(a), full_matrices=False)
+    r = after(r, q)  # the solves wait for orgqr (see _ops.after)
     solve = lambda r: mm(q, solve_triangular(r, b, adjoint=True))  # noqa: E731
     return r, solve, lambda ur, vhr: (ct(vhr), mm(q, ur)), b  # A = V_R S (Q U_R)ᴴ
 

@@ -1,0 +1,95 @@
+"""jaxlib 0.10's CPU LAPACK kernels wait on the XLA thread pool for their batch tasks, so two that
+run side by side can block a small pool for good: ``jax.grad`` of lstsq on a batch of 2048 hung on
+2 cores until the JVP's QR waited for the forward's singular values. The rules and lowerings chain
+their LAPACK calls (``_ops.after``); this checks the compiled CPU programs: within each computation,
+no two LAPACK calls (or control flow holding one) are independent of each other."""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxforge as jf
+
+
+def computations(hlo: str) -> dict[str, dict[str, tuple[str, list[str]]]]:
+    """Each computation's instructions: name -> (text, operand names)."""
+    comps: dict[str, dict[str, tuple[str, list[str]]]] = {}
+    current = None
+    for line in hlo.splitlines():
+        text = line.strip()
+        header = re.match(r"^(?:ENTRY )?%?([\w.\-]+) ", text)
+        if text.endswith("{") and " = " not in text and header and not line.startswith(" "):
+            current = comps.setdefault(header.group(1), {})
+        elif current is not None and (found := re.match(r"(?:ROOT )?%([\w.\-]+) = (.*)", text)):
+            name, rest = found.groups()
+            current[name] = (rest, re.findall(r"%([\w.\-]+)", rest.split(", metadata")[0]))
+    return comps
+
+
+def independent_lapack_calls(hlo: str) -> list[tuple[str, str, str]]:
+    comps = computations(hlo)
+    holds: dict[str, bool] = {}
+
+    def holds_lapack(comp: str) -> bool:
+        if comp not in holds:
+            holds[comp] = False
+            holds[comp] = any(calls_lapack(text) for text, _ in comps.get(comp, {}).values())
+        return holds[comp]
+
+    def calls_lapack(text: str) -> bool:
+        called = re.findall(r"(?:branch_computations=\{|calls=|to_apply=|body=|condition=)([^}]*)", text)
+        return "lapack_" in text or any(holds_lapack(c) for group in called for c in re.findall(r"%?([\w.\-]+)", group))
+
+    found = []
+    for comp, instructions in comps.items():
+        ancestors: dict[str, set[str]] = {}
+
+        def upstream(name: str) -> set[str]:
+            if name not in ancestors:
+                ancestors[name] = set()
+                for op in instructions[name][1]:
+                    if op in instructions:
+                        ancestors[name] |= {op} | upstream(op)
+            return ancestors[name]
+
+        lapack = [name for name, (text, _) in instructions.items() if calls_lapack(text)]
+        for x, y in itertools.combinations(lapack, 2):
+            if x not in upstream(y) and y not in upstream(x):
+                found.append((comp, x, y))
+    return found
+
+
+def lstsq_programs(m, n):
+    solve = lambda a, b: jf.linalg.lstsq(a, b).solution  # noqa: E731
+    return {
+        "forward": lambda a, b: jf.linalg.lstsq(a, b),
+        "grad": jax.grad(lambda a, b: jnp.sum(solve(a, b) ** 2), (0, 1)),
+        "jvp": lambda a, b: jax.jvp(solve, (a, b), (a, b)),
+    }
+
+
+@pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
+@pytest.mark.parametrize("program", ["forward", "grad", "jvp"])
+def test_lstsq_programs_run_their_lapack_calls_one_at_a_time(m, n, program):
+    a, b = jnp.ones((4, m, n)), jnp.ones((4, m, 2))
+    hlo = jax.jit(lstsq_programs(m, n)[program]).lower(a, b).compile().as_text()
+    assert "lapack_" in hlo and not independent_lapack_calls(hlo)
+
+
+@pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
+def test_svd_programs_run_their_lapack_calls_one_at_a_time(m, n):
+    svd = lambda a: jf.linalg.svd(a)  # noqa: E731
+    programs = [svd, jax.grad(lambda a: sum(jnp.sum(jnp.abs(t)) for t in svd(a))), lambda a: jax.jvp(svd, (a,), (a,))]
+    for program in programs:
+        hlo = jax.jit(program).lower(jnp.ones((4, m, n))).compile().as_text()
+        assert "lapack_" in hlo and not independent_lapack_calls(hlo)
+
+
+def test_the_check_finds_two_independent_calls():
+    hlo = jax.jit(lambda a, b: (jnp.linalg.qr(a), jnp.linalg.svd(b))).lower(jnp.ones((4, 6, 3)), jnp.ones((4, 5, 5)))
+    assert independent_lapack_calls(hlo.compile().as_text())
