@@ -160,12 +160,31 @@ inline int votes(int predicate) {
   return count;
 }
 
+// Dynamic shared memory past the default 48 KiB needs the kernel's opt-in
+// (cudaFuncSetAttribute, recorded here), and at most what an H100/H200 grants a block.
+constexpr size_t kDefaultSharedBytes = 48 * 1024;
+constexpr size_t kOptInSharedBytes = 232448;
+inline std::vector<std::pair<const void*, size_t>> opted_in;
+
+// A kernel's identity: its address, whether named or held in a pointer.
+template <typename K>
+const void* kernel_id(K kernel) {
+  return reinterpret_cast<const void*>(kernel);
+}
+
+inline size_t shared_limit(const void* kernel) {
+  size_t limit = kDefaultSharedBytes;
+  for (const auto& [k, bytes] : opted_in) limit = k == kernel ? bytes : limit;
+  return limit;
+}
+
 // What JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) expands to here.
 template <typename Kernel>
-auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, Kernel kernel) {
+auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, const void* id, Kernel kernel) {
   return [=](auto... args) {
-    if (shared_bytes > kSharedBytes || threads == 0 || threads > 1024) {
-      std::fprintf(stderr, "emulated launch refused: %u threads, %zu shared bytes\n", threads, shared_bytes);
+    if (shared_bytes > shared_limit(id) || threads == 0 || threads > 1024) {
+      std::fprintf(stderr, "emulated launch refused: %u threads, %zu shared bytes (limit %zu)\n", threads,
+                   shared_bytes, shared_limit(id));
       std::abort();
     }
     launch(grid, threads, [=] { kernel(args...); });
@@ -178,8 +197,13 @@ using cudaError_t = int;
 using cudaStream_t = void*;
 constexpr cudaError_t cudaSuccess = 0;
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+constexpr cudaError_t cudaErrorInvalidValue = 1;
 template <typename F>
-cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int) { return cudaSuccess; }
+cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
+  if (bytes < 0 || static_cast<size_t>(bytes) > emu::kOptInSharedBytes) return cudaErrorInvalidValue;
+  emu::opted_in.emplace_back(emu::kernel_id(kernel), bytes);
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 
 #define threadIdx (::emu::thread_idx)

@@ -5,8 +5,9 @@
 #pragma once
 
 #ifdef JAXFORGE_HOST_EMULATION
-#define JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) \
-  ::emu::launcher((grid), (threads), (shared_bytes), [=](auto... args) { kernel(args...); })
+#define JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream)                         \
+  ::emu::launcher((grid), (threads), (shared_bytes), ::emu::kernel_id(kernel),                \
+                  [=](auto... args) { kernel(args...); })
 #else
 #define JAXFORGE_LAUNCH(kernel, grid, threads, shared_bytes, stream) \
   kernel<<<(grid), (threads), (shared_bytes), (stream)>>>

@@ -41,7 +41,7 @@
 namespace jaxforge::qr_r {
 
 constexpr int kMaxCols = 64;
-constexpr int kMaxMatrixBytes = 40960;  // leaves room for scratch below the default 48 KiB
+constexpr int kMaxMatrixBytes = 40960;  // with scratch, below 48 KiB for real T (complex: opt-in)
 constexpr int kMaxWarps = 8;
 constexpr int kElemsPerWarp = 256;  // block size heuristic: about 8 matrix elements per thread
 constexpr unsigned kFullMask = 0xffffffffu;
@@ -335,8 +335,11 @@ cudaError_t launch(cudaStream_t stream, const T* x, T* r, int64_t batch, int m, 
   const int warps = warps_for(m, c);
   const Layout l = layout<T>(m, c, warps);
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
-  JAXFORGE_LAUNCH(qr_r_kernel<T>, static_cast<unsigned>(blocks), warps * 32, l.bytes, stream)(
-      x, r, batch, m, c);
+  constexpr auto kernel = qr_r_kernel<T>;
+  // The matrix takes at most 40 KiB, but complex128's scratch can pass the default 48 KiB.
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, l.bytes);
+  if (err != cudaSuccess) return err;
+  JAXFORGE_LAUNCH(kernel, static_cast<unsigned>(blocks), warps * 32, l.bytes, stream)(x, r, batch, m, c);
   return cudaGetLastError();
 }
 
