@@ -52,7 +52,7 @@ if wants tests; then
   limit=$(cap 120)
   for group in linalg attention demo; do
     case $group in
-      linalg) paths=tests/lowering/linalg workers=4 ;;
+      linalg) paths=tests/lowering/linalg workers=6 ;;  # 6 + 8 + 1 of the 16 cores
       attention) paths=tests/lowering/attention workers=8 ;;  # Triton compiles dominate
       demo) paths=tests/test_demo.py workers=0 ;;
     esac
