@@ -9,7 +9,8 @@
 // Between two barriers each thread runs alone, in thread order, so a read of shared memory that
 // another thread writes without a sync between sees the old bytes (all ones, NaN, at first) for
 // every writer after it: such races give wrong results here. A barrier some thread can never reach
-// stops the run with a message instead of hanging.
+// stops the run with a message instead of hanging, and a launch that asks for more than 48 KiB of
+// dynamic shared memory without the kernel's cudaFuncSetAttribute opt-in aborts, as a GPU refuses it.
 //
 // It checks logic (indexing, reductions, convergence, NaN paths), not timing, occupancy, register
 // limits or the device memory model; a kernel still has to pass its gpu tests on a GPU.
