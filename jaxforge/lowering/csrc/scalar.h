@@ -15,7 +15,6 @@ template <typename R>
 struct Complex {
   R re, im;
   __host__ __device__ constexpr Complex(R re_ = R(0), R im_ = R(0)) : re(re_), im(im_) {}
-  __host__ __device__ Complex operator-() const { return {-re, -im}; }
   __host__ __device__ Complex operator+(Complex b) const { return {re + b.re, im + b.im}; }
   __host__ __device__ Complex operator-(Complex b) const { return {re - b.re, im - b.im}; }
   __host__ __device__ Complex operator*(Complex b) const {
@@ -105,6 +104,18 @@ __host__ __device__ inline T splat(RealOf<T> x) {
   } else {
     return T(x, x);
   }
+}
+
+// frexp's exponent: x = f 2^e with |f| in [1/2, 1), so x 2^-e lies there too; 0 for 0.
+__host__ __device__ inline int exponent(float x) {
+  int e;
+  frexpf(x, &e);
+  return e;
+}
+__host__ __device__ inline int exponent(double x) {
+  int e;
+  frexp(x, &e);
+  return e;
 }
 
 // x 2^e, exact where the result is normal.

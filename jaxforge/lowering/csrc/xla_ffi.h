@@ -39,6 +39,13 @@ const typename KernelType<N>::type* KernelData(const N* data) {
   return reinterpret_cast<const typename KernelType<N>::type*>(data);
 }
 
+// The product of the batch dims, all but the last two.
+inline int64_t BatchSize(xla::ffi::Span<const int64_t> dims) {
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  return batch;
+}
+
 // "(d0, d1, ...)", for error messages that name the shape they refuse.
 inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
   std::string out = "(";

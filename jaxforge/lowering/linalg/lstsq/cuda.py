@@ -79,7 +79,8 @@ def qr_solve_cuda(a, b, rcond: float):
     r, x, certified = jax.ffi.ffi_call(QR_SOLVE_TARGETS[a.dtype.name], result_types)(a, b, rcond=np.float64(rcond))
     if m < n:
         return r, x, certified != 0, None
-    return r[..., :n, :n], x, certified != 0, lambda a, b: (r[..., :n, :n], r[..., :n, n:])
+    r_a, qhb = r[..., :n, :n], r[..., :n, n:]
+    return r_a, x, certified != 0, lambda a, b: (r_a, qhb)
 
 
 def lstsq_cuda(a, b, *, rcond: float):

@@ -56,7 +56,6 @@ struct Real<float> {
   static constexpr float kSafeHi = 0x1p56f;
   static __device__ float sqrt(float x) { return sqrtf(x); }
   static __device__ float hypot(float x, float y) { return hypotf(x, y); }
-  static __device__ int ilogb(float x) { return ilogbf(x); }
 };
 
 template <>
@@ -66,7 +65,6 @@ struct Real<double> {
   static constexpr double kSafeHi = 0x1p504;
   static __device__ double sqrt(double x) { return ::sqrt(x); }
   static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
-  static __device__ int ilogb(double x) { return ::ilogb(x); }
 };
 
 // Warps of the block that factors an m x c matrix: about kElemsPerWarp elements each.
@@ -205,7 +203,7 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
     R xnorm = Real<R>::sqrt(ssq);
     const bool unsafe = amax < Real<R>::kSafeLo || amax > Real<R>::kSafeHi;
     if (amax > R(0) && amax <= Real<R>::kMax && unsafe) {  // finite, nonzero, out of range
-      const int e = Real<R>::ilogb(amax) + 1;
+      const int e = exponent(amax);
       R scaled = R(0);
 #pragma unroll 1
       for (int i = j + 1 + tid; i < m; i += nthreads) {
@@ -221,7 +219,7 @@ __device__ void householder(int m, int c, const Layout& l, T* A) {
     R beta = real_part(alpha);
     T tau = T(0);
     if (xnorm != R(0) || imag_part(alpha) != R(0)) {  // true for NaN, which then spreads via tau
-      const R h = Real<R>::hypot(Real<R>::hypot(real_part(alpha), imag_part(alpha)), xnorm);
+      const R h = Real<R>::hypot(magnitude(alpha), xnorm);
       beta = signbit(real_part(alpha)) ? h : -h;
       tau = (T(beta) - alpha) / beta;
     }

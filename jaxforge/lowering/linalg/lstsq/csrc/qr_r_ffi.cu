@@ -16,6 +16,7 @@
 #include "qr_solve.cuh"
 
 namespace ffi = xla::ffi;
+using jaxforge::BatchSize;
 using jaxforge::KernelData;
 using jaxforge::ShapeString;
 namespace qr = jaxforge::qr_r;
@@ -40,8 +41,7 @@ ffi::Error OperandShape(const char* name, ffi::Span<const int64_t> dims, int64_t
         ", m >= c, m * c * " + std::to_string(sizeof(T)) + " <= " +
         std::to_string(qr::kMaxMatrixBytes) + " bytes (shape (..., m, c))");
   }
-  batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  batch = BatchSize(dims);
   return ffi::Error::Success();
 }
 
@@ -70,8 +70,9 @@ ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT>
       e.failure()) {
     return e;
   }
-  return LaunchError("qr_r", qr::launch(stream, KernelData(x.typed_data()), KernelData(r->typed_data()), batch,
-                                        static_cast<int>(m), static_cast<int>(c)));
+  return LaunchError("qr_r", qr::launch(stream, KernelData(x.typed_data()),
+                                        KernelData(r->typed_data()), batch, static_cast<int>(m),
+                                        static_cast<int>(c)));
 }
 
 template <ffi::DataType DT>
@@ -91,12 +92,12 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
   if (!qr::supported_solve<T>(m, n, k) || !same_batch) {
     return ffi::Error::InvalidArgument(
         "qr_solve: a " + ShapeString(dims) + " and b " + ShapeString(b_dims) +
-        " are outside the kernel's limits: b (..., m, k) with a (..., m, n), the same batch; [A | b] (tall) or Aᵀ "
-        "(wide) within the qr_r limits (<= 64 columns, " + std::to_string(qr::kMaxMatrixBytes) +
-        " bytes) and the whole solve within " + std::to_string(qr::kMaxSolveBytes) + " bytes");
+        " are outside the kernel's limits: b (..., m, k) with a (..., m, n), the same batch; " +
+        "[A | b] (tall) or Aᴴ (wide) within the qr_r limits (<= 64 columns, " +
+        std::to_string(qr::kMaxMatrixBytes) + " bytes) and the whole solve within " +
+        std::to_string(qr::kMaxSolveBytes) + " bytes");
   }
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  const int64_t batch = BatchSize(dims);
   const int64_t c = m >= n ? n + k : m;
   for (auto [result, result_dims, count, want] :
        {std::tuple{"r", r->dimensions(), r->element_count(), batch * c * c},
@@ -106,11 +107,11 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
       return e;
     }
   }
-  return LaunchError("qr_solve", qr::launch_solve(stream, KernelData(a.typed_data()), KernelData(b.typed_data()),
-                                                  KernelData(r->typed_data()), KernelData(solution->typed_data()),
-                                                  certified->typed_data(), batch,
-                                                  static_cast<int>(m), static_cast<int>(n),
-                                                  static_cast<int>(k), static_cast<jaxforge::RealOf<T>>(rcond)));
+  const cudaError_t err = qr::launch_solve(
+      stream, KernelData(a.typed_data()), KernelData(b.typed_data()), KernelData(r->typed_data()),
+      KernelData(solution->typed_data()), certified->typed_data(), batch, static_cast<int>(m),
+      static_cast<int>(n), static_cast<int>(k), static_cast<jaxforge::RealOf<T>>(rcond));
+  return LaunchError("qr_solve", err);
 }
 
 template <ffi::DataType DT>
@@ -120,8 +121,6 @@ auto QrRBinding() {
       .template Arg<ffi::Buffer<DT>>()   // x
       .template Ret<ffi::Buffer<DT>>();  // r
 }
-
-}  // namespace
 
 template <ffi::DataType DT>
 auto QrSolveBinding() {
@@ -135,14 +134,16 @@ auto QrSolveBinding() {
       .template Ret<ffi::Buffer<ffi::S32>>();  // certified
 }
 
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF32, QrRImpl<ffi::F32>, QrRBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF64, QrRImpl<ffi::F64>, QrRBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC64, QrRImpl<ffi::C64>, QrRBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC128, QrRImpl<ffi::C128>, QrRBinding<ffi::C128>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF32, QrSolveImpl<ffi::F32>,
                               QrSolveBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF64, QrSolveImpl<ffi::F64>,
                               QrSolveBinding<ffi::F64>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC64, QrRImpl<ffi::C64>, QrRBinding<ffi::C64>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC128, QrRImpl<ffi::C128>, QrRBinding<ffi::C128>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC64, QrSolveImpl<ffi::C64>,
                               QrSolveBinding<ffi::C64>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC128, QrSolveImpl<ffi::C128>,

@@ -178,8 +178,8 @@ __device__ bool solve_one(const T* __restrict__ b, T* __restrict__ solution, con
   if (!(big_r > R(0) && big_r <= Real<R>::kMax && big_inv > R(0) && big_inv <= Real<R>::kMax)) {
     return false;
   }
-  const int e_r = Real<R>::ilogb(big_r) + 1;  // 2^-e big in [1/2, 1)
-  const int e_inv = Real<R>::ilogb(big_inv) + 1;
+  const int e_r = exponent(big_r);  // 2^-e big in [1/2, 1)
+  const int e_inv = exponent(big_inv);
   // Scale both upper triangles in place (R's diagonal into A's, where alpha is no longer needed).
   for_each_row_major(p, p, [&](int, int i, int j) {
     if (j < i) return;

@@ -56,8 +56,6 @@ struct Real<float> {
   static __device__ float nan() { return __int_as_float(0x7fc00000); }
   static __device__ float sqrt(float x) { return sqrtf(x); }
   static __device__ float hypot(float x, float y) { return hypotf(x, y); }
-  static __device__ float ldexp(float x, int e) { return ldexpf(x, e); }
-  static __device__ float frexp(float x, int* e) { return frexpf(x, e); }
   // Explicitly rounded ops keep nvcc from contracting the warp reductions into FMAs whose
   // rounding would differ per lane (see warp_sum).
   static __device__ float mul_rn(float x, float y) { return __fmul_rn(x, y); }
@@ -73,8 +71,6 @@ struct Real<double> {
   static __device__ double nan() { return __longlong_as_double(0x7ff8000000000000ll); }
   static __device__ double sqrt(double x) { return ::sqrt(x); }
   static __device__ double hypot(double x, double y) { return ::hypot(x, y); }
-  static __device__ double ldexp(double x, int e) { return ::ldexp(x, e); }
-  static __device__ double frexp(double x, int* e) { return ::frexp(x, e); }
   static __device__ double mul_rn(double x, double y) { return __dmul_rn(x, y); }
   static __device__ double add_rn(double x, double y) { return __dadd_rn(x, y); }
   static __device__ double fma_rn(double x, double y, double z) { return __fma_rn(x, y, z); }
@@ -444,7 +440,7 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   int sweeps = -1;
   int e = 0;
   if (__all_sync(kFullMask, finite)) {
-    Real<R>::frexp(warp_max(amax), &e);
+    e = exponent(warp_max(amax));
     load_scaled(a, W, l.ldw, m, n, e, lane, 32);
     if (lane < cols) {
 #pragma unroll 1
@@ -477,7 +473,7 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   rank_order(sv, perm, cols, lane, 32);
   __syncwarp();
 
-  if (lane < k) s[lane] = Real<R>::ldexp(sv[perm[lane]], e);
+  if (lane < k) s[lane] = scale2(sv[perm[lane]], e);
   store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
                 perm, lane, 32);
   store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,

@@ -156,7 +156,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   if (finite) {
     T top = T(0);
     for (int w = 0; w < kWarps; ++w) top = fmax(top, red[w]);
-    Real<T>::frexp(top, &e);
+    e = exponent(top);
     svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, kThreads);
 #pragma unroll 1
     for (int idx = tid; idx < cols * cols; idx += kThreads) {
@@ -188,7 +188,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   __syncthreads();
 
 #pragma unroll 1
-  for (int r = tid; r < k; r += kThreads) s[r] = Real<T>::ldexp(sv[perm[r]], e);
+  for (int r = tid; r < k; r += kThreads) s[r] = scale2(sv[perm[r]], e);
   if (transposed) {  // u = V, vt = (W / s)^T
     svd_jacobi::store_vectors(u, m, k, false, V, l.ldv, sv, false, perm, tid, kThreads);
     svd_jacobi::store_vectors(vt, n, k, true, W, l.ldw, sv, true, perm, tid, kThreads);

@@ -50,8 +50,7 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
     return ffi::Error::InvalidArgument(name + ": operand shape " + ShapeString(dims) +
                                        " exceeds the limit " + limit);
   }
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  const int64_t batch = jaxforge::BatchSize(dims);
   const int64_t k = std::min(m, n);
   // Guards against a caller whose result shapes disagree with the kernel's writes.
   if (s->element_count() != static_cast<size_t>(batch * k) ||
