@@ -7,9 +7,11 @@
 #                                        (default: the first four; tune is the Triton tile sweep)
 #
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
-# --budget). The gpu tests run as three pytest processes side by side (linalg, attention, the demo),
-# each with its own log (joined into tests.log at the end), so one slow group cannot cut off
-# another's failure report.
+# --budget; linalg's shape names may name one op, as svd:tiny_batch); LINALG_CAP_S raises the
+# linalg benchmark's cap (100 s). The gpu tests run as three pytest processes side by side (linalg,
+# attention, the demo), each with its own log (joined into tests.log at the end), so one slow group
+# cannot cut off another's failure report, and every failure's traceback goes to failures.log as
+# it happens, so not even a group's own time limit can.
 #
 # The whole run keeps under GPU_CHECK_BUDGET_S (default 360 s): each phase has a cap, cut to what
 # is left; the benchmarks skip what their budget (the cap less 40 s) leaves no time for.
@@ -50,13 +52,14 @@ fi
 if wants tests; then
   echo "== gpu tests"
   limit=$(cap 120)
+  export JAXFORGE_FAILURE_LOG="$OUT/failures.log"  # each traceback as it happens (tests/conftest.py)
   for group in linalg attention demo; do
     case $group in
       linalg) paths=tests/lowering/linalg workers=6 ;;  # 6 + 8 + 1 of the 16 cores
       attention) paths=tests/lowering/attention workers=8 ;;  # Triton compiles dominate
       demo) paths=tests/test_demo.py workers=0 ;;
     esac
-    timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -n "$workers" --timeout 120 $paths \
+    timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -n "$workers" --timeout 120 --tb=short $paths \
       >"$OUT/tests-$group.log" 2>&1 &
   done
   wait
@@ -68,11 +71,12 @@ if wants tests; then
 fi
 
 # Each benchmark gets a time budget 40 s short of its cap (start-up, the measurement under way
-# and the JSON), so it writes its results before the cap would stop it.
+# and the JSON), so it writes its results before the cap would stop it; linalg's anchors stop 50 s
+# short and its own rows 30 s short (a first lstsq call compiles for up to 10 s).
 if wants linalg; then
   echo "== linalg benchmark"
-  limit=$(cap 100)
-  timeout "$limit" python3 -m jaxforge.bench linalg --budget $((limit - 40)) ${BENCH_LINALG_ARGS:-} --out "$OUT" \
+  limit=$(cap "${LINALG_CAP_S:-100}")
+  timeout "$limit" python3 -m jaxforge.bench linalg --budget $((limit - 50)),$((limit - 30)) ${BENCH_LINALG_ARGS:-} --out "$OUT" \
     2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[linalg]=${PIPESTATUS[0]}
 fi

@@ -2,6 +2,7 @@
 and jf.nn's shape annotations checked at run time (the hook must precede any import of jaxforge)."""
 
 import importlib.util
+import os
 
 from jaxtyping import install_import_hook
 
@@ -23,3 +24,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    """Under JAXFORGE_FAILURE_LOG each failure's traceback is appended to that file as it happens,
+    so a run its time limit cuts off still says why (gpu_check.sh); xdist's workers leave it to the
+    controller, which sees every report."""
+    path = os.environ.get("JAXFORGE_FAILURE_LOG")
+    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(path, "a") as log:
+            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

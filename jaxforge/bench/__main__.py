@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--budget",
         type=lambda text: tuple(float(x) for x in text.split(",")),
-        help="seconds into the run after which anchors are skipped: linalg takes one number, attention "
-        "SOFT,HARD (optional contenders, then all) (default: the family's own on a GPU, none elsewhere)",
+        help="seconds into the run after which anchors are skipped: linalg takes one number (or S,ALL: "
+        "jaxforge's rows too past ALL), attention SOFT,HARD (optional contenders, then all) "
+        "(default: the family's own on a GPU, none elsewhere)",
     )
     parser.add_argument(
         "--variants",
@@ -42,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     budget = args.budget
-    if budget is not None and len(budget) != (2 if args.family == "attention" else 1):
-        parser.error(f"--budget for {args.family} takes {'SOFT,HARD' if args.family == 'attention' else 'one number'}")
-    if budget is not None and args.family != "attention":
+    if budget is not None and len(budget) not in ((2,) if args.family == "attention" else (1, 2)):
+        parser.error(f"--budget for {args.family} takes {'SOFT,HARD' if args.family == 'attention' else 'S or S,ALL'}")
+    if budget is not None and len(budget) == 1:
         budget = budget[0]
     options = {}
     if args.variants:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 import jaxforge as jf
 from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
 from jaxforge.primitives.linalg._ops import solve_triangular
-from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES
+from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES, default_rcond
 from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
 
 __all__ = ["COND", "OPS", "QUICK_SHAPES", "measure"]
@@ -79,23 +80,26 @@ def measure(
 ) -> list[dict]:
     """Times every implementation of svd and lstsq on each selected shape; one record per triple.
 
-    ``shapes`` names entries of the ``SHAPES`` tables or of ``QUICK_SHAPES``; the default is every
+    ``shapes`` names entries of the ``SHAPES`` tables or of ``QUICK_SHAPES``, for both ops or, as
+    ``op:name``, for one; the default is every
     shape tagged for this run (``quick``, else ``bench_gpu`` on a GPU and ``bench_cpu`` elsewhere).
     ``progress(done, total, label)`` is called before each measurement and once at the end.
-    ``budget_s``: seconds after which anchors are skipped (default: ``GPU_BUDGET_S`` on a GPU,
-    unlimited elsewhere).
+    ``budget_s``: seconds after which anchors are skipped, or ``(anchors, all)`` to skip jaxforge's
+    own rows too past the second, so that a run under a time limit still writes its results
+    (default: ``GPU_BUDGET_S`` for the anchors on a GPU, unlimited elsewhere).
     """
     start = time.perf_counter()
     backend = jax.default_backend()
     on_cpu = backend == "cpu"  # where every implementation loops over the batch, one matrix at a time
     if shapes is not None:
-        known = {name for op in OPS.values() for name in op.shapes}
+        known = {f"{qualifier}{name}" for op in OPS.values() for name in op.shapes for qualifier in ("", f"{op.name}:")}
         unknown = sorted(set(shapes) - known)
         if unknown:
             raise ValueError(f"unknown shape name(s) {unknown}; known: {sorted(known)}")
     tag = "quick" if quick else "bench_gpu" if backend == "gpu" else "bench_cpu"
     if budget_s is None:
-        budget_s = GPU_BUDGET_S if backend == "gpu" and not quick else float("inf")
+        budget_s = GPU_BUDGET_S if backend == "gpu" and not quick else math.inf
+    soft, hard = (budget_s, math.inf) if np.isscalar(budget_s) else budget_s
     repeats = _REPEATS["quick" if quick else backend if backend in _REPEATS else "gpu"]
     plan = [
         (op, name, shape, op.implementations(backend))
@@ -114,8 +118,8 @@ def measure(
             elapsed = time.perf_counter() - start
             if not impl.applies(shape):
                 record.update(untimed_record("skipped", "not measured on this shape (it informs a dispatch choice on others)"))
-            elif impl.name != "jaxforge" and elapsed > budget_s:
-                reason = f"time budget: {elapsed:.0f} s into the run, past its limit of {budget_s:.0f} s"
+            elif elapsed > (limit := hard if impl.name == "jaxforge" else soft):
+                reason = f"time budget: {elapsed:.0f} s into the run, past its limit of {limit:.0f} s"
                 record.update(untimed_record("skipped", reason))
             else:
                 record.update(_measure(op, impl, inputs, host64, repeats, batch_is_a_loop=on_cpu))
@@ -129,7 +133,8 @@ def measure(
 def _select_shapes(op: _Op, names, tag: str) -> dict[str, tuple[int, ...]]:
     if names is None:
         return {name: shape for name, (shape, tags) in op.shapes.items() if tag in tags}
-    return {name: op.shapes[name][0] for name in names if name in op.shapes}
+    picked = [name.removeprefix(f"{op.name}:") for name in names]
+    return {name: op.shapes[name][0] for name in picked if name in op.shapes}
 
 
 def _measure(
@@ -226,9 +231,9 @@ def _svd_implementations(backend: str) -> list[Implementation]:
 
 
 def _svd_kernel_variants() -> list[Implementation]:
-    """On the small shapes the one-warp kernel serves (m, n <= 32), its column-per-lane sweeps
-    (``jaxforge-lanes``: config.JACOBI_LANES) and the one-block kernel (``jaxforge-block``: which
-    decides config.JACOBI_WARP_MAX_DIM) beside ``jaxforge``'s row-per-lane warp kernel (issue 3)."""
+    """On the small shapes the one-warp kernel serves (m, n <= 32), each kernel that could: its
+    row-per-lane and column-per-lane sweeps (``jaxforge-rows``, ``jaxforge-lanes``: which decide
+    config.JACOBI_LANES) and the one-block kernel (``jaxforge-block``: config.JACOBI_WARP_MAX_DIM)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.svd import cuda
 
@@ -241,7 +246,8 @@ def _svd_kernel_variants() -> list[Implementation]:
 
         return Implementation(name, jax.jit(svd), applies=lambda shape: max(shape[-2:]) <= 32)
 
-    return [row("jaxforge-lanes", cuda.LANES_TARGET), row("jaxforge-block", cuda.BLOCK_TARGET)]
+    targets = {"rows": cuda.WARP_TARGETS["float32"], "lanes": cuda.LANES_TARGET, "block": cuda.BLOCK_TARGET}
+    return [row(f"jaxforge-{name}", target) for name, target in targets.items()]
 
 
 def _large(shape) -> bool:
@@ -314,11 +320,19 @@ def _lstsq_factors() -> list[Implementation]:
         solve = jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),))
         return Implementation(f"lstsq-{name}", solve, applies=applies)
 
+    def fused(a, b):  # the kernel's own solution, without lstsq's later rungs
+        if not build.ensure_loaded(cuda.KERNEL):
+            raise RuntimeError("the lstsq kernel could not be built here")
+        m, n = a.shape[-2:]
+        return (cuda.qr_solve_cuda(a, b, default_rcond(a.dtype, m, n))[1],)
+
     tall = lambda shape: shape[1] >= shape[2]  # noqa: E731
     fits = lambda shape: config.qr_r_block_fits(shape[1], shape[2] + shape[3], np.dtype(np.float32))  # noqa: E731
+    fused_fits = lambda shape: config.qr_solve_fits(*shape[1:], np.dtype(np.float32))  # noqa: E731
     return [
         row("householder", augmented_qr(), tall),  # cuSOLVER geqrf
         row("qr_r", kernel, fits),  # the block kernel
+        Implementation("lstsq-qr_solve", jax.jit(fused), applies=fused_fits),  # the fused kernel
         row("cholesky_qr2", cholesky_qr2(augmented_qr()), tall),
     ]
 

@@ -45,6 +45,9 @@ def test_table_has_one_row_per_record(quick_run):
 def test_shapes_filter_by_name():
     records = run("linalg", quick=True, shapes=["quick_wide"])
     assert {r["shape_name"] for r in records} == {"quick_wide"}
+    assert {r["op"] for r in records} == {"svd", "lstsq"}
+    records = run("linalg", quick=True, shapes=["lstsq:quick_wide"], budget_s=0.0)  # one op's only
+    assert {(r["op"], r["shape_name"]) for r in records} == {("lstsq", "quick_wide")}
 
 
 def test_past_the_budget_only_jaxforge_is_measured():
@@ -55,6 +58,8 @@ def test_past_the_budget_only_jaxforge_is_measured():
         else:
             assert r["status"] == "skipped" and "time budget" in r["reason"], r
     assert len(records) > 2  # both ops, with their anchors
+    records = run("linalg", quick=True, shapes=["quick_tall"], budget_s=(0.0, 0.0))  # and past ALL, none
+    assert {r["status"] for r in records} == {"skipped"} and len(records) > 2
 
 
 def test_a_timed_row_without_a_jaxforge_time_has_no_ratio():
@@ -197,11 +202,12 @@ def test_gpu_svd_algorithm_variants_are_accurate_and_gated_to_large_shapes():
 def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
     from jaxforge.bench import linalg
 
-    lanes, block = linalg._svd_kernel_variants()
-    householder, qr_r, cholesky = linalg._lstsq_factors()
-    assert block.applies((8192, 32, 32)) and not block.applies((1024, 64, 64))
-    assert lanes.applies((8192, 32, 32)) and not lanes.applies((1024, 64, 64))
+    for kernel in linalg._svd_kernel_variants():
+        assert kernel.applies((8192, 32, 32)) and not kernel.applies((1024, 64, 64)), kernel.name
+    householder, qr_r, qr_solve, cholesky = linalg._lstsq_factors()
     assert qr_r.applies((8192, 64, 16, 1)) and not qr_r.applies((256, 512, 128, 4))  # 40 KiB at most
+    assert qr_solve.applies((8192, 64, 16, 1)) and qr_solve.applies((7, 37, 61, 3))  # wide too: Aᵀ fits
+    assert not qr_solve.applies((256, 512, 128, 4))
     assert cholesky.applies((256, 512, 128, 4)) and not cholesky.applies((7, 37, 61, 3))  # tall only
     (a, b) = linalg._lstsq_inputs((2, 300, 40, 2))  # the two that need no kernel also run here
     for row in (householder, cholesky):

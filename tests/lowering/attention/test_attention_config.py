@@ -30,13 +30,25 @@ def test_tiles_fit_shared_memory_for_every_head_dim_and_dtype(kernels, stages):
             continue
         assert block_q >= 16 and block_kv >= 16 and block_q & (block_q - 1) == 0 and block_kv & (block_kv - 1) == 0
         for k in kernels:
-            assert config.triton_smem(k, block_q, block_kv, d, dv, itemsize, stages or config.TRITON_STAGES) <= config.TRITON_SMEM_BYTES
+            stages_used = config.triton_compiler(impl, kernels, d)[1]
+            assert config.triton_smem(k, block_q, block_kv, d, dv, itemsize, stages_used) <= config.TRITON_SMEM_BYTES
 
 
 def test_tiles_stay_at_their_start_where_they_fit_and_short_sequences_shrink_them():
     impl = Implementation("pallas_triton")
-    assert config.tiles("pallas_triton", 8192, 8192, impl, kernels=("fwd",), d=128, dv=128) == (128, 64)
+    for kernels in KERNEL_SETS:
+        for d in (64, 128):
+            start = config.triton_start(kernels, d)
+            assert config.tiles("pallas_triton", 8192, 8192, impl, kernels=kernels, d=d, dv=d) == start[:2]
+            assert config.triton_compiler(impl, kernels, d) == start[2:]
     assert config.tiles("pallas_triton", 8192, 8192, impl, kernels=("tangent",), d=256, dv=128) != (128, 64)
     assert config.tiles("pallas_triton", 20, 9, impl, kernels=("fwd",), d=64, dv=64) == (32, 16)
-    assert config.triton_compiler(impl) == (config.TRITON_NUM_WARPS, config.TRITON_STAGES)
-    assert config.triton_compiler(Implementation("pallas_triton", num_warps=8, num_stages=3)) == (8, 3)
+    own = Implementation("pallas_triton", block_q=32, block_kv=16, num_warps=8, num_stages=3)
+    assert config.tiles("pallas_triton", 8192, 8192, own, kernels=("fwd",), d=64, dv=64) == (32, 16)
+    assert config.triton_compiler(own, ("fwd",), 64) == (8, 3)
+
+
+def test_tuned_starts_are_per_call_and_head_dim():
+    assert config.triton_start(("bwd_dq", "bwd_dkv"), 128) == config.TRITON_TUNED["bwd", 128]
+    assert config.triton_start(("fwd",), 128) == config.TRITON_TUNED["fwd", 128]
+    assert config.triton_start(("tangent",), 32) == config.TRITON_START  # not measured: the start

@@ -54,8 +54,11 @@ def test_solve_bytes_match_the_kernel_layout(tmp_path):
     assert printed == [config.qr_solve_bytes(*shape, size) for size in (4, 8) for shape in SOLVE_SHAPES]
 
 
-def test_kernels_stay_off_until_validated(monkeypatch):
+def test_kernels_stay_off_until_validated_and_faster(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    assert config.use_qr_solve(64, 16, 1, F32) == (config.QR_SOLVE_VALIDATED and config.QR_KERNELS_FASTER)
+    assert config.use_qr_r_block(64, 17, F32) == (config.QR_R_VALIDATED and config.QR_KERNELS_FASTER)
+    monkeypatch.setattr(config, "QR_KERNELS_FASTER", True)
     assert config.use_qr_solve(64, 16, 1, F32) == config.QR_SOLVE_VALIDATED
     assert config.use_qr_r_block(64, 17, F32) == config.QR_R_VALIDATED
 
@@ -87,7 +90,16 @@ def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypat
 
 def test_cholesky_qr_rules_can_admit_batches_only(monkeypatch):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setattr(config, "CHOLESKY_QR_RULES", ((1, 256, 4),))
     assert config.use_cholesky_qr2(1, 16384, 1024, F32) and not config.use_cholesky_qr2(256, 512, 128, F32)
     monkeypatch.setattr(config, "CHOLESKY_QR_RULES", ((1, 256, 4), (64, 64, 4)))
     assert config.use_cholesky_qr2(256, 512, 128, F32) and not config.use_cholesky_qr2(8, 512, 128, F32)
     assert not config.use_cholesky_qr2(256, 512, 128, F64)  # no wider type for float64's Grams
+
+
+def test_the_measured_shapes_take_the_measured_winner(monkeypatch):
+    # ANCHORS' shapes as timed on the H200 (config.CHOLESKY_QR_RULES, QR_KERNELS_FASTER)
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    for batch, m, n in [(1, 16384, 1024), (256, 512, 128), (1, 4096, 4096)]:
+        assert config.use_cholesky_qr2(batch, m, n, F32)
+    assert not config.use_cholesky_qr2(8192, 64, 16, F32) and not config.use_qr_solve(64, 16, 1, F32)

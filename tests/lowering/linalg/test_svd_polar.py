@@ -82,7 +82,9 @@ def test_large_svd_qdwh_gives_nan_for_nonfinite_matrices_only():
 
 
 def test_large_svd_rules(monkeypatch):
-    assert config.large_svd_method(2048, 2048, False) is None  # empty until measured
+    assert config.large_svd_method(2048, 2048, False) == ("qdwh", False)  # measured on the H200
+    assert config.large_svd_method(8192, 512, False) == ("qdwh", True)
+    assert config.large_svd_method(1000, 100, False) is None  # min(m, n) below what was measured
     monkeypatch.setattr(config, "LARGE_SVD", ((512, 4.0, "qdwh", True), (512, 1.0, "gesvdp", False)))
     assert config.large_svd_method(8192, 512, False) == ("qdwh", True)  # the first rule that matches
     assert config.large_svd_method(512, 8192, False) == ("qdwh", True)

@@ -1,15 +1,15 @@
 """Tile sizes of the attention lowerings.
 
 XLA (CPU and fallback): large tiles amortise the per-iteration overhead of the tile loops; the
-Pallas Triton kernels want powers of two that keep the accumulators in registers. GPU figures are
-placeholders until tuned on the H200 (benchmarks/gpu_check.sh).
+Pallas Triton kernels want powers of two that keep the accumulators in registers, with tiles, warps
+and pipeline stages tuned on the H200 per call and head dim (TRITON_TUNED).
 """
 
 from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem"]
+__all__ = ["mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
 
 
 def pow2_at_least(n: int) -> int:
@@ -19,8 +19,21 @@ def pow2_at_least(n: int) -> int:
 # Shared memory a Triton program may take: sm90 gives a block 227 KiB (sm80: 163 KiB); the margin
 # is for what the estimate below does not count.
 TRITON_SMEM_BYTES = 220 * 1024
-TRITON_STAGES = 2  # copies of each inner-loop tile that Triton's software pipelining keeps
-TRITON_NUM_WARPS = 4
+# (block_q, block_kv, num_warps, num_stages) of one call's Triton kernels, by the call (fwd, tangent,
+# bwd: dq and dkv) and the padded head dim d; the stages are the copies of each inner-loop tile that
+# Triton's software pipelining keeps. An Implementation's own fields win. Tuned on the H200 by
+# `gpu_check.sh tune` (2026-11-30, benchmarks/results/2026-11-30-h200-attention-tune.json): the
+# D64 case (8 x 2048, 16 heads) and the causal D128 one (2 x 8192, 16 heads), bf16, against the
+# start below. Forward D64: 0.73 ms against 1.09; forward D128: 2.15 against 2.32; tangent D128:
+# 6.02 against 9.74; backward D128 (fwd+bwd less fwd): 5.0 against 12.2. The D64 backward and
+# tangent were best at the start; other head dims are not measured.
+TRITON_START = (128, 64, 4, 2)
+TRITON_TUNED = {
+    ("fwd", 64): (128, 64, 4, 3),
+    ("fwd", 128): (128, 128, 8, 2),
+    ("tangent", 128): (128, 64, 8, 2),
+    ("bwd", 128): (64, 64, 4, 2),
+}
 # Per kernel, in head dims (d of q/k, dv of v): the width of the program's own tile rows and of the
 # rows its inner loop loads, the matmul operands that go through shared memory. fwd owns q and loads
 # k, v; tangent owns q, dq and loads k, v, dk, dv; bwd_dq owns q, dout and loads k, v; bwd_dkv owns
@@ -40,16 +53,18 @@ def tiles(
     """``(block_q, block_kv)`` for one call of lowering ``name``.
 
     Triton: ``kernels`` (names of ``_TRITON_WIDTHS``) share the tiles; ``d``, ``dv`` are the padded
-    head dims. Tiles start at 128 x 64 and the larger one (else the inner loop's) is halved until
-    every kernel's estimated shared memory fits ``TRITON_SMEM_BYTES``.
+    head dims. Tiles start at the call's ``triton_start`` (no longer than the sequences) and the
+    larger one (else the inner loop's) is halved until every kernel's estimated shared memory fits
+    ``TRITON_SMEM_BYTES``.
     """
     if name == "xla":
         block_q, block_kv = min(128, _round_up(sq, 8)), min(256, _round_up(skv, 8))
         return impl.block_q or block_q, impl.block_kv or block_kv
     # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
-    block_q, block_kv = min(128, max(16, pow2_at_least(sq))), min(64, max(16, pow2_at_least(skv)))
+    start_q, start_kv, *_ = triton_start(kernels, d)
+    block_q, block_kv = min(start_q, max(16, pow2_at_least(sq))), min(start_kv, max(16, pow2_at_least(skv)))
     block_q, block_kv = impl.block_q or block_q, impl.block_kv or block_kv
-    stages = triton_compiler(impl)[1]
+    stages = triton_compiler(impl, kernels, d)[1]
     while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize, stages) > TRITON_SMEM_BYTES]:
         loop_is_kv = _TRITON_OWNS_Q[over[0]]
         if block_q > block_kv or (block_q == block_kv and not loop_is_kv):
@@ -65,9 +80,17 @@ def tiles(
     return block_q, block_kv
 
 
-def triton_compiler(impl: Implementation) -> tuple[int, int]:
-    """``(num_warps, num_stages)`` of the Triton kernels."""
-    return impl.num_warps or TRITON_NUM_WARPS, impl.num_stages or TRITON_STAGES
+def triton_start(kernels, d: int) -> tuple[int, int, int, int]:
+    """``(block_q, block_kv, num_warps, num_stages)`` before the Implementation's own and the fit to
+    shared memory, for the call running ``kernels`` at padded head dim ``d``."""
+    call = "bwd" if kernels[0].startswith("bwd") else kernels[0]
+    return TRITON_TUNED.get((call, d), TRITON_START)
+
+
+def triton_compiler(impl: Implementation, kernels, d: int) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the Triton kernels of one call (see ``triton_start``)."""
+    *_, warps, stages = triton_start(kernels, d)
+    return impl.num_warps or warps, impl.num_stages or stages
 
 
 def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, itemsize: int, stages: int) -> int:

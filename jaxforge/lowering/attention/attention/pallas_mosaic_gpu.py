@@ -121,7 +121,7 @@ def attention_fwd_mosaic(
                 plgpu.barrier_wait(k_ready.at[slot])
 
                 def scores(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                     meet()
                     return acc_ref[...]
 

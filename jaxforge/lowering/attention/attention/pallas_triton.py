@@ -61,12 +61,14 @@ def _padded_dim(n: int) -> int:
     return max(16, config.pow2_at_least(n))
 
 
-def _geometry(kernels, q, k, v, scale: float, implementation: Implementation) -> Geometry:
-    """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles)."""
+def _geometry(kernels, q, k, v, scale: float, implementation: Implementation):
+    """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles), and the
+    kernels' ``(num_warps, num_stages)``."""
     d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
-    return xla.geometry(
+    geo = xla.geometry(
         "pallas_triton", q, k, scale, implementation, kernels=kernels, d=d, dv=dv, itemsize=q.dtype.itemsize
     )
+    return geo, config.triton_compiler(implementation, kernels, d)
 
 
 def _seq_major(x, padded: int, width: int | None = None):
@@ -93,12 +95,12 @@ def _whole(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, impl: Implementation):
+def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, compiler: tuple[int, int]):
     # Inside shard_map (check_vma) pallas_call wants each output's varying mesh axes. The lowering
     # traces on untyped avals (primitives._core), so the outputs take the operands' (empty) ones.
     mat = jax.typeof(args[1]).manual_axis_type
     out_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
-    warps, stages = config.triton_compiler(impl)
+    warps, stages = compiler
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -165,7 +167,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
 
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo = _geometry(("fwd",), q, k, v, scale, implementation)
+    geo, compiler = _geometry(("fwd",), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -195,13 +197,13 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
         (offset, qp, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_fwd",
-        implementation,
+        compiler,
     )
     return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo = _geometry(("tangent",), q, k, v, scale, implementation)
+    geo, compiler = _geometry(("tangent",), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
@@ -238,7 +240,7 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
         (offset, *rows, *cols, *mask_ops, *score_c, *dscore),
         "jaxforge_attention_tangent",
-        implementation,
+        compiler,
     )
     return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
 
@@ -251,7 +253,7 @@ def attention_bwd_pallas(
             q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
             implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
         )  # fmt: skip
-    geo = _geometry(("bwd_dq", "bwd_dkv"), q, k, v, scale, implementation)
+    geo, compiler = _geometry(("bwd_dq", "bwd_dkv"), q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]
@@ -285,7 +287,7 @@ def attention_bwd_pallas(
         jax.ShapeDtypeStruct(qp.shape, q.dtype),
         (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dq",
-        implementation,
+        compiler,
     )
 
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
@@ -315,7 +317,7 @@ def attention_bwd_pallas(
         [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         (offset, kp, vp, qp, gp, lse_p, delta_p, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dkv",
-        implementation,
+        compiler,
     )
     return (
         _back(gq, batch, geo.sq, q.shape[-1]),
