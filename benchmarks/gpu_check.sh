@@ -3,8 +3,9 @@
 # builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; logs and
 # JSON go to $OUT (at most 8 files, what the device tool brings back). Prints short tables last.
 #
-#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention tune
-#                                        (default: the first four; tune is the Triton tile sweep)
+#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention tune profile
+#                                        (default: the first four; tune is the Triton tile sweep,
+#                                        profile Nsight Compute on the linalg kernels)
 #
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
 # --budget; linalg's shape names may name one op, as svd:tiny_batch); LINALG_CAP_S raises the
@@ -95,6 +96,18 @@ if wants tune; then
   timeout "$limit" python3 -m jaxforge.bench attention --shapes "$TUNE_SHAPES" --variants "$TUNE_VARIANTS" \
     --budget 0,$((limit - 40)) --tag tune --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[tune]=${PIPESTATUS[0]}
+fi
+
+if wants profile; then
+  # Per kernel: duration, occupancy (achieved and its limiters), throughput, and where warps stall.
+  echo "== linalg kernel profile"
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  timeout "$(cap 150)" "${ncu:-ncu}" --clock-control none --kernel-name regex:'qr_|svd_jacobi' \
+    --section LaunchStats --section Occupancy --section SpeedOfLight --section WarpStateStats \
+    python3 benchmarks/profile_kernels.py >"$OUT/profile.txt" 2>&1
+  rc[profile]=$?
+  grep -E "^  [a-z_]+kernel|Duration|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per" \
+    "$OUT/profile.txt" | head -60
 fi
 
 echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s ' "$p" "${rc[$p]}"; done))"

@@ -1,0 +1,55 @@
+"""Launches each linalg CUDA kernel of jaxforge once at its ANCHORS shape (float32) for a profiler
+to read: `benchmarks/gpu_check.sh profile` runs it under Nsight Compute (the kernels are built
+ahead, so the launch is the kernel's steady state; XLA's compilation happens on the host).
+
+    python3 benchmarks/profile_kernels.py [NAME...]   # NAME: qr_r qr_solve svd_rows svd_lanes svd_block
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+import numpy as np
+
+from jaxforge.lowering import build
+from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
+from jaxforge.lowering.linalg.svd import cuda as svd_cuda
+
+
+def _normal(shape):
+    return jax.device_put(np.random.default_rng(0).standard_normal(shape).astype(np.float32))
+
+
+def _cases():
+    a, b = _normal((8192, 64, 16)), _normal((8192, 64, 1))
+    augmented = _normal((8192, 64, 17))
+    qr_r = jax.ffi.ffi_call(lstsq_cuda.QR_R_TARGETS["float32"], jax.ShapeDtypeStruct((8192, 17, 17), np.float32))
+    svd = lambda target: lambda x: svd_cuda.jacobi_svd(x, target)  # noqa: E731
+    return {
+        "qr_r": (qr_r, (augmented,)),
+        "qr_solve": (lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-5)[:3], (a, b)),
+        "svd_rows": (svd(svd_cuda.WARP_TARGETS["float32"]), (_normal((8192, 32, 32)),)),
+        "svd_lanes": (svd(svd_cuda.LANES_TARGET), (_normal((8192, 32, 32)),)),
+        "svd_block": (svd(svd_cuda.BLOCK_TARGET), (_normal((1024, 64, 64)),)),
+    }
+
+
+def main(names: list[str]) -> int:
+    if not (build.ensure_loaded(lstsq_cuda.KERNEL) and build.ensure_loaded(svd_cuda.KERNEL)):
+        print("the kernels could not be built or loaded here (no CUDA GPU, or no nvcc)", file=sys.stderr)
+        return 1
+    cases = _cases()
+    unknown = sorted(set(names) - set(cases))
+    if unknown:
+        print(f"unknown kernel name(s) {unknown}; known: {sorted(cases)}", file=sys.stderr)
+        return 2
+    for name in names or cases:
+        fn, args = cases[name]
+        jax.block_until_ready(jax.jit(fn)(*args))
+        print(f"{name}: ran", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
