@@ -50,6 +50,12 @@ def after(x, dep):
     return x + tie.astype(x.dtype)
 
 
+def after_on_cpu(x, dep):
+    """``after(x, dep)`` where the program runs on CPU, where the deadlock ``after`` avoids lives;
+    ``x`` elsewhere, which leaves XLA free to drop ``dep``'s computation when nothing else uses it."""
+    return lax.platform_dependent(x, dep, cpu=after, default=lambda x, _: x)
+
+
 def truncated_pinv(u, s, v, keep, y):
     """``V diag(1/s) Uᴴ y`` over the kept triplets: the truncated pseudo-inverse of ``U diag(s) Vᴴ``.
 

@@ -43,7 +43,7 @@ from jax import lax
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, diagonal, mm, solve_triangular, truncated_pinv
+from jaxforge.primitives.linalg._ops import after, after_on_cpu, ct, diagonal, mm, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.svd import svd_p
 
 __all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
@@ -116,17 +116,19 @@ def _jvp(primals, tangents, *, rcond: float):
         dx, ds = jnp.zeros_like(x), jnp.zeros_like(s)
     else:
         # The factors are recomputed with jax's differentiable QR so that second derivatives flow
-        # through them; x and rank come from the primitive (the kernel on GPU). Every LAPACK call
-        # is chained after the previous one (see _ops.after).
-        q, r = lax.linalg.qr(after(after(a if m >= n else ct(a), x), s[..., None]), full_matrices=False)
-        _, u_r, vh_r = svd_p.bind(after(r, q), full_matrices=False, compute_uv=True, grad_eps=0.0)
-        u, v = (mm(q, u_r), ct(vh_r)) if m >= n else (ct(vh_r), mm(q, u_r))  # thin SVD of A
-        r = after(r, u_r)
+        # through them; x and rank come from the primitive (the kernel on GPU). The SVD of R serves
+        # ds, so XLA drops it where s has no tangent (a gradient of x alone; likewise the forward's
+        # s), and the rank-deficient branch takes its own. On CPU every LAPACK call is chained
+        # after the previous one (_ops.after): there the solves wait for ds's SVD, which then runs.
+        q, r = lax.linalg.qr(after_on_cpu(after(a if m >= n else ct(a), x), s[..., None]), full_matrices=False)
+        r = after(r, q)
+        u, v = _singular_vectors(q, r, wide=m < n)
         ds = jnp.real(diagonal(mm(mm(ct(u), da), v)))
+        r = after_on_cpu(r, u)
         dx = lax.cond(
             jnp.all(rank == k),
             lambda: _full_rank_tangent(a, b, x, q, r, da, db),
-            lambda: _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db),
+            lambda: _mixed_rank_tangent(a, b, x, q, r, s, rank, da, db),
         )
     dres = jnp.zeros_like(residuals)
     if m > n:
@@ -148,8 +150,18 @@ def _full_rank_tangent(a, b, x, q, r, da, db):
     return mm(q, solve_triangular(after(r, z), db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
 
 
-def _mixed_rank_tangent(a, b, x, q, r, u, s, v, rank, da, db):
+def _singular_vectors(q, r, *, wide: bool):
+    """``(U, V)`` of the thin SVD of ``A`` from that of its small factor: ``A = QR``, or ``Aᴴ = QR``
+    when ``wide``."""
+    _, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    return (ct(vh_r), mm(q, u_r)) if wide else (mm(q, u_r), ct(vh_r))
+
+
+def _mixed_rank_tangent(a, b, x, q, r, s, rank, da, db):
     """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere."""
+    m, n = a.shape[-2:]
+    u, v = _singular_vectors(q, r, wide=m < n)
+    r = after(r, u)  # the solves wait for the SVD
     k = r.shape[-1]
     full = (rank == k)[..., None, None]
     r_safe = jnp.where(full, r, jnp.eye(k, dtype=r.dtype))  # keeps the unselected branch finite

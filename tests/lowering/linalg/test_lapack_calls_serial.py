@@ -93,3 +93,14 @@ def test_svd_programs_run_their_lapack_calls_one_at_a_time(m, n):
 def test_the_check_finds_two_independent_calls():
     hlo = jax.jit(lambda a, b: (jnp.linalg.qr(a), jnp.linalg.svd(b))).lower(jnp.ones((4, 6, 3)), jnp.ones((4, 5, 5)))
     assert independent_lapack_calls(hlo.compile().as_text())
+
+
+def test_the_cpu_only_tie_leaves_other_platforms_free_to_drop_its_dependency():
+    # _ops.after_on_cpu: lstsq's jvp ties ds's SVD of R into its solves on CPU only, so that on
+    # GPU a gradient of the solution alone runs no SVD of R (XLA drops what nothing uses).
+    from jaxforge.primitives.linalg._ops import after_on_cpu
+
+    f = jax.jit(lambda x, dep: after_on_cpu(x, jnp.sin(dep)))
+    arg = jax.ShapeDtypeStruct((3, 3), jnp.float32)
+    lowered = {p: jax.export.export(f, platforms=(p,))(arg, arg).mlir_module() for p in ("cpu", "cuda")}
+    assert "stablehlo.sine" in lowered["cpu"] and "stablehlo.sine" not in lowered["cuda"]
