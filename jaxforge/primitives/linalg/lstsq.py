@@ -24,8 +24,10 @@ Full column rank (:math:`m \ge n`, :math:`A = QR`) this is
 ``(da, db)``, so JAX transposes them for reverse mode and full-rank gradients never meet an SVD
 singularity. Rank-deficient inputs use the truncated pseudo-inverse from the SVD of ``R``; that
 branch runs only when some matrix in the batch is rank-deficient (``lax.cond`` on device). The
-singular vectors of ``A`` come from the SVD of the small factor ``R``. The residuals follow :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and
-the singular values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
+singular vectors of ``A`` come from the SVD of the small factor ``R`` (off CPU, only where that
+branch or a tangent of ``s`` needs them). The residuals follow
+:math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
+values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
 
 Where things live:
     API        jaxforge/functional/linalg.py :: lstsq
