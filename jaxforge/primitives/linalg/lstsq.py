@@ -38,6 +38,8 @@ Where things live:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,7 +50,7 @@ from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_d
 from jaxforge.primitives.linalg._ops import after, after_on_cpu, ct, diagonal, mm, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.svd import svd_p
 
-__all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
+__all__ = ["JVP_QR", "SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
 
 # Named shapes (batch, m, n, k) shared by tests and benchmarks; "bench_gpu" are ANCHORS.md shapes.
 SHAPES = {
@@ -108,6 +110,16 @@ def _abstract_eval(a, b, *, rcond: float):
     return _core.batch_sharded_avals("lstsq", {"a": a, "b": b}, len(batch), outputs)
 
 
+# The jvp's thin QR by platform: a lowering may register one that beats jax's Householder QR there
+# and keeps jax's derivative rules (lowering/linalg/lstsq registers CholeskyQR2's for cuda).
+JVP_QR: dict[str, Callable] = {}
+
+
+def _jvp_qr(x):
+    householder = lambda x: lax.linalg.qr(x, full_matrices=False)  # noqa: E731
+    return lax.platform_dependent(x, default=householder, **JVP_QR) if JVP_QR else householder(x)
+
+
 def _jvp(primals, tangents, *, rcond: float):
     a, b = primals
     x, residuals, rank, s = lstsq_p.bind(a, b, rcond=rcond)
@@ -117,12 +129,12 @@ def _jvp(primals, tangents, *, rcond: float):
     if k == 0:
         dx, ds = jnp.zeros_like(x), jnp.zeros_like(s)
     else:
-        # The factors are recomputed with jax's differentiable QR so that second derivatives flow
-        # through them; x and rank come from the primitive (the kernel on GPU). The SVD of R serves
+        # The factors are recomputed with a differentiable QR (_jvp_qr) so that second derivatives
+        # flow through them; x and rank come from the primitive (the kernel on GPU). The SVD of R serves
         # ds, so XLA drops it where s has no tangent (a gradient of x alone; likewise the forward's
         # s), and the rank-deficient branch takes its own. On CPU every LAPACK call is chained
         # after the previous one (_ops.after): there the solves wait for ds's SVD, which then runs.
-        q, r = lax.linalg.qr(after_on_cpu(after(a if m >= n else ct(a), x), s[..., None]), full_matrices=False)
+        q, r = _jvp_qr(after_on_cpu(after(a if m >= n else ct(a), x), s[..., None]))
         r = after(r, q)
         u, v = _singular_vectors(q, r, wide=m < n)
         ds = jnp.real(diagonal(mm(mm(ct(u), da), v)))

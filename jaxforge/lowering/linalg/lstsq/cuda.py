@@ -1,11 +1,13 @@
 """CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-Small problems: csrc/qr_solve.cuh solves in one kernel, the Householder QR of ``[A | b]`` (of ``Aᴴ``
-when wide) in shared memory, one block per matrix, Q never formed, the substitutions and the first
-rung of the full-rank certificate; a batch it certifies needs nothing else. Large tall float32 problems:
-CholeskyQR2 (cholesky_qr.py), matrix products in float64, with Householder as its on-device
-fallback; the Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the
-kernel cannot be built, cuSOLVER's geqrf runs as in the default.
+Small problems, once config admits the kernels (QR_KERNELS_FASTER): csrc/qr_solve.cuh solves in one
+kernel, the Householder QR of ``[A | b]`` (of ``Aᴴ`` when wide) in shared memory, one block per
+matrix, Q never formed, the substitutions and the first rung of the full-rank certificate; a batch
+it certifies needs nothing else. Large and batched tall float32 problems: CholeskyQR2
+(cholesky_qr.py), matrix products in float64, with Householder as its on-device fallback; the
+Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the kernel cannot
+be built, cuSOLVER's geqrf runs as in the default. The jvp's QR (``jvp_qr``) follows the forward:
+CholeskyQR2 where it factors, jax's Householder QR elsewhere.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import numpy as np
 
 from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config
-from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2
+from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2, cholesky_qr2_thin
 from jaxforge.lowering.linalg.lstsq.xla import augmented_qr, lstsq_xla, qr_r_lapack
 
 QR_R_TARGETS = {
@@ -81,6 +83,16 @@ def qr_solve_cuda(a, b, rcond: float):
         return r, x, certified != 0, None
     r_a, qhb = r[..., :n, :n], r[..., :n, n:]
     return r_a, x, certified != 0, lambda a, b: (r_a, qhb)
+
+
+def jvp_qr(x):
+    """The thin QR of lstsq's jvp on CUDA: CholeskyQR2 where the forward's dispatch takes it (a tall
+    ``x``: ``A``, or ``Aᴴ`` of a wide problem), else jax's Householder QR."""
+    *batch, m, n = x.shape
+    householder = lambda x: jax.lax.linalg.qr(x, full_matrices=False)  # noqa: E731
+    if config.use_cholesky_qr2(math.prod(batch), m, n, x.dtype):
+        return cholesky_qr2_thin(householder)(x)
+    return householder(x)
 
 
 def lstsq_cuda(a, b, *, rcond: float):
