@@ -24,10 +24,9 @@ def _normal(shape):
 def _cases():
     a, b = _normal((8192, 64, 16)), _normal((8192, 64, 1))
     augmented = _normal((8192, 64, 17))
-    qr_r = jax.ffi.ffi_call(lstsq_cuda.QR_R_TARGETS["float32"], jax.ShapeDtypeStruct((8192, 17, 17), np.float32))
     svd = lambda target: lambda x: svd_cuda.jacobi_svd(x, target)  # noqa: E731
     return {
-        "qr_r": (qr_r, (augmented,)),
+        "qr_r": (lstsq_cuda.qr_r_kernel, (augmented,)),
         "qr_solve": (lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-5)[:3], (a, b)),
         "svd_rows": (svd(svd_cuda.WARP_TARGETS["float32"]), (_normal((8192, 32, 32)),)),
         "svd_lanes": (svd(svd_cuda.LANES_TARGET), (_normal((8192, 32, 32)),)),

@@ -314,7 +314,7 @@ def _lstsq_factors() -> list[Implementation]:
     def kernel(a, b):
         if not build.ensure_loaded(cuda.KERNEL):
             raise RuntimeError("the lstsq kernel could not be built here")
-        return augmented_qr(cuda.qr_r_cuda)(a, b)
+        return augmented_qr(cuda.qr_r_kernel)(a, b)
 
     def row(name: str, factor, applies) -> Implementation:
         solve = jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),))
