@@ -20,18 +20,21 @@ def test_the_estimate_reproduces_the_requests_the_h200_refused():
 
 @pytest.mark.parametrize("kernels", KERNEL_SETS, ids=lambda k: "+".join(k))
 @pytest.mark.parametrize("stages", [None, 3, 4])
-def test_tiles_fit_shared_memory_for_every_head_dim_and_dtype(kernels, stages):
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_80", "sm_86"])
+def test_tiles_fit_shared_memory_for_every_head_dim_and_dtype(kernels, stages, arch):
     impl = Implementation("pallas_triton", num_stages=stages)
     for d, dv, itemsize in itertools.product([16, 64, 128, 256], [16, 64, 128, 256], [2, 4]):
         try:
-            block_q, block_kv = config.tiles("pallas_triton", 8192, 8192, impl, kernels=kernels, d=d, dv=dv, itemsize=itemsize)
-        except ValueError as e:  # only a deeper pipeline than the default, asked for, may not fit
-            assert stages is not None and "no Triton tiles fit" in str(e), e
+            block_q, block_kv = config.tiles(
+                "pallas_triton", 8192, 8192, impl, kernels=kernels, d=d, dv=dv, itemsize=itemsize, arch=arch
+            )
+        except ValueError as e:  # on an H200 only a deeper pipeline than the default, asked for
+            assert (stages is not None or arch != "sm_90a") and "no Triton tiles fit" in str(e), e
             continue
         assert block_q >= 16 and block_kv >= 16 and block_q & (block_q - 1) == 0 and block_kv & (block_kv - 1) == 0
         for k in kernels:
             stages_used = config.triton_compiler(impl, kernels, d)[1]
-            assert config.triton_smem(k, block_q, block_kv, d, dv, itemsize, stages_used) <= config.TRITON_SMEM_BYTES
+            assert config.triton_smem(k, block_q, block_kv, d, dv, itemsize, stages_used) <= config.TRITON_SMEM_BYTES[arch]
 
 
 def test_tiles_stay_at_their_start_where_they_fit_and_short_sequences_shrink_them():

@@ -80,3 +80,26 @@ def test_num_warps_and_num_stages_reach_every_triton_kernel():
     expected = {(f"jaxforge_attention_{k}", *config.triton_compiler(default, calls[k], D)) for k in calls}
     assert triton_compiler_params(None) == expected
     assert ("jaxforge_attention_fwd", 4, 3) in expected  # config.TRITON_TUNED at D = 64
+
+
+def test_calls_whose_tiles_fit_no_shared_memory_of_the_gpu_take_xla(monkeypatch):
+    # An sm86 block has 99 KiB: the float32 tangent at head dim 256 fits no tiles there (it does on
+    # an H200), so the default lowers it with XLA, and asking for Triton says why.
+    from jaxforge.lowering import build
+
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_86")
+
+    def kernels(d, dtype, implementation=None):
+        q = jax.ShapeDtypeStruct((1, 64, 2, d), dtype)
+        att = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), implementation=implementation)
+        f = jax.jit(lambda q, k, v: jax.jvp(att, (q, k, v), (q, k, v)))
+        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        text = jax.export.export(f, platforms=("cuda",), disabled_checks=[triton])(q, q, q).mlir_module()
+        return set(re.findall(r'name = "(jaxforge_attention_\w+)"', text))
+
+    assert kernels(256, jnp.float32) == {"jaxforge_attention_fwd"}  # the tangent runs XLA's tiles
+    assert kernels(64, jnp.float32) == {"jaxforge_attention_fwd", "jaxforge_attention_tangent"}
+    with pytest.raises(ValueError, match="no Triton tiles fit 94208 bytes of shared memory \\(sm_86\\)"):
+        kernels(256, jnp.float32, implementation="pallas_triton")
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    assert kernels(256, jnp.float32) == {"jaxforge_attention_fwd", "jaxforge_attention_tangent"}

@@ -3,8 +3,9 @@
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
 platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
 CPU) or "pallas_mosaic_gpu" (a Hopper forward kernel, Triton for the tangent and backward).
-``None`` means "pallas_triton" on GPU and "xla" elsewhere; on an sm90 GPU, once validated there
-(config.MOSAIC_VALIDATED), the forward runs on Mosaic GPU where it can.
+``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory; else "xla") and
+"xla" elsewhere; on an sm90 GPU, once validated there (config.MOSAIC_VALIDATED), the forward runs
+on Mosaic GPU where it can.
 """
 
 import math
@@ -42,12 +43,17 @@ IMPLEMENTATIONS = {
 }
 
 
+_KERNELS = {attention_fwd_p: ("fwd",), attention_tangent_p: ("tangent",), attention_bwd_p: ("bwd_dq", "bwd_dkv")}
+
+
 def _dispatch(prim, platform: str | None):
     def lowering(*args, mods, implementation, shards, **params):
         name = implementation.name
         mosaic_why_not = pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2]) if prim is attention_fwd_p else None
         if platform == "cuda" and name is None:
-            name = "pallas_triton" if pallas_triton.triton_can_run(mods) else "xla"
+            q, k, v = args[:3]
+            triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_KERNELS[prim], q, k, v, implementation)
+            name = "pallas_triton" if triton else "xla"
             if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default():
                 name = "pallas_mosaic_gpu"
         elif platform == "cuda" and name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):

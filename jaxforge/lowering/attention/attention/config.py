@@ -16,9 +16,10 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-# Shared memory a Triton program may take: sm90 gives a block 227 KiB (sm80: 163 KiB); the margin
-# is for what the estimate below does not count.
-TRITON_SMEM_BYTES = 220 * 1024
+# Shared memory a Triton program may take, by GPU: what a block may opt in to (sm90 227 KiB, sm80
+# 163 KiB, sm86/sm89 99 KiB) less a 7 KiB margin for what the estimate below does not count. Without
+# a GPU (interpret mode, lowering for export) the sm90 figure.
+TRITON_SMEM_BYTES = {"sm_90a": 220 * 1024, "sm_80": 156 * 1024, "sm_86": 92 * 1024, "sm_89": 92 * 1024}
 # (block_q, block_kv, num_warps, num_stages) of one call's Triton kernels, by the call (fwd, tangent,
 # bwd: dq and dkv) and the padded head dim d; the stages are the copies of each inner-loop tile that
 # Triton's software pipelining keeps. An Implementation's own fields win. Tuned on the H200 by
@@ -48,14 +49,23 @@ _TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False
 
 
 def tiles(
-    name: str, sq: int, skv: int, impl: Implementation, *, kernels=(), d: int = 0, dv: int = 0, itemsize: int = 2
+    name: str,
+    sq: int,
+    skv: int,
+    impl: Implementation,
+    *,
+    kernels=(),
+    d: int = 0,
+    dv: int = 0,
+    itemsize: int = 2,
+    arch: str | None = None,
 ) -> tuple[int, int]:
     """``(block_q, block_kv)`` for one call of lowering ``name``.
 
     Triton: ``kernels`` (names of ``_TRITON_WIDTHS``) share the tiles; ``d``, ``dv`` are the padded
     head dims. Tiles start at the call's ``triton_start`` (no longer than the sequences) and the
     larger one (else the inner loop's) is halved until every kernel's estimated shared memory fits
-    ``TRITON_SMEM_BYTES``.
+    ``TRITON_SMEM_BYTES`` of GPU ``arch``.
     """
     if name == "xla":
         block_q, block_kv = min(128, _round_up(sq, 8)), min(256, _round_up(skv, 8))
@@ -65,7 +75,8 @@ def tiles(
     block_q, block_kv = min(start_q, max(16, pow2_at_least(sq))), min(start_kv, max(16, pow2_at_least(skv)))
     block_q, block_kv = impl.block_q or block_q, impl.block_kv or block_kv
     stages = triton_compiler(impl, kernels, d)[1]
-    while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize, stages) > TRITON_SMEM_BYTES]:
+    limit = TRITON_SMEM_BYTES.get(arch, TRITON_SMEM_BYTES["sm_90a"])
+    while over := [k for k in kernels if triton_smem(k, block_q, block_kv, d, dv, itemsize, stages) > limit]:
         loop_is_kv = _TRITON_OWNS_Q[over[0]]
         if block_q > block_kv or (block_q == block_kv and not loop_is_kv):
             block_q //= 2
@@ -73,7 +84,7 @@ def tiles(
             block_kv //= 2
         if min(block_q, block_kv) < 16:
             raise ValueError(
-                f"attention: no Triton tiles fit {TRITON_SMEM_BYTES} bytes of shared memory for head dims "
+                f"attention: no Triton tiles fit {limit} bytes of shared memory ({arch or 'sm_90a'}) for head dims "
                 f"{d}/{dv}, {itemsize}-byte elements and {stages} pipeline stages (Implementation's block_q, "
                 f"block_kv, num_stages: {impl.block_q}, {impl.block_kv}, {impl.num_stages}); ask for fewer stages"
             )

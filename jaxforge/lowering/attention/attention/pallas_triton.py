@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxforge.lowering import build
 from jaxforge.lowering.attention.attention import config, xla
 from jaxforge.lowering.attention.attention.kernel import (
     Geometry,
@@ -33,7 +34,7 @@ from jaxforge.lowering.attention.attention.kernel import (
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["attention_bwd_pallas", "attention_fwd_pallas", "attention_tangent_pallas", "triton_can_run"]
+__all__ = ["attention_bwd_pallas", "attention_fwd_pallas", "attention_tangent_pallas", "triton_can_run", "triton_fits"]
 
 # What a mask or score_mod may apply to run inside a Triton kernel: elementwise arithmetic. Reading
 # a captured array at a traced index (document segment ids, a bias table) is a gather, which the
@@ -50,6 +51,16 @@ def triton_can_run(mods: Mods) -> bool:
     fns = [f for f in (mods.mask, mods.score) if f is not None]
     return all(f.num_consts == 0 and f.primitive_names() <= TRITON_ELEMENTWISE for f in fns)
 
+
+def triton_fits(kernels, q, k, v, implementation: Implementation) -> bool:
+    """Whether some tiles fit ``kernels``' shared memory on this GPU (config.tiles): not, for
+    example, float32 head dims of 256 on an sm86's 99 KiB."""
+    try:
+        _geometry(kernels, q, k, v, 1.0, implementation)
+    except ValueError:
+        return False
+    return True
+
 _SQ = pl.squeezed
 
 
@@ -65,9 +76,8 @@ def _geometry(kernels, q, k, v, scale: float, implementation: Implementation):
     """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles), and the
     kernels' ``(num_warps, num_stages)``."""
     d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
-    geo = xla.geometry(
-        "pallas_triton", q, k, scale, implementation, kernels=kernels, d=d, dv=dv, itemsize=q.dtype.itemsize
-    )
+    tile_args = dict(kernels=kernels, d=d, dv=dv, itemsize=q.dtype.itemsize, arch=build.gpu_arch())
+    geo = xla.geometry("pallas_triton", q, k, scale, implementation, **tile_args)
     return geo, config.triton_compiler(implementation, kernels, d)
 
 
