@@ -112,3 +112,26 @@ def test_gradient_through_the_kernel():
     cpu = jax.devices("cpu")[0]
     g_cpu = jax.grad(loss)(jax.device_put(a, cpu), jax.device_put(b, cpu))
     np.testing.assert_allclose(g_gpu, g_cpu, rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", [(16, 512, 128, 2), (16, 128, 512, 2)], ids=["tall", "wide"])
+def test_derivatives_where_cholesky_qr_factors(shape):
+    # float32 shapes that CHOLESKY_QR_RULES admit: the jvp's thin QR is CholeskyQR2's there
+    # (cuda.jvp_qr); its tangent and gradient against float64 on CPU (second derivatives through it:
+    # test_lstsq_cholesky_qr.py, on CPU)
+    batch, m, n, k = shape
+    rng = np.random.default_rng(3)
+    a, da = (well_conditioned(rng, (batch,), m, n, np.float32) for _ in range(2))
+    b, db = (random(rng, (batch, m, k), np.float32) for _ in range(2))
+    solution = lambda a, b: jf.linalg.lstsq(a, b).solution  # noqa: E731
+    loss = lambda a, b: jnp.sum(solution(a, b) ** 2)  # noqa: E731
+    programs = {
+        "tangent": lambda a, b, da, db: jax.jvp(solution, (a, b), (da, db))[1],
+        "grad": lambda a, b, da, db: jax.grad(loss, argnums=(0, 1))(a, b),
+    }
+    cpu = jax.devices("cpu")[0]
+    for name, program in programs.items():
+        got = jax.jit(program)(*on_gpu(a, b, da, db))
+        want = jax.jit(program)(*(jax.device_put(x.astype(np.float64), cpu) for x in (a, b, da, db)))
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            assert np.linalg.norm(to_double(g) - w) <= 1e-4 * np.linalg.norm(w), name
