@@ -131,14 +131,15 @@ def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64():
 @pytest.mark.parametrize("method", ["qdwh", "gesvdp"])
 def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
     # QDWH (polar.py: cuSOLVER's QR, Cholesky and syevd) and cuSOLVER's gesvdp, which the H200
-    # timed faster, on shapes past the kernels: an ill-conditioned square batch directly, a
-    # rank-deficient tall matrix after A = QR
+    # timed faster, on shapes past the kernels: an ill-conditioned square batch directly; after
+    # A = QR a rank-deficient tall matrix (Householder) and a 2048 x 512 one (CholeskyQR2 in float32)
     from jaxforge.lowering.linalg.svd import config
 
     rng = np.random.default_rng(6)
     ill = with_singular_values(rng, (2,), 520, 520, np.logspace(0, -6, 520)).astype(dtype)
     deficient = with_singular_values(rng, (1,), 600, 300, np.r_[np.linspace(2, 1, 150), np.zeros(150)]).astype(dtype)
-    for a, qr_first in ((ill, False), (deficient, True)):
+    tall = random(rng, (1, 2048, 512), dtype)
+    for a, qr_first in ((ill, False), (deficient, True), (tall, True)):
         monkeypatch.setattr(config, "LARGE_SVD", ((1, 1.0, method, qr_first),))
         f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered under the rule
         u, s, vh = f(on_gpu(a))

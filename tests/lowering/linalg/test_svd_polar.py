@@ -72,6 +72,20 @@ def test_large_svd_methods_on_cpu(method, qr_first):
         np.testing.assert_allclose(values, s, rtol=1e-5)
 
 
+def test_qr_first_takes_cholesky_qr_where_lstsq_would():
+    # float32 1100 x 260 (CHOLESKY_QR_RULES: n >= 256, m >= 4n): Q and R by CholeskyQR2, float64
+    # Grams; an ill-conditioned matrix of that shape falls back to Householder on device.
+    rng = np.random.default_rng(4)
+    well = random(rng, (1, 1100, 260), np.float32)
+    ill = with_singular_values(rng, (1,), 1100, 260, np.geomspace(1, 1e-7, 260), np.float32)
+    for a in (well, ill):
+        s, u, vh = jit_large_svd(a, method="gesvd", qr_first=True)
+        check_svd(a, s, u, vh)
+    text = jit_large_svd.lower(well, method="gesvd", qr_first=True).as_text()
+    assert "potrf" in text and "f64" in text
+    assert "potrf" not in jit_large_svd.lower(well[:, :1000], method="gesvd", qr_first=True).as_text()  # m < 4n
+
+
 def test_large_svd_qdwh_gives_nan_for_nonfinite_matrices_only():
     a = random(np.random.default_rng(3), (3, 30, 20), np.float32)
     a[0, 4, 2], a[2, 0, 0] = np.nan, np.inf
