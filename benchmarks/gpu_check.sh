@@ -114,5 +114,5 @@ fi
 echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s ' "$p" "${rc[$p]}"; done))"
 # linalg: every row; attention: the timed rows of jaxforge and of the anchors with ANCHORS.md
 # targets (every row is in bench.txt, every field in the JSON)
-[[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq) |^attention .* (jaxforge(\[[^]]*\])?|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
+[[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq|lstsq_grad) |^attention .* (jaxforge(\[[^]]*\])?|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
   "$OUT/bench.txt"

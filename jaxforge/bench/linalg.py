@@ -302,6 +302,28 @@ def _lstsq_implementations(backend: str) -> list[Implementation]:
     return impls
 
 
+def _lstsq_grad_implementations(backend: str) -> list[Implementation]:
+    """``∇(a, b)`` of ``Σ x²`` for ``x`` the least-squares solution: jaxforge's jvp transposed, the
+    same through jnp's QR, torch's autograd."""
+
+    def grad(solve):
+        return jax.jit(jax.grad(lambda a, b: jnp.sum(solve(a, b) ** 2), argnums=(0, 1)))
+
+    impls = [
+        Implementation("jaxforge", grad(lambda a, b: jf.linalg.lstsq(a, b).solution)),
+        Implementation("jnp-qr", grad(_qr_lstsq)),
+    ]
+    torch = _cuda_torch() if backend == "gpu" else None
+    if torch is not None:
+
+        def torch_grad(a, b):
+            a, b = a.detach().requires_grad_(), b.detach().requires_grad_()
+            return torch.autograd.grad((torch.linalg.lstsq(a, b).solution ** 2).sum(), (a, b))
+
+        impls.append(_torch_implementation(torch, torch_grad))
+    return impls
+
+
 def _lstsq_factors() -> list[Implementation]:
     """Each QR the lstsq dispatch chooses from (lowering/linalg/lstsq/config.py): R and Qᴴb of
     ``[A | b]`` and one triangular solve, without lstsq's rank certificate. Which is fastest on a
@@ -383,10 +405,37 @@ def _lstsq_accuracy(inputs, outputs) -> dict[str, float]:
     return dict(normal_residual=float((_frobenius(at @ (a @ x - b)) / _frobenius(at @ b)).max()))
 
 
-# The benchmark entries, by the `bench_entry` name their primitive declares.
+def _lstsq_grad_accuracy(inputs, outputs) -> dict[str, float]:
+    """Relative errors (worst matrix) of both gradients against the full-rank formula in float64:
+    with ``z = (AᵀA)⁻¹·2x``, ``r = b − Ax``: ``∇b = Az``, ``∇A = −(Az)xᵀ + rzᵀ``."""
+    (a, b), (grad_a, grad_b) = inputs, outputs
+    at = np.swapaxes(a, -1, -2)
+    gram = at @ a
+    x = np.linalg.solve(gram, at @ b)
+    z = np.linalg.solve(gram, 2 * x)
+    want_b = a @ z
+    want_a = -want_b @ np.swapaxes(x, -1, -2) + (b - a @ x) @ np.swapaxes(z, -1, -2)
+    error = lambda got, want: float((_frobenius(got - want) / _frobenius(want)).max())  # noqa: E731
+    return dict(grad_a=error(grad_a, want_a), grad_b=error(grad_b, want_b))
+
+
+def _grad_shapes(shapes: dict) -> dict:
+    """lstsq's tall shapes, on a GPU and in the quick run only (on CPU a gradient run is minutes)."""
+    tall = {name: (shape, tags) for name, (shape, tags) in shapes.items() if shape[1] >= shape[2]}
+    return {name: (shape, tuple(t for t in tags if t != "bench_cpu")) for name, (shape, tags) in tall.items()}
+
+
+# The benchmark entries, by the `bench_entry` name their primitive declares, and lstsq's gradient.
 OPS = {
     "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
     "lstsq": _Op(
         "lstsq", {**LSTSQ_SHAPES, **QUICK_SHAPES["lstsq"]}, _lstsq_inputs, _lstsq_implementations, _lstsq_accuracy
+    ),
+    "lstsq_grad": _Op(
+        "lstsq_grad",
+        _grad_shapes({**LSTSQ_SHAPES, **QUICK_SHAPES["lstsq"]}),
+        _lstsq_inputs,
+        _lstsq_grad_implementations,
+        _lstsq_grad_accuracy,
     ),
 }

@@ -16,9 +16,13 @@ def quick_run(tmp_path_factory):
 
 def test_every_op_has_timed_accurate_records(quick_run):
     records, _ = quick_run
-    assert {r["op"] for r in records} == {"svd", "lstsq"}
+    assert {r["op"] for r in records} == {"svd", "lstsq", "lstsq_grad"}
     for op in ("svd", "lstsq"):
         assert {"jaxforge", "jnp"} <= {r["implementation"] for r in records if r["op"] == op}
+    assert {(r["shape_name"], r["implementation"]) for r in records if r["op"] == "lstsq_grad"} == {
+        ("quick_tall", "jaxforge"),
+        ("quick_tall", "jnp-qr"),
+    }
     for r in records:
         if r["implementation"] == "torch":  # CUDA's lstsq refuses wide systems: recorded, not raised
             continue
