@@ -71,11 +71,11 @@ def triton_compiler_params(implementation):
 
 def test_num_warps_and_num_stages_reach_every_triton_kernel():
     from jaxforge.lowering.attention.attention import config
+    from jaxforge.lowering.attention.attention.pallas_triton import CALL_KERNELS
 
     tuned = jf.functional.attention.Implementation("pallas_triton", num_warps=8, num_stages=3)
     assert triton_compiler_params(tuned) == {(name, 8, 3) for name in KERNELS}
-    backward = ("bwd_dq", "bwd_dkv")
-    calls = {"fwd": ("fwd",), "tangent": ("tangent",), "bwd_dq": backward, "bwd_dkv": backward}
+    calls = {"fwd": CALL_KERNELS["fwd"], "tangent": CALL_KERNELS["tangent"], "bwd_dq": CALL_KERNELS["bwd"], "bwd_dkv": CALL_KERNELS["bwd"]}
     default = jf.functional.attention.Implementation()
     expected = {(f"jaxforge_attention_{k}", *config.triton_compiler(default, calls[k], D)) for k in calls}
     assert triton_compiler_params(None) == expected

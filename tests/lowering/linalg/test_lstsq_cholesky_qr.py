@@ -122,7 +122,7 @@ def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch,
     assert "potrf" not in lowered(2048, 256, jnp.float64)  # float64 input: geqrf
 
 
-# ---------------------------------------------------------------- the jvp's QR (JVP_QR, cuda.jvp_qr)
+# ---------------------------------------------------------------- the jvp's QR (JVP_QR, cuda.thin_qr)
 
 
 def test_thin_qr_factors_and_falls_back():

@@ -43,7 +43,7 @@ IMPLEMENTATIONS = {
 }
 
 
-_KERNELS = {attention_fwd_p: ("fwd",), attention_tangent_p: ("tangent",), attention_bwd_p: ("bwd_dq", "bwd_dkv")}
+_TRITON_CALL = {attention_fwd_p: "fwd", attention_tangent_p: "tangent", attention_bwd_p: "bwd"}
 
 
 def _dispatch(prim, platform: str | None):
@@ -52,7 +52,7 @@ def _dispatch(prim, platform: str | None):
         mosaic_why_not = pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2]) if prim is attention_fwd_p else None
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
-            triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_KERNELS[prim], q, k, v, implementation)
+            triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
             name = "pallas_triton" if triton else "xla"
             if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default():
                 name = "pallas_mosaic_gpu"

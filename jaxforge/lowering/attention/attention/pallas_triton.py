@@ -34,7 +34,14 @@ from jaxforge.lowering.attention.attention.kernel import (
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["attention_bwd_pallas", "attention_fwd_pallas", "attention_tangent_pallas", "triton_can_run", "triton_fits"]
+__all__ = [
+    "CALL_KERNELS",
+    "attention_bwd_pallas",
+    "attention_fwd_pallas",
+    "attention_tangent_pallas",
+    "triton_can_run",
+    "triton_fits",
+]
 
 # What a mask or score_mod may apply to run inside a Triton kernel: elementwise arithmetic. Reading
 # a captured array at a traced index (document segment ids, a bias table) is a gather, which the
@@ -52,11 +59,15 @@ def triton_can_run(mods: Mods) -> bool:
     return all(f.num_consts == 0 and f.primitive_names() <= TRITON_ELEMENTWISE for f in fns)
 
 
-def triton_fits(kernels, q, k, v, implementation: Implementation) -> bool:
-    """Whether some tiles fit ``kernels``' shared memory on this GPU (config.tiles): not, for
-    example, float32 head dims of 256 on an sm86's 99 KiB."""
+# The kernels of each call, which share its tiles.
+CALL_KERNELS = {"fwd": ("fwd",), "tangent": ("tangent",), "bwd": ("bwd_dq", "bwd_dkv")}
+
+
+def triton_fits(call: str, q, k, v, implementation: Implementation) -> bool:
+    """Whether some tiles fit the shared memory of ``call``'s kernels on this GPU (config.tiles):
+    not, for example, float32 head dims of 256 in the tangent on an sm86's 99 KiB."""
     try:
-        _geometry(kernels, q, k, v, 1.0, implementation)
+        _geometry(call, q, k, v, 1.0, implementation)
     except ValueError:
         return False
     return True
@@ -72,9 +83,10 @@ def _padded_dim(n: int) -> int:
     return max(16, config.pow2_at_least(n))
 
 
-def _geometry(kernels, q, k, v, scale: float, implementation: Implementation):
-    """Tiles that fit the shared memory of every kernel in ``kernels`` (see config.tiles), and the
+def _geometry(call: str, q, k, v, scale: float, implementation: Implementation):
+    """Tiles that fit the shared memory of every kernel of ``call`` (see config.tiles), and the
     kernels' ``(num_warps, num_stages)``."""
+    kernels = CALL_KERNELS[call]
     d, dv = _padded_dim(q.shape[-1]), _padded_dim(v.shape[-1])
     tile_args = dict(kernels=kernels, d=d, dv=dv, itemsize=q.dtype.itemsize, arch=build.gpu_arch())
     geo = xla.geometry("pallas_triton", q, k, scale, implementation, **tile_args)
@@ -177,7 +189,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
 
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo, compiler = _geometry(("fwd",), q, k, v, scale, implementation)
+    geo, compiler = _geometry("fwd", q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -213,7 +225,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo, compiler = _geometry(("tangent",), q, k, v, scale, implementation)
+    geo, compiler = _geometry("tangent", q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
@@ -263,7 +275,7 @@ def attention_bwd_pallas(
             q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
             implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
         )  # fmt: skip
-    geo, compiler = _geometry(("bwd_dq", "bwd_dkv"), q, k, v, scale, implementation)
+    geo, compiler = _geometry("bwd", q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]

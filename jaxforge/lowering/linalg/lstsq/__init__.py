@@ -1,6 +1,6 @@
 """Every lowering of lstsq_p is registered here, and nowhere else."""
 
-from jaxforge.lowering.linalg.lstsq.cuda import jvp_qr, lstsq_cuda
+from jaxforge.lowering.linalg.lstsq.cuda import lstsq_cuda, thin_qr
 from jaxforge.lowering.linalg.lstsq.xla import lstsq_xla
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg.lstsq import JVP_QR, lstsq_p
@@ -10,4 +10,4 @@ IMPLEMENTATIONS = {"xla": lstsq_xla}
 
 _core.register_lowering(lstsq_p, lstsq_xla)
 _core.register_lowering(lstsq_p, lstsq_cuda, platform="cuda")
-JVP_QR["cuda"] = jvp_qr
+JVP_QR["cuda"] = thin_qr

@@ -30,15 +30,10 @@ def cholesky_qr2(fallback):
     ``fallback(a, b)``."""
 
     def factor(a, b):
-        with jax.enable_x64(True):
-            a64, b64 = a.astype(_wide(a.dtype)), b.astype(_wide(b.dtype))
-            r1, usable = _first_factor(a64)
+        def finish(q, r):  # Qᴴb from the double-width Q
+            return r.astype(a.dtype), mm(ct(q), b.astype(_wide(b.dtype))).astype(b.dtype)
 
-            def cholesky():
-                q, r = _second_factor(a64, r1)
-                return r.astype(a.dtype), mm(ct(q), b64).astype(b.dtype)
-
-            return lax.cond(usable, cholesky, lambda: fallback(a, b))
+        return _cholesky_qr2(a, finish, lambda: fallback(a, b))
 
     return factor
 
@@ -49,32 +44,28 @@ def cholesky_qr2_thin(fallback):
     (primitives/linalg/lstsq.py: JVP_QR) and second derivatives still flow."""
 
     def qr(x):
-        with jax.enable_x64(True):
-            x64 = x.astype(_wide(x.dtype))
-            r1, usable = _first_factor(x64)
-
-            def cholesky():
-                q, r = _second_factor(x64, r1)
-                return q.astype(x.dtype), r.astype(x.dtype)
-
-            return lax.cond(usable, cholesky, lambda: fallback(x))
+        return _cholesky_qr2(x, lambda q, r: (q.astype(x.dtype), r.astype(x.dtype)), lambda: fallback(x))
 
     return qr
 
 
-def _first_factor(x):
-    """``R₁`` of the double-width ``x`` and whether CholeskyQR2 may go on from it (see above)."""
-    r1 = _cholesky_r(x)
-    diagonal = jnp.abs(jnp.diagonal(r1, axis1=-2, axis2=-1))
-    usable = jnp.all(jnp.isfinite(r1)) & jnp.all(jnp.max(diagonal, axis=-1) <= MAX_DIAGONAL_RATIO * jnp.min(diagonal, axis=-1))
-    return r1, usable
+def _cholesky_qr2(x, finish, fallback):
+    """``finish(Q, R)`` of the double-width CholeskyQR2 of ``x`` where ``R₁`` passes the checks above
+    (decided on device), ``fallback()`` elsewhere."""
+    with jax.enable_x64(True):
+        x64 = x.astype(_wide(x.dtype))
+        r1 = _cholesky_r(x64)
+        diagonal = jnp.abs(jnp.diagonal(r1, axis1=-2, axis2=-1))
+        usable = jnp.all(jnp.isfinite(r1)) & jnp.all(
+            jnp.max(diagonal, axis=-1) <= MAX_DIAGONAL_RATIO * jnp.min(diagonal, axis=-1)
+        )
 
+        def cholesky():  # Q₁ = x R₁⁻¹, R₂ = chol(Q₁ᴴQ₁), Q = Q₁R₂⁻¹, R = R₂R₁
+            q1 = _right_solve(x64, r1)
+            r2 = _cholesky_r(q1)
+            return finish(_right_solve(q1, r2), mm(r2, r1))
 
-def _second_factor(x, r1):
-    """``(Q, R)`` from ``R₁``: ``Q₁ = x R₁⁻¹``, ``R₂ = chol(Q₁ᴴQ₁)``, ``Q = Q₁R₂⁻¹``, ``R = R₂R₁``."""
-    q1 = _right_solve(x, r1)
-    r2 = _cholesky_r(q1)
-    return _right_solve(q1, r2), mm(r2, r1)
+        return lax.cond(usable, cholesky, fallback)
 
 
 def _wide(dtype):

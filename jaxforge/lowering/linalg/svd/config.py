@@ -56,7 +56,7 @@ def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | Non
 # rules (min(m, n) at least, max/min at least, method, qr_first); the first that matches wins and
 # none leaves jax's default (gesvdj up to 1024, gesvd beyond). On the H200 (2026-11-30) QDWH takes
 # 8192 x 512 in 18.4 ms after cuSOLVER's QR (the default: 41.7; the QR is CholeskyQR2's since, where
-# lstsq's rules take it: cuda.tall_qr, not yet timed) and 2048 x 2048 in 72.9 ms (default: 285).
+# lstsq's rules take it: lstsq/cuda.thin_qr, not yet timed) and 2048 x 2048 in 72.9 ms (default: 285).
 # cuSOLVER's gesvdp was faster still (15.5 and 64.7 ms) but has not run the gpu tests' ill-conditioned
 # and rank-deficient inputs, which QDWH passes; the aspects between 1 and 16 are not measured.
 LARGE_SVD_METHODS = ("gesvd", "gesvdj", "gesvdp", "qdwh")

@@ -7,16 +7,13 @@ hold NaN/Inf or do not converge come back as NaN.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxforge.lowering import build
 from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
-from jaxforge.lowering.linalg.lstsq import config as lstsq_config
-from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2_thin
+from jaxforge.lowering.linalg.lstsq.cuda import thin_qr
 from jaxforge.lowering.linalg.svd import config
 from jaxforge.lowering.linalg.svd.polar import svd_polar
 from jaxforge.lowering.linalg.svd.xla import svd_xla
@@ -89,17 +86,6 @@ def jacobi_svd(a, target: str):
     return s, u, vh
 
 
-def tall_qr(a):
-    """The thin ``(Q, R)`` of a tall ``a``: CholeskyQR2 where lstsq's dispatch takes it for the same
-    shape (matrix products in float64, Householder as the fallback decided on device), else
-    Householder (cuSOLVER's geqrf and orgqr)."""
-    *batch, m, n = a.shape
-    householder = lambda x: jax.lax.linalg.qr(x, full_matrices=False)  # noqa: E731
-    if lstsq_config.use_cholesky_qr2(math.prod(batch), m, n, a.dtype):
-        return cholesky_qr2_thin(householder)(a)
-    return householder(a)
-
-
 CUSOLVER_ALGORITHMS = {
     "gesvd": jax.lax.linalg.SvdAlgorithm.QR,
     "gesvdj": jax.lax.linalg.SvdAlgorithm.JACOBI,
@@ -115,9 +101,9 @@ def large_svd(a, method: str, qr_first: bool, *, compute_uv: bool = True):
         out = large_svd(ct(a), method, qr_first, compute_uv=compute_uv)
         return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
     if qr_first and not compute_uv:
-        return large_svd(tall_qr(a)[1], method, False, compute_uv=False)
+        return large_svd(thin_qr(a)[1], method, False, compute_uv=False)
     if qr_first:
-        q, r = tall_qr(a)
+        q, r = thin_qr(a)
         s, u, vh = large_svd(r, method, False)
         return s, mm(q, u), vh
     if method == "qdwh":
