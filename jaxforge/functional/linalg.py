@@ -120,7 +120,7 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
     dtype = jnp.promote_types(a.dtype, b.dtype)
     a = jnp.broadcast_to(a.astype(dtype), (*batch, m, n))
     b = jnp.broadcast_to(b.astype(dtype), (*batch, m, b.shape[-1]))
-    x, residuals, rank, s = lstsq_p.bind(a, b, rcond=_resolve_rcond(rcond, dtype, m, n))
+    x, residuals, rank, s, _ = lstsq_p.bind(a, b, rcond=_resolve_rcond(rcond, dtype, m, n))
     if vector_b:
         x = x[..., 0]
     return LstsqResult(x, residuals, rank, s)

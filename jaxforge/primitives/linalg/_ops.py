@@ -63,3 +63,12 @@ def truncated_pinv(u, s, v, keep, y):
     """
     s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(y.dtype)[..., :, None]
     return mm(v, s_inv * mm(ct(u), y))
+
+
+def positive_diagonal(r):
+    """``D R`` with ``D`` diagonal unitary such that ``diag(D R)`` is real and non-negative: for a full
+    rank ``A = QR``, the unique triangular factor of the thin QR (the Cholesky factor of ``AᴴA``)."""
+    d = jnp.diagonal(r, axis1=-2, axis2=-1)
+    magnitude = jnp.abs(d)
+    phase = jnp.where(magnitude == 0, 1, jnp.conj(d) / jnp.where(magnitude == 0, 1, magnitude))
+    return phase[..., :, None] * r

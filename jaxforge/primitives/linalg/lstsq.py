@@ -1,14 +1,17 @@
 r"""lstsq: the minimum-norm least-squares solution :math:`x = A^+ b` as a primitive.
 
 ``lstsq_p`` binds ``a`` of shape ``(*batch, m, n)`` and ``b`` of shape ``(*batch, m, k)`` (the same
-batch dims and dtype) with the static cut-off ``rcond`` and returns ``(x, residuals, rank, s)``:
+batch dims and dtype) with the static cut-off ``rcond`` and returns ``(x, residuals, rank, s, r)``:
 
 * ``x`` ``(*batch, n, k)``: :math:`A_r^+ b`, where :math:`A_r` keeps the singular values
   :math:`s_i > \mathrm{rcond}\cdot s_1` (numpy's rule);
 * ``residuals`` ``(*batch, k)``: :math:`\lVert b - A x\rVert^2` per column when ``m > n``, else
   ``(*batch, 0)``. numpy returns an empty array also when ``rank < n``; a shape cannot depend on data
   under ``jit``, so jaxforge returns the actual residuals there;
-* ``rank`` ``(*batch,)`` int32 and ``s`` ``(*batch, min(m, n))``, the singular values of ``a``.
+* ``rank`` ``(*batch,)`` int32 and ``s`` ``(*batch, min(m, n))``, the singular values of ``a``;
+* ``r`` ``(*batch, min(m, n), min(m, n))``: the forward's triangular factor, ``A = QR`` (``Aᴴ = QR``
+  when ``m < n``) with a real non-negative diagonal, so ``RᴴR = AᴴA`` (``AAᴴ``). The derivative rule
+  reuses it; ``jf.linalg.lstsq`` does not return it.
 
 The rank is decided on device, without a host sync. Derivatives hold where the rank is locally
 constant (Golub & Pereyra); with :math:`r = b - Ax`:
@@ -17,15 +20,18 @@ constant (Golub & Pereyra); with :math:`r = b - Ax`:
 
     dx = A^+(db - dA\,x) + A^+A^{+H} dA^H r + (I - A^+A)\, dA^H A^{+H} x
 
-Full column rank (:math:`m \ge n`, :math:`A = QR`) this is
-:math:`dx = R^{-1}[Q^H(db - dA\,x) + R^{-H} dA^H r]`; full row rank (:math:`m < n`,
-:math:`A^H = QR`, :math:`z = R^{-1}R^{-H} b`) it is
-:math:`dx = QR^{-H}(db - dA\,x) + (I - QQ^H)\, dA^H z`: matmuls and triangular solves, linear in
-``(da, db)``, so JAX transposes them for reverse mode and full-rank gradients never meet an SVD
-singularity. Rank-deficient inputs use the truncated pseudo-inverse from the SVD of ``R``; that
-branch runs only when some matrix in the batch is rank-deficient (``lax.cond`` on device). The
-singular vectors of ``A`` come from the SVD of the small factor ``R`` (off CPU, only where that
-branch or a tangent of ``s`` needs them). The residuals follow
+Full rank, these are the corrected seminormal equations on the forward's ``R`` (Björck), with
+:math:`N = R^H R` and :math:`f = db - dA\,x`: tall, :math:`dx = N^{-1}(A^H f + dA^H r)`
+(:math:`= A^{+}f + (A^HA)^{-1}dA^H r`; the last term vanishes when :math:`m = n`); wide
+(:math:`N = AA^H`, :math:`z = N^{-1}b`, :math:`w = dA^H z`), :math:`dx = w + A^H N^{-1}(f - A\,w)`. Each
+:math:`N^{-1}` is applied twice, the second time to the first one's residual. No QR of ``A`` is
+recomputed: matrix products with ``A`` and ``R⁻¹``, linear in ``(da, db)``, so JAX transposes them
+for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R`` carries
+its own tangent, :math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
+:math:`H = R^{-H}(A^H dA + dA^H A)R^{-1}`, so second derivatives flow. Rank-deficient inputs use the
+truncated pseudo-inverse from the SVD of a recomputed ``R``; that branch runs only when some matrix
+in the batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from the
+SVD of the forward's ``R`` (:math:`U = AVS^{-1}`; off CPU, only where a tangent of ``s`` needs them). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
 
@@ -38,8 +44,6 @@ Where things live:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -47,10 +51,19 @@ from jax import lax
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
-from jaxforge.primitives.linalg._ops import after, after_on_cpu, ct, diagonal, mm, solve_triangular, truncated_pinv
+from jaxforge.primitives.linalg._ops import (
+    after,
+    after_on_cpu,
+    ct,
+    diagonal,
+    mm,
+    positive_diagonal,
+    solve_triangular,
+    truncated_pinv,
+)
 from jaxforge.primitives.linalg.svd import svd_p
 
-__all__ = ["JVP_QR", "SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
+__all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
 
 # Named shapes (batch, m, n, k) shared by tests and benchmarks; "bench_gpu" are ANCHORS.md shapes.
 SHAPES = {
@@ -75,7 +88,8 @@ def lstsq_reference(a, b, *, rcond: float):
     u, s, vh = jnp.linalg.svd(a, full_matrices=False)
     keep = s > rcond * jnp.max(s, axis=-1, keepdims=True, initial=0)
     x = truncated_pinv(u, s, ct(vh), keep, b)
-    return x, residuals(a, b, x), jnp.sum(keep, axis=-1, dtype=jnp.int32), s
+    r = positive_diagonal(jnp.linalg.qr(a if m >= n else ct(a), mode="r"))
+    return x, residuals(a, b, x), jnp.sum(keep, axis=-1, dtype=jnp.int32), s, r
 
 
 def residuals(a, b, x):
@@ -106,58 +120,108 @@ def _abstract_eval(a, b, *, rcond: float):
         ((*batch, k if m > n else 0), real),
         (tuple(batch), np.dtype(np.int32)),
         ((*batch, min(m, n)), real),
+        ((*batch, min(m, n), min(m, n)), a.dtype),
     ]
     return _core.batch_sharded_avals("lstsq", {"a": a, "b": b}, len(batch), outputs)
 
 
-# The jvp's thin QR by platform: a lowering may register one that beats jax's Householder QR there
-# and keeps jax's derivative rules (lowering/linalg/lstsq registers CholeskyQR2's for cuda).
-JVP_QR: dict[str, Callable] = {}
-
-
-def _jvp_qr(x):
-    householder = lambda x: lax.linalg.qr(x, full_matrices=False)  # noqa: E731
-    return lax.platform_dependent(x, default=householder, **JVP_QR) if JVP_QR else householder(x)
+def _thin_qr(x):
+    """jax's Householder QR, with its derivative rules: for ds and the rank-deficient branch only."""
+    return lax.linalg.qr(x, full_matrices=False)
 
 
 def _jvp(primals, tangents, *, rcond: float):
     a, b = primals
-    x, residuals, rank, s = lstsq_p.bind(a, b, rcond=rcond)
+    x, residuals, rank, s, r = lstsq_p.bind(a, b, rcond=rcond)
     da, db = (_core.instantiate_zeros(t) for t in tangents)
     m, n = a.shape[-2:]
     k = min(m, n)
     if k == 0:
-        dx, ds = jnp.zeros_like(x), jnp.zeros_like(s)
+        dx, ds, dr = jnp.zeros_like(x), jnp.zeros_like(s), jnp.zeros_like(r)
     else:
-        # The factors are recomputed with a differentiable QR (_jvp_qr) so that second derivatives
-        # flow through them; x and rank come from the primitive (the kernel on GPU). The SVD of R serves
-        # ds, so XLA drops it where s has no tangent (a gradient of x alone; likewise the forward's
-        # s), and the rank-deficient branch takes its own. On CPU every LAPACK call is chained
-        # after the previous one (_ops.after): there the solves wait for ds's SVD, which then runs.
-        q, r = _jvp_qr(after_on_cpu(after(a if m >= n else ct(a), x), s[..., None]))
-        r = after(r, q)
-        u, v = _singular_vectors(q, r, wide=m < n)
-        ds = jnp.real(diagonal(mm(mm(ct(u), da), v)))
-        r = after_on_cpu(r, u)
+        # On CPU every LAPACK call is chained after the previous one (_ops.after): ds's SVD waits for
+        # the forward's, R⁻¹'s solve for ds's SVD. Off CPU nothing ties them, so XLA drops both SVDs
+        # where s has no tangent (a gradient of x alone).
+        ds, u = _singular_value_tangent(a, after_on_cpu(after(r, x), s[..., None]), rank, da)
+        full = (rank == k)[..., None, None]
+        eye = jnp.eye(k, dtype=r.dtype)
+        r_safe = jnp.where(full, after_on_cpu(r, u), eye)  # finite where deficient
+        r_inv = solve_triangular(r_safe, jnp.zeros_like(r) + eye)  # keeps r's batch sharding
+        dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
         dx = lax.cond(
-            jnp.all(rank == k),
-            lambda: _full_rank_tangent(a, b, x, q, r, da, db),
-            lambda: _mixed_rank_tangent(a, b, x, q, r, s, rank, da, db),
+            jnp.all(full),
+            lambda: _seminormal_tangent(a, b, x, r_inv, da, db),
+            lambda: _mixed_rank_tangent(a, b, x, rank, da, db),
         )
     dres = jnp.zeros_like(residuals)
     if m > n:
         dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
     drank = np.zeros(rank.shape, jax.dtypes.float0)
-    return (x, residuals, rank, s), (dx, dres, drank, ds)
+    return (x, residuals, rank, s, r), (dx, dres, drank, ds, dr)
+
+
+def _singular_value_tangent(a, r, rank, da):
+    """``(ds, U)`` with ``ds = Re diag(Uᴴ dA V)``, the thin SVD of ``A`` from that of its factor ``R``:
+    ``V = V_R``, ``U = AVS⁻¹`` (``U = U_R``, ``V = AᴴUS⁻¹`` when wide). Singular values past the rank,
+    zero up to rounding and without a derivative, get zero vectors and ``ds = 0``."""
+    wide = a.shape[-2] < a.shape[-1]
+    s, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    kept = jnp.arange(s.shape[-1]) < rank[..., None]
+    s_inv = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(a.dtype)[..., None, :]
+    if wide:
+        u = ct(vh_r)
+        v = mm(ct(a), u) * s_inv
+    else:
+        v = ct(vh_r)
+        u = mm(a, v) * s_inv
+    return jnp.real(diagonal(mm(mm(ct(u), da), v))), u
+
+
+def _seminormal_tangent(a, b, x, r_inv, da, db):
+    """The full-rank ``dx`` by the corrected seminormal equations (module docstring): products with
+    ``A`` and ``R⁻¹``."""
+    m, n = a.shape[-2:]
+    n_inv = lambda y: mm(r_inv, mm(ct(r_inv), y))  # noqa: E731  (RᴴR)⁻¹ y
+    f = db - mm(da, x)
+    if m >= n:  # N = AᴴA: dx = N⁻¹(Aᴴf + dAᴴr); r = b - Ax vanishes for square A
+        h = mm(ct(da), b - mm(a, x)) if m > n else 0
+        return _corrected(n_inv, lambda y: mm(ct(a), f if y is None else f - mm(a, y)) + h)
+    # N = AAᴴ: z = N⁻¹b, w = dAᴴz, dx = w + Aᴴ N⁻¹(f - Aw)
+    gram = lambda y: mm(a, mm(ct(a), y))  # noqa: E731
+    z = _corrected(n_inv, lambda z: b if z is None else b - gram(z))
+    w = mm(ct(da), z)
+    g = f - mm(a, w)
+    return w + mm(ct(a), _corrected(n_inv, lambda t: g if t is None else g - gram(t)))
+
+
+def _corrected(n_inv, residual):
+    """``y`` with ``N y = c`` by one step of correction: ``y₀ = N⁻¹c``, ``y = y₀ + N⁻¹(c − N y₀)``.
+
+    ``residual(y)`` evaluates ``c − N y`` through ``A`` rather than ``N`` (``residual(None)`` is ``c``):
+    the step brings the seminormal solution's error, of order κ²ε, down to that of a QR solve.
+    """
+    y = n_inv(residual(None))
+    return y + n_inv(residual(y))
+
+
+def _factor_tangent(a, r, r_inv, da):
+    """``dR = (triu(H, 1) + diag(H)/2) R``, ``H = R⁻ᴴ(AᴴdA + dAᴴA)R⁻¹``: the tangent of the forward's
+    ``R`` (of ``Aᴴ`` when wide) that keeps ``RᴴR = AᴴA`` and its diagonal real."""
+    m, n = a.shape[-2:]
+    g = mm(ct(a), da) if m >= n else mm(a, ct(da))
+    c = mm(ct(r_inv), mm(g, r_inv))
+    h = c + ct(c)
+    return mm(jnp.triu(h, 1) + 0.5 * h * jnp.eye(h.shape[-1], dtype=h.dtype), r)
 
 
 def _full_rank_tangent(a, b, x, q, r, da, db):
+    """The full-rank tangent from a thin QR of ``A`` (of ``Aᴴ`` when wide)."""
     m, n = a.shape[-2:]
-    if m >= n:  # A = QR: dx = R⁻¹[Qᴴ(db - dA x) + R⁻ᴴ dAᴴ (b - A x)]
-        res = b - mm(a, x)
-        return solve_triangular(
-            r, mm(ct(q), db - mm(da, x)) + solve_triangular(r, mm(ct(da), res), adjoint=True)
-        )
+    if m >= n:  # A = QR: dx = R⁻¹[Qᴴ(db - dA x) + R⁻ᴴ dAᴴ (b - A x)]; the last term vanishes when m = n
+        rhs = mm(ct(q), db - mm(da, x))
+        if m > n:
+            rhs = rhs + solve_triangular(r, mm(ct(da), b - mm(a, x)), adjoint=True)
+        return solve_triangular(r, rhs)
     # Aᴴ = QR: dx = Q R⁻ᴴ(db - dA x) + (I - QQᴴ) dAᴴ z, z = R⁻¹R⁻ᴴ b
     z = solve_triangular(r, solve_triangular(r, b, adjoint=True))
     w = mm(ct(da), z)
@@ -165,16 +229,18 @@ def _full_rank_tangent(a, b, x, q, r, da, db):
 
 
 def _singular_vectors(q, r, *, wide: bool):
-    """``(U, V)`` of the thin SVD of ``A`` from that of its small factor: ``A = QR``, or ``Aᴴ = QR``
+    """``(U, s, V)``, the thin SVD of ``A`` from that of its small factor: ``A = QR``, or ``Aᴴ = QR``
     when ``wide``."""
-    _, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    return (ct(vh_r), mm(q, u_r)) if wide else (mm(q, u_r), ct(vh_r))
+    s, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    return (ct(vh_r), s, mm(q, u_r)) if wide else (mm(q, u_r), s, ct(vh_r))
 
 
-def _mixed_rank_tangent(a, b, x, q, r, s, rank, da, db):
-    """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere."""
+def _mixed_rank_tangent(a, b, x, rank, da, db):
+    """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere, from
+    a recomputed QR of ``A`` (of ``Aᴴ`` when wide) and the SVD of its ``R``."""
     m, n = a.shape[-2:]
-    u, v = _singular_vectors(q, r, wide=m < n)
+    q, r = _thin_qr(a if m >= n else ct(a))
+    u, s, v = _singular_vectors(q, after(r, q), wide=m < n)
     r = after(r, u)  # the solves wait for the SVD
     k = r.shape[-1]
     full = (rank == k)[..., None, None]

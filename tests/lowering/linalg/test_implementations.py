@@ -38,10 +38,11 @@ def test_lstsq_implementation(impl, dtype, name, shape):
     rng = np.random.default_rng(1)
     a, b = well_conditioned(rng, (batch,), m, n, dtype), random(rng, (batch, m, k), dtype)
     rcond = float(np.finfo(dtype).eps * max(m, n))
-    x, res, rank, s = jax.jit(lambda a, b: lstsq_lowering.IMPLEMENTATIONS[impl](a, b, rcond=rcond))(a, b)
-    x_ref, res_ref, rank_ref, s_ref = lstsq_reference(a.astype(np.complex128), b.astype(np.complex128), rcond=rcond)
+    x, res, rank, s, r = jax.jit(lambda a, b: lstsq_lowering.IMPLEMENTATIONS[impl](a, b, rcond=rcond))(a, b)
+    x_ref, res_ref, rank_ref, s_ref, r_ref = lstsq_reference(a.astype(np.complex128), b.astype(np.complex128), rcond=rcond)
     tol = 100 * np.finfo(dtype).eps
     np.testing.assert_allclose(x, x_ref, rtol=tol, atol=tol)
     np.testing.assert_allclose(res, res_ref, rtol=np.sqrt(tol))
     np.testing.assert_array_equal(rank, rank_ref)
     np.testing.assert_allclose(s, s_ref, rtol=tol)
+    np.testing.assert_allclose(r, r_ref, atol=tol * np.max(np.abs(r_ref)))  # the unique R: real diagonal >= 0

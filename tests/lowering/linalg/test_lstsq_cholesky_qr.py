@@ -122,7 +122,7 @@ def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch,
     assert "potrf" not in lowered(2048, 256, jnp.float64)  # float64 input: geqrf
 
 
-# ---------------------------------------------------------------- the jvp's QR (JVP_QR, cuda.thin_qr)
+# ---------------------------------------------------------------- svd's QR (cuda.thin_qr)
 
 
 def test_thin_qr_factors_and_falls_back():
@@ -137,35 +137,9 @@ def test_thin_qr_factors_and_falls_back():
     assert np.isnan(q).all() and np.isnan(r).all()  # the fallback's sentinel
 
 
-@pytest.mark.parametrize("shape", [(4, 120, 24, 2), (3, 20, 50, 1)], ids=["tall", "wide"])
-def test_lstsq_derivatives_through_the_cholesky_qr_agree_with_householder(monkeypatch, shape):
-    # JVP_QR as cuda registers it, here on CPU: first and second derivatives of lstsq in float32
-    from jaxforge.primitives.linalg import lstsq as lstsq_module
-
-    batch, m, n, k = shape
-    rng = np.random.default_rng(6)
-    a = with_singular_values(rng, (batch,), m, n, np.geomspace(1, 1e-2, min(m, n))).astype(np.float32)
-    b, da, db = (random(rng, s, np.float32) for s in ((batch, m, k), (batch, m, n), (batch, m, k)))
-    solution = lambda a, b: jf.linalg.lstsq(a, b).solution  # noqa: E731
-    loss = lambda a, b: jnp.sum(solution(a, b) ** 2)  # noqa: E731
-
-    def derivatives():
-        tangent = jax.jit(lambda a, b: jax.jvp(solution, (a, b), (da, db))[1])(a, b)
-        hvp = jax.jit(lambda a, b: jax.jvp(jax.grad(loss, argnums=(0, 1)), (a, b), (da, db))[1])(a, b)
-        return tangent, *hvp
-
-    householder = derivatives()
-    thin_qr = cholesky_qr2_thin(lambda x: jax.lax.linalg.qr(x, full_matrices=False))
-    monkeypatch.setitem(lstsq_module.JVP_QR, "cpu", thin_qr)
-    for ours, theirs in zip(derivatives(), householder):
-        np.testing.assert_allclose(ours, theirs, rtol=2e-3, atol=2e-3 * np.abs(theirs).max())
-
-
-def test_the_cuda_jvp_takes_cholesky_qr_where_the_forward_does(monkeypatch):
-    # Lowered for cuda: the gradient's QR of A is CholeskyQR2's (its Choleskys one more lowered
-    # function beside the forward's) at a shape the forward gives CholeskyQR2, Householder elsewhere.
-    from jaxforge.primitives.linalg import lstsq as lstsq_module
-
+def test_the_cuda_gradient_solves_on_the_forward_s_cholesky_qr(monkeypatch):
+    # Lowered for cuda: at a shape the forward gives CholeskyQR2, the gradient's full-rank rule solves
+    # on its R; no second CholeskyQR2 of A (there was one while the jvp refactored A).
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
 
     def potrf_functions(m, n):
@@ -173,6 +147,4 @@ def test_the_cuda_jvp_takes_cholesky_qr_where_the_forward_does(monkeypatch):
         grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jf.linalg.lstsq(a, b).solution ** 2)))
         return jax.export.export(grad, platforms=("cuda",))(*args).mlir_module().count("custom_call @cusolver_potrf")
 
-    assert potrf_functions(2048, 256) == 2 and potrf_functions(2048, 128) == 0
-    monkeypatch.delitem(lstsq_module.JVP_QR, "cuda")
-    assert potrf_functions(2048, 256) == 1  # the forward's alone
+    assert potrf_functions(2048, 256) == 1 and potrf_functions(2048, 128) == 0

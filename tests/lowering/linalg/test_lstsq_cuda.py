@@ -116,9 +116,8 @@ def test_gradient_through_the_kernel():
 
 @pytest.mark.parametrize("shape", [(16, 512, 128, 2), (16, 128, 512, 2)], ids=["tall", "wide"])
 def test_derivatives_where_cholesky_qr_factors(shape):
-    # float32 shapes that CHOLESKY_QR_RULES admit: the jvp's thin QR is CholeskyQR2's there
-    # (cuda.thin_qr); its tangent and gradient against float64 on CPU (second derivatives through it:
-    # test_lstsq_cholesky_qr.py, on CPU)
+    # float32 shapes that CHOLESKY_QR_RULES admit: the derivative rule solves on the forward's
+    # CholeskyQR2 R (corrected seminormal equations); its tangent and gradient against float64 on CPU
     batch, m, n, k = shape
     rng = np.random.default_rng(3)
     a, da = (well_conditioned(rng, (batch,), m, n, np.float32) for _ in range(2))

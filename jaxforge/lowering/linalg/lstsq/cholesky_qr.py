@@ -40,8 +40,7 @@ def cholesky_qr2(fallback):
 
 def cholesky_qr2_thin(fallback):
     """``qr(x) -> (Q, R)``, the thin QR of a tall float32/complex64 ``x`` by CholeskyQR2, else
-    ``fallback(x)``. Every step has jax's derivative rules, so lstsq's jvp can take it on GPU
-    (primitives/linalg/lstsq.py: JVP_QR) and second derivatives still flow."""
+    ``fallback(x)``: svd's QR before a large method (``cuda.thin_qr``)."""
 
     def qr(x):
         return _cholesky_qr2(x, lambda q, r: (q.astype(x.dtype), r.astype(x.dtype)), lambda: fallback(x))

@@ -6,8 +6,8 @@ matrix, Q never formed, the substitutions and the first rung of the full-rank ce
 it certifies needs nothing else. Large and batched tall float32 problems: CholeskyQR2
 (cholesky_qr.py), matrix products in float64, with Householder as its on-device fallback; the
 Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the kernel cannot
-be built, cuSOLVER's geqrf runs as in the default. The jvp's QR (``thin_qr``) follows the forward:
-CholeskyQR2 where it factors, jax's Householder QR elsewhere.
+be built, cuSOLVER's geqrf runs as in the default. The derivative rule factors nothing in full rank:
+it solves on the R returned here. ``thin_qr`` lends the same choice of QR to svd.
 """
 
 from __future__ import annotations
@@ -94,8 +94,7 @@ def qr_solve_cuda(a, b, rcond: float):
 
 def thin_qr(x):
     """The thin ``(Q, R)`` of a tall ``x`` on CUDA: CholeskyQR2 where lstsq's dispatch takes that
-    shape, else jax's Householder QR (cuSOLVER's geqrf and orgqr). Differentiable: lstsq's jvp
-    (``A``, or ``Aᴴ`` of a wide problem) and svd's QR before a large method use it."""
+    shape, else jax's Householder QR (cuSOLVER's geqrf and orgqr): svd's QR before a large method."""
     *batch, m, n = x.shape
     householder = lambda x: jax.lax.linalg.qr(x, full_matrices=False)  # noqa: E731
     if config.use_cholesky_qr2(math.prod(batch), m, n, x.dtype):

@@ -13,6 +13,7 @@
 * ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
   apart from it, so XLA drops them when the caller does not use them. They are tied to ``x`` so
   that no two LAPACK calls run side by side (see ``_ops.after``).
+* ``R`` itself is returned with a real non-negative diagonal, for the derivative rule.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jax import lax
 
 from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, mm, solve_triangular, truncated_pinv
+from jaxforge.primitives.linalg._ops import after, ct, mm, positive_diagonal, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 # The certificate's rungs, as squarings of the Gram in ``_two_norm_bound``: 0 costs one product per
@@ -58,7 +59,8 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
-        return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype))
+        no_factor = jnp.zeros((*batch, 0, 0), a.dtype)
+        return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype)), no_factor
     if fused is None:
         r, *solvers = _factored(a, b, factor)
         rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=CERTIFICATE_SQUARINGS)
@@ -72,7 +74,8 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)
-    return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s)
+    r = poison(bad_a, positive_diagonal(r))
+    return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s), r
 
 
 def _factored(a, b, factor):
