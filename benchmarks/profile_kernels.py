@@ -2,7 +2,7 @@
 to read: `benchmarks/gpu_check.sh profile` runs it under Nsight Compute (the kernels are built
 ahead, so the launch is the kernel's steady state; XLA's compilation happens on the host).
 
-    python3 benchmarks/profile_kernels.py [NAME...]   # NAME: qr_r qr_solve svd_rows svd_lanes svd_block
+    python3 benchmarks/profile_kernels.py [NAME...]   # NAME: qr_r qr_solve qr_solve_warp svd_rows svd_lanes svd_block
 """
 
 from __future__ import annotations
@@ -28,6 +28,10 @@ def _cases():
     return {
         "qr_r": (lstsq_cuda.qr_r_kernel, (augmented,)),
         "qr_solve": (lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-5)[:3], (a, b)),
+        "qr_solve_warp": (
+            lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-5, lstsq_cuda.QR_SOLVE_WARP_TARGETS)[:3],
+            (a, b),
+        ),
         "svd_rows": (svd(svd_cuda.WARP_TARGETS["float32"]), (_normal((8192, 32, 32)),)),
         "svd_lanes": (svd(svd_cuda.LANES_TARGET), (_normal((8192, 32, 32)),)),
         "svd_block": (svd(svd_cuda.BLOCK_TARGET), (_normal((1024, 64, 64)),)),

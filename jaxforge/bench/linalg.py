@@ -342,19 +342,24 @@ def _lstsq_factors() -> list[Implementation]:
         solve = jax.jit(lambda a, b: (solve_triangular(*factor(a, b)),))
         return Implementation(f"lstsq-{name}", solve, applies=applies)
 
-    def fused(a, b):  # the kernel's own solution, without lstsq's later rungs
-        if not build.ensure_loaded(cuda.KERNEL):
-            raise RuntimeError("the lstsq kernel could not be built here")
-        m, n = a.shape[-2:]
-        return (cuda.qr_solve_cuda(a, b, default_rcond(a.dtype, m, n))[1],)
+    def fused(targets):  # a kernel's own solution, without lstsq's later rungs
+        def solve(a, b):
+            if not build.ensure_loaded(cuda.KERNEL):
+                raise RuntimeError("the lstsq kernel could not be built here")
+            m, n = a.shape[-2:]
+            return (cuda.qr_solve_cuda(a, b, default_rcond(a.dtype, m, n), targets)[1],)
+
+        return jax.jit(solve)
 
     tall = lambda shape: shape[1] >= shape[2]  # noqa: E731
     fits = lambda shape: config.qr_r_block_fits(shape[1], shape[2] + shape[3], np.dtype(np.float32))  # noqa: E731
     fused_fits = lambda shape: config.qr_solve_fits(*shape[1:], np.dtype(np.float32))  # noqa: E731
+    warp_fits = lambda shape: config.qr_solve_warp_fits(*shape[1:], np.dtype(np.float32))  # noqa: E731
     return [
         row("householder", augmented_qr(), tall),  # cuSOLVER geqrf
         row("qr_r", kernel, fits),  # the block kernel
-        Implementation("lstsq-qr_solve", jax.jit(fused), applies=fused_fits),  # the fused kernel
+        Implementation("lstsq-qr_solve", fused(cuda.QR_SOLVE_TARGETS), applies=fused_fits),  # the fused kernel
+        Implementation("lstsq-qr_solve_warp", fused(cuda.QR_SOLVE_WARP_TARGETS), applies=warp_fits),  # one warp
         row("cholesky_qr2", cholesky_qr2(augmented_qr()), tall),
     ]
 

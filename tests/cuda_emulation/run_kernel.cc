@@ -6,11 +6,13 @@
 //   run_kernel qr_solve         f32|f64|c64|c128 BATCH M N IN OUT K RCOND   IN: a (BATCH, M, N), b (BATCH, M, K)
 //                       -> r (BATCH, C, C), solution (BATCH, N, K), certified (BATCH,) int32
 //                          with C = N + K when M >= N, else M
+//   run_kernel qr_solve_warp    f32|f64 BATCH M N IN OUT K RCOND   the same, one warp per matrix (tall)
 //   run_kernel svd_jacobi       f32|f64|c64|c128 BATCH M N IN OUT   -> s (BATCH, K) real, u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
 #include "cuda_runtime.h"
 #include "linalg/lstsq/csrc/qr_solve.cuh"
+#include "linalg/lstsq/csrc/qr_solve_warp.cuh"
 #include "linalg/svd/csrc/svd_jacobi_block.cuh"
 
 #include <algorithm>
@@ -21,6 +23,9 @@
 
 // The kernels' `extern __shared__ unsigned char smem[]`, one per kernel namespace.
 namespace jaxforge::qr_r {
+alignas(16) unsigned char smem[emu::kSharedBytes];
+}
+namespace jaxforge::qr_solve_warp {
 alignas(16) unsigned char smem[emu::kSharedBytes];
 }
 namespace jaxforge::svd_jacobi {
@@ -52,7 +57,8 @@ void write(FILE* f, const V& values) {
 template <typename T>
 int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, const char* out,
         char** extra) {
-  const int rhs = kernel == "qr_solve" ? std::stoi(extra[0]) : 0;  // b's columns, read after a
+  const bool solve = kernel == "qr_solve" || kernel == "qr_solve_warp";
+  const int rhs = solve ? std::stoi(extra[0]) : 0;  // b's columns, read after a
   const std::vector<T> x = read<T>(in, static_cast<size_t>(batch * m * (n + rhs)));
   FILE* f = std::fopen(out, "wb");
   if (kernel == "qr_r") {
@@ -60,14 +66,24 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     if (!jaxforge::qr_r::supported<T>(m, n)) return 3;
     jaxforge::qr_r::launch<T>(nullptr, x.data(), r.data(), batch, m, n);
     write(f, r);
-  } else if (kernel == "qr_solve") {
+  } else if (solve) {
     const auto rcond = static_cast<jaxforge::RealOf<T>>(std::stod(extra[1]));
-    if (!jaxforge::qr_r::supported_solve<T>(m, n, rhs)) return 3;
     const int c = m >= n ? n + rhs : m;
     std::vector<T> r(batch * c * c), solution(batch * n * rhs);
     std::vector<int32_t> certified(batch);
-    jaxforge::qr_r::launch_solve<T>(nullptr, x.data(), x.data() + batch * m * n, r.data(), solution.data(),
-                                    certified.data(), batch, m, n, rhs, rcond);
+    const T* a = x.data();
+    const T* b = x.data() + batch * m * n;
+    if (kernel == "qr_solve") {
+      if (!jaxforge::qr_r::supported_solve<T>(m, n, rhs)) return 3;
+      jaxforge::qr_r::launch_solve<T>(nullptr, a, b, r.data(), solution.data(), certified.data(), batch, m, n,
+                                      rhs, rcond);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      if (!jaxforge::qr_solve_warp::supported<T>(m, n, rhs)) return 3;
+      jaxforge::qr_solve_warp::launch_solve<T>(nullptr, a, b, r.data(), solution.data(), certified.data(), batch,
+                                               m, n, rhs, rcond);
+    } else {
+      return 4;
+    }
     write(f, r), write(f, solution), write(f, certified);
   } else {
     const int k = std::min(m, n);
@@ -91,11 +107,13 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != (argc > 1 && std::string(argv[1]) == "qr_solve" ? 10 : 8)) {
+  const bool solve = argc > 1 && (std::string(argv[1]) == "qr_solve" || std::string(argv[1]) == "qr_solve_warp");
+  if (argc != (solve ? 10 : 8)) {
     std::fprintf(stderr, "usage: %s KERNEL f32|f64|c64|c128 BATCH M N IN OUT [K RCOND for qr_solve]\n", argv[0]);
     return 2;
   }
-  emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::svd_jacobi::smem, jaxforge::svd_jacobi_block::smem};
+  emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::qr_solve_warp::smem, jaxforge::svd_jacobi::smem,
+                        jaxforge::svd_jacobi_block::smem};
   const std::string kernel = argv[1], dtype = argv[2];
   const int64_t batch = std::stoll(argv[3]);
   const int m = std::stoi(argv[4]), n = std::stoi(argv[5]);

@@ -55,13 +55,13 @@ def qr_r(run_kernel, x):
     return np.frombuffer(run_kernel("qr_r", x), x.dtype).reshape(x.shape[0], c, c)
 
 
-def qr_solve(run_kernel, a, b, rcond):
-    """``(r, solution, certified)`` of the fused least-squares kernel: r is R of ``[a | b]`` when
-    tall, of ``aᴴ`` when wide."""
+def qr_solve(run_kernel, a, b, rcond, kernel="qr_solve"):
+    """``(r, solution, certified)`` of a fused least-squares kernel (qr_solve, or qr_solve_warp for
+    tiny tall real problems): r is R of ``[a | b]`` when tall, of ``aᴴ`` when wide."""
     batch, m, n = a.shape
     k = b.shape[-1]
     c = n + k if m >= n else m
-    raw = run_kernel("qr_solve", a, k, repr(float(rcond)), tail=b)
+    raw = run_kernel(kernel, a, k, repr(float(rcond)), tail=b)
     sizes = [batch * c * c, batch * n * k]
     values = np.frombuffer(raw, a.dtype, count=sum(sizes))
     r, solution = np.split(values, sizes[:1])
@@ -213,6 +213,67 @@ def test_qr_solve_refuses_to_certify_singular_scaled_and_nonfinite_problems(run_
         x_np = np.linalg.lstsq(to_double(a[i]), to_double(b[i]), rcond=None)[0]
         np.testing.assert_allclose(x[i], x_np, rtol=1e-4, atol=1e-4 * np.abs(x_np).max())
     assert not np.isfinite(x[5]).all()
+
+
+def frobenius_rung(r, rcond):
+    """The one-warp kernel's certificate, ‖R‖_F ‖R⁻¹‖_F rcond < 1, in float64, and its margin."""
+    r = to_double(r)
+    bound = np.linalg.norm(r, axis=(-2, -1)) * np.linalg.norm(np.linalg.inv(r), axis=(-2, -1))
+    return bound * rcond < 1, np.abs(bound * rcond - 1)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_qr_solve_warp_matches_numpy_and_certifies_soundly(run_kernel, dtype):
+    rng = np.random.default_rng(8)
+    eps = np.finfo(dtype).eps
+    conditions = np.geomspace(1, 0.1 / eps, 12)
+    graded = np.stack(
+        [with_singular_values(rng, (), 40, 10, np.geomspace(1, 1 / c, 10)) for c in conditions]
+    ).astype(dtype)
+    tallest = 128 if dtype == np.float32 else 64
+    cases = [  # (a, b, whether R is well determined)
+        (random(rng, (5, 64, 16), dtype), random(rng, (5, 64, 1), dtype), True),  # ANCHORS' tiny lstsq
+        (random(rng, (3, 9, 6), dtype), random(rng, (3, 9, 3), dtype), True),  # [A | b] square
+        (random(rng, (2, tallest, 29), dtype), random(rng, (2, tallest, 3), dtype), True),  # 32 columns
+        (random(rng, (2, 70, 5), dtype)[:, : min(70, tallest)], random(rng, (2, min(70, tallest), 2), dtype), True),
+        (random(rng, (1, 2, 1), dtype), random(rng, (1, 2, 1), dtype), True),
+        (graded, random(rng, (len(conditions), 40, 2), dtype), False),
+    ]
+    for a, b, unique in cases:
+        a = np.ascontiguousarray(a)
+        m, n = a.shape[-2:]
+        rcond = eps * m
+        r, x, certified = qr_solve(run_kernel, a, b, rcond, kernel="qr_solve_warp")
+        check_r(np.concatenate([a, b], axis=-1), r, unique=unique)
+        want, margin = frobenius_rung(r[:, :n, :n], rcond)
+        clear = margin > 0.1
+        np.testing.assert_array_equal(certified[clear], want[clear])
+        assert want.any() and (unique or not want.all())
+        a64, b64 = to_double(a), to_double(b)
+        for i in np.flatnonzero(certified):
+            s = np.linalg.svd(a64[i], compute_uv=False)
+            assert s[-1] > rcond * s[0]  # sound: numpy's full rank
+            x_np = np.linalg.lstsq(a64[i], b64[i], rcond=None)[0]
+            np.testing.assert_allclose(x[i], x_np, atol=50 * eps * (s[0] / s[-1]) * np.abs(x_np).max())
+
+
+def test_qr_solve_warp_refuses_to_certify_singular_and_nonfinite_problems(run_kernel):
+    rng = np.random.default_rng(9)
+    a, b = random(rng, (7, 64, 16), np.float32), random(rng, (7, 64, 1), np.float32)
+    a[0] *= 1e-30  # float64 sums of squares keep tiny and huge problems certifiable
+    a[1] *= 1e30
+    a[2, :, 5] = 0  # a zero pivot
+    a[3, :, 6] = a[3, :, 2]  # rank-deficient without a zero pivot
+    a[4, 3, 3] = np.nan
+    a[5, 0, 0] = np.inf
+    b[6, 7, 0] = np.inf  # A itself is fine: the certificate is about A
+    r, x, certified = qr_solve(run_kernel, a, b, np.finfo(np.float32).eps * 64, kernel="qr_solve_warp")
+    np.testing.assert_array_equal(certified, [1, 1, 0, 0, 0, 0, 1])
+    for i in (0, 1):
+        check_r(np.concatenate([a[i : i + 1], b[i : i + 1]], axis=-1), r[i : i + 1])
+        x_np = np.linalg.lstsq(to_double(a[i]), to_double(b[i]), rcond=None)[0]
+        np.testing.assert_allclose(x[i], x_np, rtol=1e-4, atol=1e-4 * np.abs(x_np).max())
+    assert np.isnan(r[4]).any() and not np.isfinite(x[6]).all()
 
 
 @pytest.mark.parametrize(

@@ -54,8 +54,18 @@ def test_solve_bytes_match_the_kernel_layout(tmp_path):
     assert printed == [config.qr_solve_bytes(*shape, size) for size in (4, 8) for shape in SOLVE_SHAPES]
 
 
+def test_the_warp_kernel_takes_tiny_tall_real_problems(monkeypatch):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    assert config.use_qr_solve_warp(64, 16, 1, F32) and config.use_qr_solve_warp(128, 29, 3, F32)  # 32 columns
+    assert config.use_qr_solve_warp(64, 16, 1, F64) and not config.use_qr_solve_warp(65, 16, 1, F64)  # 64 rows
+    assert not config.use_qr_solve_warp(129, 16, 1, F32) and not config.use_qr_solve_warp(64, 30, 3, F32)
+    assert not config.use_qr_solve_warp(16, 14, 4, F32)  # [A | b] wide
+    assert not config.use_qr_solve_warp(64, 16, 1, C64) and not config.use_qr_solve_warp(16, 64, 1, F32)
+
+
 def test_kernels_stay_off_until_validated_and_faster(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    assert config.use_qr_solve_warp(64, 16, 1, F32) == config.QR_SOLVE_WARP_VALIDATED
     assert config.use_qr_solve(64, 16, 1, F32) == (config.QR_SOLVE_VALIDATED and config.QR_KERNELS_FASTER)
     assert config.use_qr_r_block(64, 17, F32) == (config.QR_R_VALIDATED and config.QR_KERNELS_FASTER)
     monkeypatch.setattr(config, "QR_KERNELS_FASTER", True)
@@ -64,8 +74,10 @@ def test_kernels_stay_off_until_validated_and_faster(monkeypatch):
 
 
 def lowered_for_cuda(m, n, k, dtype):
+    jax.clear_caches()  # the dispatch reads config and the environment at trace time
     args = (jax.ShapeDtypeStruct((8, m, n), dtype), jax.ShapeDtypeStruct((8, m, k), dtype))
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in cuda.QR_SOLVE_TARGETS.values()]
+    targets = [*cuda.QR_SOLVE_TARGETS.values(), *cuda.QR_SOLVE_WARP_TARGETS.values()]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in targets]
     exported = jax.export.export(jax.jit(jf.linalg.lstsq), platforms=("cuda",), disabled_checks=checks)(*args)
     return exported.mlir_module()
 
@@ -74,6 +86,7 @@ def lowered_for_cuda(m, n, k, dtype):
 def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypatch, dtype):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    monkeypatch.setattr(config, "use_qr_solve_warp", lambda *shape: False)  # the block kernel's call
     with jax.enable_x64(dtype == F64):
         text = lowered_for_cuda(64, 16, 1, dtype)
         short = {F32: "f32", F64: "f64", C64: "complex<f32>"}[dtype]
@@ -86,6 +99,22 @@ def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypat
         wide = lowered_for_cuda(16, 40, 2, dtype)  # R of Aᵀ: 16 x 16
         assert f"-> (tensor<8x16x16x{short}>, tensor<8x40x2x{short}>, tensor<8xi32>)" in wide
         assert "jaxforge_qr_solve" not in lowered_for_cuda(200, 70, 1, dtype)  # 71 columns
+
+
+@pytest.mark.parametrize("dtype", [F32, F64])
+def test_the_cuda_lowering_calls_the_warp_kernel_where_it_fits(monkeypatch, dtype):
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)
+    with jax.enable_x64(dtype == F64):
+        text = lowered_for_cuda(64, 16, 1, dtype)
+        short = {F32: "f32", F64: "f64"}[dtype]
+        call = next(line for line in text.splitlines() if cuda.QR_SOLVE_WARP_TARGETS[dtype.name] in line)
+        assert float(re.search(r"rcond = ([0-9.eE+-]+) : f64", call).group(1)) == default_rcond(dtype, 64, 16)
+        operands = f"(tensor<8x64x16x{short}>, tensor<8x64x1x{short}>)"
+        assert f"{operands} -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
+        assert cuda.QR_SOLVE_TARGETS[dtype.name] not in text
+        wider = lowered_for_cuda(64, 40, 1, dtype)  # 41 columns: the block kernel
+        assert cuda.QR_SOLVE_TARGETS[dtype.name] in wider and "qr_solve_warp" not in wider
 
 
 def test_cholesky_qr_rules_can_admit_batches_only(monkeypatch):
@@ -103,3 +132,4 @@ def test_the_measured_shapes_take_the_measured_winner(monkeypatch):
     for batch, m, n in [(1, 16384, 1024), (256, 512, 128), (1, 4096, 4096)]:
         assert config.use_cholesky_qr2(batch, m, n, F32)
     assert not config.use_cholesky_qr2(8192, 64, 16, F32) and not config.use_qr_solve(64, 16, 1, F32)
+    assert not config.use_qr_solve_warp(64, 16, 1, F32)  # until the H200 has timed it

@@ -64,6 +64,44 @@ def test_matches_numpy(shape, dtype, uses_kernel):
     np.testing.assert_array_equal(rank, min(m, n))
 
 
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((8192, 64, 16, 1), np.float32), ((8192, 64, 16, 1), np.float64), ((300, 128, 29, 3), np.float32),
+     ((300, 33, 5, 2), np.float64), ((64, 2, 1, 1), np.float32)],
+)  # fmt: skip
+def test_the_warp_kernel_agrees_with_the_block_kernel_and_numpy(shape, dtype):
+    # The one-warp kernel (qr_solve_warp.cuh, emulated on CPU) on the GPU: R of [A | b] equals the
+    # block kernel's up to row signs, the solution numpy's, and every well-conditioned matrix is
+    # certified; a NaN, a zero pivot and a rank-deficient matrix are not.
+    from jaxforge.lowering import build
+    from jaxforge.lowering.linalg.lstsq import cuda
+
+    assert build.ensure_loaded(cuda.KERNEL)
+    batch, m, n, k = shape
+    rng = np.random.default_rng(4)
+    a, b = well_conditioned(rng, (batch,), m, n, dtype), random(rng, (batch, m, k), dtype)
+    a[1, 0, 0] = np.nan
+    if n > 1:
+        a[2, :, 0] = 0
+        a[3, :, -1] = a[3, :, 0]
+    rcond = default_rcond(dtype, m, n)
+    run = jax.jit(lambda a, b, targets: cuda.qr_solve_cuda(a, b, rcond, targets)[:3], static_argnums=2)
+    r, x, certified = (np.asarray(v) for v in run(*on_gpu(a, b), cuda.QR_SOLVE_WARP_TARGETS))
+    r_block, _, _ = (np.asarray(v) for v in run(*on_gpu(a, b), cuda.QR_SOLVE_TARGETS))
+    bad = [1, 2, 3] if n > 1 else [1]
+    good = np.setdiff1d(np.arange(batch), bad)
+    np.testing.assert_array_equal(certified[bad], 0)
+    assert certified[good].all()
+    signs = np.sign(np.diagonal(r, axis1=-2, axis2=-1)) * np.sign(np.diagonal(r_block, axis1=-2, axis2=-1))
+    eps = np.finfo(dtype).eps
+    scale = np.abs(r_block[good]).max()
+    assert np.abs(r[good] * signs[good, :, None] - r_block[good]).max() <= 100 * eps * np.sqrt(m) * scale
+    sample = good[:32]
+    x_np = np.stack([np.linalg.lstsq(to_double(a[i]), to_double(b[i]))[0] for i in sample])
+    np.testing.assert_allclose(x[sample], x_np, rtol=1e3 * eps, atol=1e3 * eps)
+    assert np.isnan(r[1]).any()
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_ill_conditioned(dtype):
     """Condition 1e6: the kernel's certificate holds in float64 (1/rcond = 2e14) and fails in float32

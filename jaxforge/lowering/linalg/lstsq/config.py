@@ -34,6 +34,26 @@ def use_qr_r_block(m: int, cols: int, dtype) -> bool:
     return build.enabled(QR_R_VALIDATED and QR_KERNELS_FASTER) and qr_r_block_fits(m, cols, dtype)
 
 
+# The one-warp kernel (csrc/qr_solve_warp.cuh): tall real problems with n + k <= 32 columns and
+# m <= 128 rows (float32) or 64 (float64), the matrix in a warp's registers, no block barriers.
+# Written for lstsq's 8192 x 64 x 16 anchor, where the block kernel lost to geqrf, and tested in the
+# CUDA emulation only (2026-12-01, no GPU that session): off until its gpu tests pass on the H200
+# and the bench's lstsq-qr_solve_warp row beats geqrf's.
+QR_SOLVE_WARP_MAX_COLS = 32
+QR_SOLVE_WARP_MAX_ROWS = {"float32": 128, "float64": 64}
+QR_SOLVE_WARP_VALIDATED = False
+
+
+def qr_solve_warp_fits(m: int, n: int, k: int, dtype) -> bool:
+    """Whether an ``m x n`` problem with ``k`` right-hand sides fits the one-warp kernel."""
+    rows = QR_SOLVE_WARP_MAX_ROWS.get(dtype.name, 0)
+    return min(n, k) >= 1 and n + k <= QR_SOLVE_WARP_MAX_COLS and n + k <= m <= rows
+
+
+def use_qr_solve_warp(m: int, n: int, k: int, dtype) -> bool:
+    return build.enabled(QR_SOLVE_WARP_VALIDATED) and qr_solve_warp_fits(m, n, k, dtype)
+
+
 QR_SOLVE_MAX_BYTES = 96 * 1024  # what every supported GPU grants a block (sm_86/sm_89: 99 KiB)
 
 

@@ -1,9 +1,11 @@
 """CUDA lowering of lstsq_p: the default algorithm with its QR factor chosen by shape (config.py).
 
-Small problems, once config admits the kernels (QR_KERNELS_FASTER): csrc/qr_solve.cuh solves in one
-kernel, the Householder QR of ``[A | b]`` (of ``Aᴴ`` when wide) in shared memory, one block per
-matrix, Q never formed, the substitutions and the first rung of the full-rank certificate; a batch
-it certifies needs nothing else. Large and batched tall float32 problems: CholeskyQR2
+Tiny tall real problems, once config admits it (QR_SOLVE_WARP_VALIDATED): csrc/qr_solve_warp.cuh, the
+same fused solve by one warp per matrix held in registers. Small problems, once config admits the
+kernels (QR_KERNELS_FASTER): csrc/qr_solve.cuh solves in one kernel, the Householder QR of
+``[A | b]`` (of ``Aᴴ`` when wide) in shared memory, one block per matrix, Q never formed, the
+substitutions and the first rung of the full-rank certificate; a batch it certifies needs nothing
+else. Large and batched tall float32 problems: CholeskyQR2
 (cholesky_qr.py), matrix products in float64, with Householder as its on-device fallback; the
 Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the kernel cannot
 be built, cuSOLVER's geqrf runs as in the default. The derivative rule factors nothing in full rank:
@@ -12,6 +14,7 @@ it solves on the R returned here. ``thin_qr`` lends the same choice of QR to svd
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,6 +38,7 @@ QR_SOLVE_TARGETS = {
     "complex64": "jaxforge_qr_solve_c64",
     "complex128": "jaxforge_qr_solve_c128",
 }
+QR_SOLVE_WARP_TARGETS = {"float32": "jaxforge_qr_solve_warp_f32", "float64": "jaxforge_qr_solve_warp_f64"}
 KERNEL = build.declare(
     build.Kernel(
         name="qr_r",
@@ -42,6 +46,7 @@ KERNEL = build.declare(
         headers=(
             "linalg/lstsq/csrc/qr_r.cuh",
             "linalg/lstsq/csrc/qr_solve.cuh",
+            "linalg/lstsq/csrc/qr_solve_warp.cuh",
             "csrc/xla_ffi.h",
             "csrc/launch.h",
             "csrc/scalar.h",
@@ -55,6 +60,8 @@ KERNEL = build.declare(
             "jaxforge_qr_solve_f64": "JaxforgeQrSolveF64",
             "jaxforge_qr_solve_c64": "JaxforgeQrSolveC64",
             "jaxforge_qr_solve_c128": "JaxforgeQrSolveC128",
+            "jaxforge_qr_solve_warp_f32": "JaxforgeQrSolveWarpF32",
+            "jaxforge_qr_solve_warp_f64": "JaxforgeQrSolveWarpF64",
         },
     )
 )
@@ -74,9 +81,10 @@ def qr_r_kernel(x):
     return jax.ffi.ffi_call(QR_R_TARGETS[x.dtype.name], jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
 
 
-def qr_solve_cuda(a, b, rcond: float):
+def qr_solve_cuda(a, b, rcond: float, targets=QR_SOLVE_TARGETS):
     """The kernel's ``(R, x, certified, factor)`` (see ``lstsq_xla``'s ``fused``): R of ``[A | b]``
-    when tall, whose ``(R, Qᴴb)`` then serve as ``factor``; R of ``Aᴴ`` when wide."""
+    when tall, whose ``(R, Qᴴb)`` then serve as ``factor``; R of ``Aᴴ`` when wide. ``targets``:
+    the block kernel's, or the one-warp kernel's (QR_SOLVE_WARP_TARGETS, tall real problems)."""
     *batch, m, n = a.shape
     k = b.shape[-1]
     cols = n + k if m >= n else m
@@ -85,7 +93,7 @@ def qr_solve_cuda(a, b, rcond: float):
         jax.ShapeDtypeStruct((*batch, n, k), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), jnp.int32),
     )
-    r, x, certified = jax.ffi.ffi_call(QR_SOLVE_TARGETS[a.dtype.name], result_types)(a, b, rcond=np.float64(rcond))
+    r, x, certified = jax.ffi.ffi_call(targets[a.dtype.name], result_types)(a, b, rcond=np.float64(rcond))
     if m < n:
         return r, x, certified != 0, None
     r_a, qhb = r[..., :n, :n], r[..., :n, n:]
@@ -104,6 +112,8 @@ def thin_qr(x):
 
 def lstsq_cuda(a, b, *, rcond: float):
     *batch, m, n = a.shape
+    if config.use_qr_solve_warp(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
+        return lstsq_xla(a, b, rcond=rcond, fused=functools.partial(qr_solve_cuda, targets=QR_SOLVE_WARP_TARGETS))
     if config.use_qr_solve(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
         return lstsq_xla(a, b, rcond=rcond, fused=qr_solve_cuda)
     householder = augmented_qr(qr_r_cuda)

@@ -59,8 +59,8 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
         x = jnp.zeros((*batch, n, b.shape[-1]), a.dtype)
-        no_factor = jnp.zeros((*batch, 0, 0), a.dtype)
-        return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), jnp.zeros((*batch, 0), real_dtype(a.dtype)), no_factor
+        no_values, no_factor = jnp.zeros((*batch, 0), real_dtype(a.dtype)), jnp.zeros((*batch, 0, 0), a.dtype)
+        return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), no_values, no_factor
     if fused is None:
         r, *solvers = _factored(a, b, factor)
         rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=CERTIFICATE_SQUARINGS)

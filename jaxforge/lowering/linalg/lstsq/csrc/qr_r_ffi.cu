@@ -7,6 +7,7 @@
 // qr_solve: operands a (*batch, m, n) and b (*batch, m, k), attribute rcond (f64); results r
 // (*batch, c, c) with c = n + k when m >= n, else m; solution (*batch, n, k); certified (*batch,)
 // int32 (see qr_solve.cuh).
+// qr_solve_warp: the same for tiny tall real problems, one warp per matrix (qr_solve_warp.cuh).
 // Other shapes are rejected with InvalidArgument.
 #include <cuda_runtime.h>
 
@@ -14,12 +15,14 @@
 
 #include "csrc/xla_ffi.h"
 #include "qr_solve.cuh"
+#include "qr_solve_warp.cuh"
 
 namespace ffi = xla::ffi;
 using jaxforge::BatchSize;
 using jaxforge::KernelData;
 using jaxforge::ShapeString;
 namespace qr = jaxforge::qr_r;
+namespace warp = jaxforge::qr_solve_warp;
 
 namespace {
 
@@ -75,7 +78,8 @@ ffi::Error QrRImpl(cudaStream_t stream, ffi::Buffer<DT> x, ffi::ResultBuffer<DT>
                                         static_cast<int>(c)));
 }
 
-template <ffi::DataType DT>
+// kWarp: the one-warp kernel (qr_solve_warp.cuh, real tall problems), else the block kernel.
+template <ffi::DataType DT, bool kWarp>
 ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b, double rcond,
                        ffi::ResultBuffer<DT> r, ffi::ResultBuffer<DT> solution,
                        ffi::ResultBuffer<ffi::S32> certified) {
@@ -89,7 +93,15 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
   const int64_t m = dims[dims.size() - 2], n = dims[dims.size() - 1], k = b_dims[dims.size() - 1];
   bool same_batch = b_dims[dims.size() - 2] == m;
   for (size_t i = 0; i + 2 < dims.size(); ++i) same_batch = same_batch && b_dims[i] == dims[i];
-  if (!qr::supported_solve<T>(m, n, k) || !same_batch) {
+  if constexpr (kWarp) {
+    if (!warp::supported<T>(m, n, k) || !same_batch) {
+      return ffi::Error::InvalidArgument(
+          "qr_solve_warp: a " + ShapeString(dims) + " and b " + ShapeString(b_dims) +
+          " are outside the kernel's limits: b (..., m, k) with a (..., m, n), the same batch, " +
+          "real, n + k <= " + std::to_string(warp::kMaxCols) + " and n + k <= m <= " +
+          std::to_string(32 * warp::kMaxSlots<T>));
+    }
+  } else if (!qr::supported_solve<T>(m, n, k) || !same_batch) {
     return ffi::Error::InvalidArgument(
         "qr_solve: a " + ShapeString(dims) + " and b " + ShapeString(b_dims) +
         " are outside the kernel's limits: b (..., m, k) with a (..., m, n), the same batch; " +
@@ -107,11 +119,15 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
       return e;
     }
   }
-  const cudaError_t err = qr::launch_solve(
+  const auto launch = [&] {
+    if constexpr (kWarp) return warp::launch_solve<T>;
+    else return qr::launch_solve<T>;
+  }();
+  const cudaError_t err = launch(
       stream, KernelData(a.typed_data()), KernelData(b.typed_data()), KernelData(r->typed_data()),
       KernelData(solution->typed_data()), certified->typed_data(), batch, static_cast<int>(m),
       static_cast<int>(n), static_cast<int>(k), static_cast<jaxforge::RealOf<T>>(rcond));
-  return LaunchError("qr_solve", err);
+  return LaunchError(kWarp ? "qr_solve_warp" : "qr_solve", err);
 }
 
 template <ffi::DataType DT>
@@ -140,11 +156,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF32, QrRImpl<ffi::F32>, QrRBinding<ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRF64, QrRImpl<ffi::F64>, QrRBinding<ffi::F64>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC64, QrRImpl<ffi::C64>, QrRBinding<ffi::C64>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrRC128, QrRImpl<ffi::C128>, QrRBinding<ffi::C128>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF32, QrSolveImpl<ffi::F32>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF32, (QrSolveImpl<ffi::F32, false>),
                               QrSolveBinding<ffi::F32>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF64, QrSolveImpl<ffi::F64>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveF64, (QrSolveImpl<ffi::F64, false>),
                               QrSolveBinding<ffi::F64>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC64, QrSolveImpl<ffi::C64>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC64, (QrSolveImpl<ffi::C64, false>),
                               QrSolveBinding<ffi::C64>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC128, QrSolveImpl<ffi::C128>,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveC128, (QrSolveImpl<ffi::C128, false>),
                               QrSolveBinding<ffi::C128>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveWarpF32, (QrSolveImpl<ffi::F32, true>),
+                              QrSolveBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeQrSolveWarpF64, (QrSolveImpl<ffi::F64, true>),
+                              QrSolveBinding<ffi::F64>());
