@@ -208,10 +208,12 @@ def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
 
     for kernel in linalg._svd_kernel_variants():
         assert kernel.applies((8192, 32, 32)) and not kernel.applies((1024, 64, 64)), kernel.name
-    householder, qr_r, qr_solve, cholesky = linalg._lstsq_factors()
+    householder, qr_r, qr_solve, qr_solve_warp, cholesky = linalg._lstsq_factors()
     assert qr_r.applies((8192, 64, 16, 1)) and not qr_r.applies((256, 512, 128, 4))  # 40 KiB at most
     assert qr_solve.applies((8192, 64, 16, 1)) and qr_solve.applies((7, 37, 61, 3))  # wide too: Aᵀ fits
     assert not qr_solve.applies((256, 512, 128, 4))
+    assert qr_solve_warp.applies((8192, 64, 16, 1)) and not qr_solve_warp.applies((7, 37, 61, 3))  # tall only
+    assert not qr_solve_warp.applies((5, 200, 30, 2))  # 200 rows
     assert cholesky.applies((256, 512, 128, 4)) and not cholesky.applies((7, 37, 61, 3))  # tall only
     (a, b) = linalg._lstsq_inputs((2, 300, 40, 2))  # the two that need no kernel also run here
     for row in (householder, cholesky):
