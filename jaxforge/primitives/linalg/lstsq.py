@@ -23,15 +23,16 @@ constant (Golub & Pereyra); with :math:`r = b - Ax`:
 Full rank, these are the corrected seminormal equations on the forward's ``R`` (Björck), with
 :math:`N = R^H R` and :math:`f = db - dA\,x`: tall, :math:`dx = N^{-1}(A^H f + dA^H r)`
 (:math:`= A^{+}f + (A^HA)^{-1}dA^H r`; the last term vanishes when :math:`m = n`); wide
-(:math:`N = AA^H`, :math:`z = N^{-1}b`, :math:`w = dA^H z`), :math:`dx = w + A^H N^{-1}(f - A\,w)`. Each
-:math:`N^{-1}` is applied twice, the second time to the first one's residual. No QR of ``A`` is
-recomputed: matrix products with ``A`` and ``R⁻¹``, linear in ``(da, db)``, so JAX transposes them
-for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R`` carries
-its own tangent, :math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
+(:math:`N = AA^H`, :math:`z = N^{-1}b`, :math:`w = dA^H z`), :math:`dx = w + A^H N^{-1}(f - A\,w)`.
+Each :math:`N^{-1}` is applied twice, the second time to the first one's residual. No QR of ``A``
+is recomputed: matrix products with ``A`` and ``R⁻¹``, linear in ``(da, db)``, so JAX transposes
+them for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R`` carries its own tangent,
+:math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
 :math:`H = R^{-H}(A^H dA + dA^H A)R^{-1}`, so second derivatives flow. Rank-deficient inputs use the
 truncated pseudo-inverse from the SVD of a recomputed ``R``; that branch runs only when some matrix
 in the batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from the
-SVD of the forward's ``R`` (:math:`U = AVS^{-1}`; off CPU, only where a tangent of ``s`` needs them). The residuals follow
+SVD of the forward's ``R`` (:math:`U = AVS^{-1}`; off CPU, only where a tangent of ``s`` needs
+them). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
 
