@@ -26,8 +26,8 @@ Full rank, these are the corrected seminormal equations on the forward's ``R`` (
 (:math:`N = AA^H`, :math:`z = N^{-1}b`, :math:`w = dA^H z`), :math:`dx = w + A^H N^{-1}(f - A\,w)`.
 Each :math:`N^{-1}` is applied twice, the second time to the first one's residual. No QR of ``A``
 is recomputed: matrix products with ``A`` and ``R⁻¹``, linear in ``(da, db)``, so JAX transposes
-them for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R`` carries its own tangent,
-:math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
+them for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R``
+carries its own tangent, :math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
 :math:`H = R^{-H}(A^H dA + dA^H A)R^{-1}`, so second derivatives flow. Rank-deficient inputs use the
 truncated pseudo-inverse from the SVD of a recomputed ``R``; that branch runs only when some matrix
 in the batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from the
