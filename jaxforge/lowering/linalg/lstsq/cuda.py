@@ -50,6 +50,7 @@ KERNEL = build.declare(
             "csrc/xla_ffi.h",
             "csrc/launch.h",
             "csrc/scalar.h",
+            "csrc/warp.h",
         ),
         targets={
             "jaxforge_qr_r_f32": "JaxforgeQrRF32",

@@ -37,6 +37,7 @@ KERNEL = build.declare(
             "csrc/xla_ffi.h",
             "csrc/launch.h",
             "csrc/scalar.h",
+            "csrc/warp.h",
         ),
         targets={
             WARP_TARGETS["float32"]: "JaxforgeSvdJacobiF32",

@@ -14,14 +14,15 @@
 //     than qr_solve's (within √n of the 2-norm per factor, not n^(1/4)); lstsq's later rungs
 //     certify what it leaves.
 //
-// Layout: lane l holds rows l + 32 s (s < kSlots) of [A | b], all columns, in registers indexed
-// by compile-time constants (the loops over columns are unrolled to kCols, guarded by the runtime
-// count; column j is selected, not indexed). Column j's Householder step is qr_r.cuh's: a warp reduction for the norm (rescaled by a
-// power of two outside [kSafeLo, kSafeHi]), the pivot broadcast from lane j, one reduction per
-// trailing column for vᴴA[:, c]. Butterfly (xor) reductions give every lane the same bits, so the
-// branches on tau are warp-uniform. The triangle then goes to shared memory, and lane t solves
-// column t of [Qᴴb | I] by back substitution (its unknowns in shared memory) (the identity's columns give R⁻¹), accumulating the
-// Frobenius sums in double, where no square of a float overflows or underflows.
+// Layout: lane l holds rows l + 32 s (s < kSlots) of [A | b], all columns, in registers indexed by
+// compile-time constants (the loops over columns are unrolled to kCols, guarded by the runtime
+// count; column j is selected, not indexed). Column j's Householder step is qr_r.cuh's: a warp
+// reduction for the norm (rescaled by a power of two outside [kSafeLo, kSafeHi]), the pivot
+// broadcast from lane j, one reduction per trailing column for vᴴA[:, c]. The reductions
+// (csrc/warp.h) leave every lane the same bits, so the branches on tau are warp-uniform. The
+// triangle then goes to shared memory, and lane t solves column t of [Qᴴb | I] by back
+// substitution, its unknowns in shared memory too (the identity's columns give R⁻¹), accumulating
+// the Frobenius sums in double, where no square of a float overflows or underflows.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +31,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "csrc/warp.h"
 #include "qr_r.cuh"
 
 namespace jaxforge::qr_solve_warp {
@@ -53,20 +55,6 @@ inline bool supported(int64_t m, int64_t n, int64_t k) {
 template <typename T, int kCols>
 constexpr int shared_bytes() {
   return kWarps<T> * 2 * kCols * (kCols + 1) * static_cast<int>(sizeof(T));
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(kFullMask, x, off);
-  return x;
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_max(T x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(kFullMask, x, off));
-  return x;
 }
 
 // Column j of this lane's rows: a select over the unrolled columns, so that x stays in registers

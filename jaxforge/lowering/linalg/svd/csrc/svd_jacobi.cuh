@@ -33,6 +33,7 @@
 
 #include "csrc/launch.h"
 #include "csrc/scalar.h"
+#include "csrc/warp.h"
 
 namespace jaxforge::svd_jacobi {
 
@@ -134,20 +135,6 @@ __device__ __forceinline__ void warp_sum_gram(R& alpha, R& beta, Complex<R>& gam
     gamma.re = Real<R>::add_rn(gamma.re, ro);
     gamma.im = Real<R>::add_rn(gamma.im, io);
   }
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = Real<T>::add_rn(x, __shfl_xor_sync(kFullMask, x, off));
-  return x;
-}
-
-template <typename T>
-__device__ __forceinline__ T warp_max(T x) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) x = fmax(x, __shfl_xor_sync(kFullMask, x, off));
-  return x;
 }
 
 // The rotation threshold of both Jacobi kernels: a pair (p, q) is skipped when

@@ -148,7 +148,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     amax = fmax(amax, x);
   }
   finite = __syncthreads_and(finite);
-  amax = svd_jacobi::warp_max(amax);
+  amax = warp_max(amax);
   if (lane == 0) red[warp] = amax;
   __syncthreads();
   int sweeps = -1;
@@ -180,7 +180,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     T sum = T(0);
 #pragma unroll 1
     for (int i = lane; i < rows; i += 32) sum = Real<T>::fma_rn(W[j * l.ldw + i], W[j * l.ldw + i], sum);
-    sum = svd_jacobi::warp_sum(sum);
+    sum = warp_sum(sum);
     if (lane == 0) sv[j] = Real<T>::sqrt(sum);
   }
   __syncthreads();
