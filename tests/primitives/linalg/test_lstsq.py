@@ -248,6 +248,20 @@ def test_rank_deficient_gradient_is_finite_and_matches_pinv(m, n, rank):
     np.testing.assert_allclose(np.sum(ga * da) + np.sum(gb * db), numeric, rtol=1e-6)
 
 
+@pytest.mark.parametrize("m,n", [(8, 5), (5, 8), (6, 6)])
+def test_both_branches_give_a_full_rank_matrix_the_same_gradient(m, n):
+    """Alone, a full-rank matrix takes the seminormal rule on the forward's R; batched with a
+    rank-deficient one, the branch that refactors A. Both must agree."""
+    rng = np.random.default_rng(19)
+    full, deficient = well_conditioned(rng, (1,), m, n), rank_deficient(rng, (1,), m, n, 3)
+    b = random(rng, (2, m, 2))
+    grad = jax.jit(jax.grad(lambda a, b: jnp.sum(jnp.sin(solution(a, b))), argnums=(0, 1)))
+    alone = grad(full, b[:1])
+    batched = grad(np.concatenate([full, deficient]), b)
+    for got, want in zip(batched, alone):
+        np.testing.assert_allclose(got[:1], want, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("m,n", [(8, 5), (5, 8)])
 def test_singular_value_tangents_of_a_rank_deficient_matrix(m, n):
     """ds from the forward's R (U = AVS⁻¹): Re(uᵢᴴ dA vᵢ) for the nonzero singular values, and 0 for
