@@ -85,8 +85,9 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
       ``singular_values`` ``(..., min(m, n))``. Unlike numpy, ``residuals`` is reported also when
       ``rank < n`` (a shape cannot depend on the data under ``jit``).
 
-    Full-rank problems are solved by Householder QR (of ``a``, or of ``aᴴ`` when ``m < n``), never
-    by an SVD; rank-deficient ones by the truncated SVD. The rank is decided on device.
+    Full-rank problems are solved by a QR (of ``a``, or of ``aᴴ`` when ``m < n``), never by an
+    SVD; rank-deficient ones by the truncated SVD. The rank is decided on device. Derivatives of a
+    full-rank solution reuse the forward's triangular factor (no second factorisation).
 
     Example:
       >>> import jax.numpy as jnp, jaxforge as jf
