@@ -92,7 +92,7 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
     Example:
       >>> import jax.numpy as jnp, jaxforge as jf
       >>> a = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-      >>> jf.linalg.lstsq(a, jnp.array([1.0, 2.0, 3.0])).solution
+      >>> jf.linalg.lstsq(a, jnp.array([1.0, 2.0, 3.0])).solution.round(4)
       Array([1., 2.], dtype=float32)
     """
     a, b = jnp.asarray(a), jnp.asarray(b)

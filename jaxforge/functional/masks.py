@@ -5,10 +5,11 @@ True means "query ``q_idx`` may attend to key ``kv_idx``". Masks combine with ``
 use to skip tiles: ``causal()`` halves the work, ``sliding_window(w)`` makes it O(S·w).
 Runtime per-position data (``document``'s segment ids) is handed to the kernels as *positional*
 arrays (:meth:`Mask.bind_positional`): a kernel slices one tile of them, never gathers, so the
-GPU kernels run document masks. ``b`` indexes the flattened leading (batch) dims of ``q``, ``h`` the query head.
+GPU kernels run document masks. ``b`` indexes the flattened leading (batch) dims of ``q``, ``h`` the
+query head. Packed causal training, for instance::
 
->>> mask = jf.masks.causal() & jf.masks.document(segment_ids)   # packed causal training
->>> out = jf.attention(q, k, v, mask=mask)
+    mask = jf.masks.causal() & jf.masks.document(segment_ids)
+    out = jf.attention(q, k, v, mask=mask)
 
 Any ``mask_mod`` written on scalars works too (``mask=lambda b, h, q, kv: ...``) but without a
 span it visits every tile; wrap it in :func:`from_mask_mod` to combine it with the masks here.
