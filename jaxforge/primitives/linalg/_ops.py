@@ -61,8 +61,12 @@ def truncated_pinv(u, s, v, keep, y):
 
     Dropped singular values never meet a division, so no inf reaches derivatives.
     """
-    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(y.dtype)[..., :, None]
-    return mm(v, s_inv * mm(ct(u), y))
+    return mm(v, kept_reciprocal(s, keep).astype(y.dtype)[..., :, None] * mm(ct(u), y))
+
+
+def kept_reciprocal(s, keep):
+    """``1/s`` where ``keep``, 0 elsewhere: dropped values never meet a division."""
+    return jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
 
 
 def positive_diagonal(r):

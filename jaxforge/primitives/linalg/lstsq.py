@@ -58,6 +58,7 @@ from jaxforge.primitives.linalg._ops import (
     ct,
     diagonal,
     mm,
+    kept_reciprocal,
     positive_diagonal,
     solve_triangular,
     truncated_pinv,
@@ -126,11 +127,6 @@ def _abstract_eval(a, b, *, rcond: float):
     return _core.batch_sharded_avals("lstsq", {"a": a, "b": b}, len(batch), outputs)
 
 
-def _thin_qr(x):
-    """jax's Householder QR, with its derivative rules: for ds and the rank-deficient branch only."""
-    return lax.linalg.qr(x, full_matrices=False)
-
-
 def _jvp(primals, tangents, *, rcond: float):
     a, b = primals
     x, residuals, rank, s, r = lstsq_p.bind(a, b, rcond=rcond)
@@ -162,19 +158,16 @@ def _jvp(primals, tangents, *, rcond: float):
 
 
 def _singular_value_tangent(a, r, rank, da):
-    """``(ds, U)`` with ``ds = Re diag(Uᴴ dA V)``, the thin SVD of ``A`` from that of its factor ``R``:
-    ``V = V_R``, ``U = AVS⁻¹`` (``U = U_R``, ``V = AᴴUS⁻¹`` when wide). Singular values past the rank,
-    zero up to rounding and without a derivative, get zero vectors and ``ds = 0``."""
+    """``(ds, U)`` with ``ds = Re diag(Uᴴ dA V)`` from the SVD of the forward's factor ``R``, whose
+    ``Q = AR⁻¹`` (``AᴴR⁻¹`` when wide) maps ``U_R`` to ``Q U_R = A V_R S⁻¹``. Singular values past the
+    rank, zero up to rounding and without a derivative, get zero vectors and ``ds = 0``."""
     wide = a.shape[-2] < a.shape[-1]
-    s, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    kept = jnp.arange(s.shape[-1]) < rank[..., None]
-    s_inv = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(a.dtype)[..., None, :]
-    if wide:
-        u = ct(vh_r)
-        v = mm(ct(a), u) * s_inv
-    else:
-        v = ct(vh_r)
-        u = mm(a, v) * s_inv
+
+    def q_times_u(_, s, v_r):
+        kept = jnp.arange(s.shape[-1]) < rank[..., None]
+        return mm(ct(a) if wide else a, v_r) * kept_reciprocal(s, kept).astype(a.dtype)[..., None, :]
+
+    u, _, v = _singular_vectors(r, q_times_u, wide=wide)
     return jnp.real(diagonal(mm(mm(ct(u), da), v))), u
 
 
@@ -186,22 +179,22 @@ def _seminormal_tangent(a, b, x, r_inv, da, db):
     f = db - mm(da, x)
     if m >= n:  # N = AᴴA: dx = N⁻¹(Aᴴf + dAᴴr); r = b - Ax vanishes for square A
         h = mm(ct(da), b - mm(a, x)) if m > n else 0
-        return _corrected(n_inv, lambda y: mm(ct(a), f if y is None else f - mm(a, y)) + h)
+        return _corrected(n_inv, mm(ct(a), f) + h, lambda y: mm(ct(a), f - mm(a, y)) + h)
     # N = AAᴴ: z = N⁻¹b, w = dAᴴz, dx = w + Aᴴ N⁻¹(f - Aw)
     gram = lambda y: mm(a, mm(ct(a), y))  # noqa: E731
-    z = _corrected(n_inv, lambda z: b if z is None else b - gram(z))
+    z = _corrected(n_inv, b, lambda z: b - gram(z))
     w = mm(ct(da), z)
     g = f - mm(a, w)
-    return w + mm(ct(a), _corrected(n_inv, lambda t: g if t is None else g - gram(t)))
+    return w + mm(ct(a), _corrected(n_inv, g, lambda t: g - gram(t)))
 
 
-def _corrected(n_inv, residual):
-    """``y`` with ``N y = c`` by one step of correction: ``y₀ = N⁻¹c``, ``y = y₀ + N⁻¹(c − N y₀)``.
+def _corrected(n_inv, c, residual):
+    """``y`` with ``N y = c`` by one step of correction: ``y₀ = N⁻¹c``, ``y = y₀ + N⁻¹ residual(y₀)``.
 
-    ``residual(y)`` evaluates ``c − N y`` through ``A`` rather than ``N`` (``residual(None)`` is ``c``):
-    the step brings the seminormal solution's error, of order κ²ε, down to that of a QR solve.
+    ``residual(y)`` is ``c − N y`` evaluated through ``A`` rather than ``N``: the step brings the
+    seminormal solution's error, of order κ²ε, down to that of a QR solve.
     """
-    y = n_inv(residual(None))
+    y = n_inv(c)
     return y + n_inv(residual(y))
 
 
@@ -229,19 +222,21 @@ def _full_rank_tangent(a, b, x, q, r, da, db):
     return mm(q, solve_triangular(after(r, z), db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
 
 
-def _singular_vectors(q, r, *, wide: bool):
-    """``(U, s, V)``, the thin SVD of ``A`` from that of its small factor: ``A = QR``, or ``Aᴴ = QR``
-    when ``wide``."""
+def _singular_vectors(r, q_times_u, *, wide: bool):
+    """``(U, s, V)``, the thin SVD of ``A`` from that of its small factor ``R = U_R S V_Rᴴ``: ``A = QR``,
+    or ``Aᴴ = QR`` when ``wide``, and ``q_times_u(U_R, s, V_R) = Q U_R``."""
     s, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    return (ct(vh_r), s, mm(q, u_r)) if wide else (mm(q, u_r), s, ct(vh_r))
+    v_r = ct(vh_r)
+    q_u = q_times_u(u_r, s, v_r)
+    return (v_r, s, q_u) if wide else (q_u, s, v_r)
 
 
 def _mixed_rank_tangent(a, b, x, rank, da, db):
     """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere, from
     a recomputed QR of ``A`` (of ``Aᴴ`` when wide) and the SVD of its ``R``."""
     m, n = a.shape[-2:]
-    q, r = _thin_qr(a if m >= n else ct(a))
-    u, s, v = _singular_vectors(q, after(r, q), wide=m < n)
+    q, r = lax.linalg.qr(a if m >= n else ct(a), full_matrices=False)  # with jax's derivative rules
+    u, s, v = _singular_vectors(after(r, q), lambda u_r, *_: mm(q, u_r), wide=m < n)
     r = after(r, u)  # the solves wait for the SVD
     k = r.shape[-1]
     full = (rank == k)[..., None, None]

@@ -257,6 +257,24 @@ def test_qr_solve_warp_matches_numpy_and_certifies_soundly(run_kernel, dtype):
             np.testing.assert_allclose(x[i], x_np, atol=50 * eps * (s[0] / s[-1]) * np.abs(x_np).max())
 
 
+def test_qr_solve_warp_limits_are_config_s(run_kernel):
+    """lstsq's config.qr_solve_warp_fits admits exactly what the kernel's supported<T> does."""
+    from jaxforge.lowering.linalg.lstsq import config
+
+    rng = np.random.default_rng(10)
+    shapes = [(128, 29, 3), (129, 16, 1), (64, 31, 2), (32, 16, 16), (31, 16, 16), (65, 8, 1), (64, 8, 1)]
+    for dtype in (np.float32, np.float64):
+        for m, n, k in shapes:
+            a, b = random(rng, (1, m, n), dtype), random(rng, (1, m, k), dtype)
+            try:
+                qr_solve(run_kernel, a, b, 1e-6, kernel="qr_solve_warp")
+                runs = True
+            except subprocess.CalledProcessError as refused:
+                assert refused.returncode == 3  # the harness's "unsupported shape"
+                runs = False
+            assert runs == config.qr_solve_warp_fits(m, n, k, np.dtype(dtype)), (m, n, k, dtype)
+
+
 def test_qr_solve_warp_refuses_to_certify_singular_and_nonfinite_problems(run_kernel):
     rng = np.random.default_rng(9)
     a, b = random(rng, (7, 64, 16), np.float32), random(rng, (7, 64, 1), np.float32)

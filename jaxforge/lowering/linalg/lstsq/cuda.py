@@ -5,10 +5,10 @@ same fused solve by one warp per matrix held in registers. Small problems, once 
 kernels (QR_KERNELS_FASTER): csrc/qr_solve.cuh solves in one kernel, the Householder QR of
 ``[A | b]`` (of ``Aᴴ`` when wide) in shared memory, one block per matrix, Q never formed, the
 substitutions and the first rung of the full-rank certificate; a batch it certifies needs nothing
-else. Large and batched tall float32 problems: CholeskyQR2
-(cholesky_qr.py), matrix products in float64, with Householder as its on-device fallback; the
-Householder kernel alone (csrc/qr_r.cuh) factors what fits it. Elsewhere, or where the kernel cannot
-be built, cuSOLVER's geqrf runs as in the default. The derivative rule factors nothing in full rank:
+else. Large and batched tall float32 problems: CholeskyQR2 (cholesky_qr.py), matrix products in
+float64, with Householder as its on-device fallback; the Householder kernel alone (csrc/qr_r.cuh)
+factors what fits it. Elsewhere, or where the kernel cannot be built, cuSOLVER's geqrf runs as in
+the default. The derivative rule factors nothing in full rank:
 it solves on the R returned here. ``thin_qr`` lends the same choice of QR to svd.
 """
 
