@@ -2,7 +2,8 @@
 to read: `benchmarks/gpu_check.sh profile` runs it under Nsight Compute (the kernels are built
 ahead, so the launch is the kernel's steady state; XLA's compilation happens on the host).
 
-    python3 benchmarks/profile_kernels.py [NAME...]   # NAME: qr_r qr_solve qr_solve_warp svd_rows svd_lanes svd_block
+    python3 benchmarks/profile_kernels.py [NAME...]
+    # NAME: qr_r qr_solve qr_solve_warp svd_rows svd_lanes svd_pairs svd_block svd_slots
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ def _cases():
         ),
         "svd_rows": (svd(svd_cuda.WARP_TARGETS["float32"]), (_normal((8192, 32, 32)),)),
         "svd_lanes": (svd(svd_cuda.LANES_TARGET), (_normal((8192, 32, 32)),)),
+        "svd_pairs": (svd(svd_cuda.PAIRS_TARGET), (_normal((8192, 32, 32)),)),
         "svd_block": (svd(svd_cuda.BLOCK_TARGET), (_normal((1024, 64, 64)),)),
+        "svd_slots": (svd(svd_cuda.SLOTS_TARGET), (_normal((1024, 64, 64)),)),
     }
 
 

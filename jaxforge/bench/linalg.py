@@ -231,23 +231,33 @@ def _svd_implementations(backend: str) -> list[Implementation]:
 
 
 def _svd_kernel_variants() -> list[Implementation]:
-    """On the small shapes the one-warp kernel serves (m, n <= 32), each kernel that could: its
-    row-per-lane and column-per-lane sweeps (``jaxforge-rows``, ``jaxforge-lanes``: which decide
-    config.JACOBI_LANES) and the one-block kernel (``jaxforge-block``: config.JACOBI_WARP_MAX_DIM)."""
+    """Each kernel that could serve a shape. On the small shapes the one-warp kernel serves
+    (m, n <= 32): its sweeps with a row a lane, a column a lane and two lanes a column pair
+    (``jaxforge-rows``, ``jaxforge-lanes``, ``jaxforge-pairs``: which decide
+    config.jacobi_warp_sweeps) and the one-block kernel (``jaxforge-block``:
+    config.JACOBI_WARP_MAX_DIM). Where the block kernel's slot sweeps fit (32 < min(m, n) <= 64,
+    max(m, n) <= 128): ``jaxforge-slots`` and ``jaxforge-block`` (config.JACOBI_SLOTS_VALIDATED)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.svd import cuda
 
-    def row(name: str, target: str) -> Implementation:
+    def row(name: str, target: str, applies) -> Implementation:
         def svd(a):
             if not build.ensure_loaded(cuda.KERNEL):
                 raise RuntimeError("the svd kernels could not be built here")
             s, u, vh = cuda.jacobi_svd(a, target)
             return u, s, vh
 
-        return Implementation(name, jax.jit(svd), applies=lambda shape: max(shape[-2:]) <= 32)
+        return Implementation(name, jax.jit(svd), applies=applies)
 
-    targets = {"rows": cuda.WARP_TARGETS["float32"], "lanes": cuda.LANES_TARGET, "block": cuda.BLOCK_TARGET}
-    return [row(f"jaxforge-{name}", target) for name, target in targets.items()]
+    one_warp = lambda shape: max(shape[-2:]) <= 32  # noqa: E731
+    slots = lambda shape: 32 < min(shape[-2:]) <= 64 and max(shape[-2:]) <= 128  # noqa: E731
+    return [
+        row("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
+        row("jaxforge-lanes", cuda.LANES_TARGET, one_warp),
+        row("jaxforge-pairs", cuda.PAIRS_TARGET, one_warp),
+        row("jaxforge-block", cuda.BLOCK_TARGET, lambda shape: one_warp(shape) or slots(shape)),
+        row("jaxforge-slots", cuda.SLOTS_TARGET, slots),
+    ]
 
 
 def _large(shape) -> bool:

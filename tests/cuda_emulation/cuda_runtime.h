@@ -206,6 +206,13 @@ cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+// Blocks an SM holds by shared memory and threads only: registers are not emulated.
+template <typename F>
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F, int threads, size_t shared_bytes) {
+  constexpr size_t kSharedPerSm = 233472, kThreadsPerSm = 2048;
+  *blocks = static_cast<int>(std::min(kSharedPerSm / std::max<size_t>(shared_bytes, 1), kThreadsPerSm / threads));
+  return cudaSuccess;
+}
 
 #define threadIdx (::emu::thread_idx)
 #define blockIdx (::emu::block_idx)
@@ -223,6 +230,8 @@ inline int __syncthreads_and(int predicate) {
   __syncthreads();
   return all;
 }
+
+inline int __syncthreads_or(int predicate) { return !__syncthreads_and(!predicate); }
 
 template <typename T>
 T __shfl_xor_sync(unsigned, T value, int lane_mask, int width = 32) {

@@ -9,7 +9,9 @@
 //   run_kernel qr_solve_warp    f32|f64 BATCH M N IN OUT K RCOND   the same, one warp per matrix (tall)
 //   run_kernel svd_jacobi       f32|f64|c64|c128 BATCH M N IN OUT   -> s (BATCH, K) real, u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
+//   run_kernel svd_jacobi_pairs f32|f64 BATCH M N IN OUT
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
+//   run_kernel svd_jacobi_slots f32     BATCH M N IN OUT
 #include "cuda_runtime.h"
 #include "linalg/lstsq/csrc/qr_solve.cuh"
 #include "linalg/lstsq/csrc/qr_solve_warp.cuh"
@@ -90,10 +92,13 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     std::vector<jaxforge::RealOf<T>> s(batch * k);
     std::vector<T> u(batch * m * k), vt(batch * k * n);
     std::vector<int32_t> info(batch);
-    auto call = jaxforge::svd_jacobi::launch<T, false>;
+    using jaxforge::svd_jacobi::Sweeps;
+    auto call = jaxforge::svd_jacobi::launch<T, Sweeps::kRows>;
     if constexpr (std::is_floating_point_v<T>) {  // the other sweeps are real only
-      if (kernel == "svd_jacobi_lanes") call = jaxforge::svd_jacobi::launch<T, true>;
-      if (kernel == "svd_jacobi_block") call = jaxforge::svd_jacobi_block::launch<T>;
+      if (kernel == "svd_jacobi_lanes") call = jaxforge::svd_jacobi::launch<T, Sweeps::kLanes>;
+      if (kernel == "svd_jacobi_pairs") call = jaxforge::svd_jacobi::launch<T, Sweeps::kPairs>;
+      if (kernel == "svd_jacobi_block") call = jaxforge::svd_jacobi_block::launch<T, false>;
+      if (kernel == "svd_jacobi_slots") call = jaxforge::svd_jacobi_block::launch<T, true>;
     } else if (kernel != "svd_jacobi") {
       return 4;
     }

@@ -302,11 +302,12 @@ def test_qr_solve_warp_refuses_to_certify_singular_and_nonfinite_problems(run_ke
         ("svd_jacobi", np.complex64),
         ("svd_jacobi", np.complex128),
         ("svd_jacobi_lanes", np.float32),
+        ("svd_jacobi_pairs", np.float32),
     ],
 )
 def test_warp_svd_matches_numpy(run_kernel, kernel, dtype):
-    """Both sweeps of the one-warp kernel: a row per lane (real and complex), and a column per lane
-    (float32 only)."""
+    """The sweeps of the one-warp kernel: a row per lane (real and complex), a column per lane
+    and two lanes per column pair (float32)."""
     rng = np.random.default_rng(2)
     wide_type = np.result_type(dtype, np.float64)
     deficient = np.r_[np.linspace(2, 1, 6), np.zeros(6)]
@@ -338,14 +339,33 @@ def test_block_svd_matches_numpy(run_kernel):
         check_svd(x, s, u, vh)
 
 
+def test_block_svd_with_column_pairs_in_registers_matches_numpy(run_kernel):
+    """The slot sweeps: 4 threads a column pair up to 64 rows (128 threads), 8 up to 128."""
+    rng = np.random.default_rng(5)
+    deficient = np.r_[np.linspace(2, 1, 24), np.zeros(24)]
+    cases = [
+        random(rng, (1, 64, 64), np.float32),
+        random(rng, (1, 40, 33), np.float32),  # 31 zero players
+        random(rng, (1, 37, 50), np.float32),  # wide
+        random(rng, (1, 100, 40), np.float32),  # 8 threads a slot
+        with_singular_values(rng, (1,), 56, 48, np.geomspace(1, 1e-6, 48)).astype(np.float32),
+        with_singular_values(rng, (1,), 48, 48, deficient).astype(np.float32),
+    ]
+    for x in cases:
+        s, u, vh, info = svd(run_kernel, "svd_jacobi_slots", x)
+        assert np.all(info > 0)
+        check_svd(x, s, u, vh)
+
+
 @pytest.mark.parametrize(
     "kernel,dtype",
     [("svd_jacobi", np.float32), ("svd_jacobi", np.complex64), ("svd_jacobi_lanes", np.float32),
-     ("svd_jacobi_block", np.float32)],
+     ("svd_jacobi_pairs", np.float32), ("svd_jacobi_block", np.float32), ("svd_jacobi_slots", np.float32)],
 )  # fmt: skip
 def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, dtype):
-    one_warp = kernel != "svd_jacobi_block"
-    x = random(np.random.default_rng(4), (3, 12, 10) if one_warp else (2, 40, 12), dtype)
+    one_warp = kernel not in ("svd_jacobi_block", "svd_jacobi_slots")
+    shape = (3, 12, 10) if one_warp else (2, 40, 36 if kernel == "svd_jacobi_slots" else 12)
+    x = random(np.random.default_rng(4), shape, dtype)
     x[1, 3, 4] = np.inf if one_warp else np.nan
     if np.iscomplexobj(x):
         x[1, 3, 4], x[2, 5, 6] = complex(1, np.nan), complex(2, -np.inf)  # only the imaginary parts

@@ -31,6 +31,27 @@ def test_block_bytes_match_the_kernel_layout(tmp_path):
     assert printed == [config.jacobi_block_bytes(r, c) for r, c in SIZES]
 
 
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_slot_bytes_and_limits_match_the_kernel(tmp_path, monkeypatch):
+    # slots_bytes<float>(R, C) and slots_fit(R, C) from the kernel header, against config.py's.
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    sizes = [(33, 33), (64, 64), (100, 40), (128, 64), (65, 33), (128, 65), (129, 40), (64, 32), (50, 40)]
+    source = tmp_path / "slots.cu"
+    source.write_text(
+        '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
+        "using namespace jaxforge::svd_jacobi_block;\n"
+        "int main() {\n"
+        + "".join(f'  std::printf("%d %d\\n", slots_bytes<float>({r}, {c}), slots_fit({r}, {c}));\n' for r, c in sizes)
+        + "}\n"
+    )
+    exe = tmp_path / "slots"
+    subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    fits = [config.use_jacobi_slots(r, c, F32, False, "sm_90a") for r, c in sizes]
+    expected = [(config.jacobi_slots_bytes(r, c), int(fit)) for (r, c), fit in zip(sizes, fits, strict=True)]
+    assert [tuple(map(int, line.split())) for line in out.splitlines()] == expected
+
+
 def test_each_shape_goes_to_one_kernel(monkeypatch):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     block = lambda m, n, dtype=F32, arch="sm_90a", full=False: config.use_jacobi_block(m, n, dtype, full, arch)  # noqa: E731
@@ -42,11 +63,26 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     assert not block(256, 128) and not block(257, 10) and not block(300, 129)  # past the kernel's limits
     assert not block(70, 40, full=True) and block(70, 70, full=True)  # thin factors only
     assert not block(64, 64, arch=None)  # no GPU
+    slots = lambda m, n, dtype=F32, arch="sm_90a": config.use_jacobi_slots(m, n, dtype, False, arch)  # noqa: E731
+    assert slots(64, 64) and slots(33, 128) and slots(128, 40) and not slots(32, 32) and not slots(129, 64)
+    assert not slots(65, 65) and not slots(64, 64, F64) and not slots(64, 64, arch=None)
 
 
 def test_kernels_stay_off_until_validated(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
     assert config.use_jacobi_block(64, 64, F32, False, "sm_90a") == config.JACOBI_BLOCK_VALIDATED
+    assert (config.jacobi_warp_sweeps(F32) == "pairs") == config.JACOBI_PAIRS_VALIDATED
+
+
+@pytest.mark.parametrize(
+    "pairs,lanes,expected", [(True, True, "pairs"), (False, True, "lanes"), (False, False, "rows")]
+)
+def test_the_one_warp_sweeps_of_float32(monkeypatch, pairs, lanes, expected):
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setattr(config, "JACOBI_PAIRS_VALIDATED", pairs)
+    monkeypatch.setattr(config, "JACOBI_LANES", lanes)
+    assert config.jacobi_warp_sweeps(F32) == expected
+    assert config.jacobi_warp_sweeps(F64) == config.jacobi_warp_sweeps(np.dtype(np.complex64)) == "rows"
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.complex64])
@@ -58,8 +94,9 @@ def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(monke
 
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
-    lanes = config.JACOBI_LANES and dtype == np.float32  # the column-per-lane variant serves float32
-    target = cuda.LANES_TARGET if lanes else cuda.WARP_TARGETS[np.dtype(dtype).name]
+    sweeps = config.jacobi_warp_sweeps(np.dtype(dtype))
+    sweep_targets = {"lanes": cuda.LANES_TARGET, "pairs": cuda.PAIRS_TARGET}
+    target = sweep_targets.get(sweeps, cuda.WARP_TARGETS[np.dtype(dtype).name])
     checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
     exported = jax.export.export(jax.jit(jf.linalg.svd), platforms=("cuda",), disabled_checks=checks)(
         jax.ShapeDtypeStruct((8, 20, 12), dtype)
@@ -67,3 +104,24 @@ def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(monke
     call = next(line for line in exported.mlir_module().splitlines() if target in line)
     element = {np.float32: "f32", np.complex64: "complex<f32>"}[dtype]
     assert f"-> (tensor<8x12xf32>, tensor<8x20x12x{element}>, tensor<8x12x12x{element}>, tensor<8xi32>)" in call
+
+
+@pytest.mark.parametrize("slots", [True, False])
+def test_the_cuda_lowering_calls_the_block_kernel_with_its_slot_sweeps_where_they_fit(monkeypatch, slots):
+    import jax
+
+    import jaxforge as jf
+    from jaxforge.lowering.linalg.svd import cuda
+
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setattr(config, "JACOBI_SLOTS_VALIDATED", slots)
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    for shape in ((8, 64, 64), (8, 40, 100)):
+        target = cuda.SLOTS_TARGET if slots and max(shape) <= 128 else cuda.BLOCK_TARGET
+        checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
+        svd = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with this flag
+        exported = jax.export.export(svd, platforms=("cuda",), disabled_checks=checks)(
+            jax.ShapeDtypeStruct(shape, np.float32)
+        )
+        assert target in exported.mlir_module()

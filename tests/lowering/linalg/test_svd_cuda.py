@@ -47,15 +47,20 @@ def test_complex_kernel_is_used_and_matches_numpy(dtype, shape):
     check_svd(a, s, u, vh)
 
 
-@pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1)])
-def test_lanes_variant_is_used_and_matches_numpy(shape, monkeypatch):
+@pytest.mark.parametrize("sweeps", ["lanes", "pairs"])
+@pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1), (64, 2, 7)])
+def test_float32_sweeps_are_used_and_match_numpy(sweeps, shape, monkeypatch):
+    """float32's column-per-lane and column-pair sweeps, each as config.jacobi_warp_sweeps picks it.
+    (The other tests here run the pairs on float32: the fixture lets unvalidated kernels run.)"""
     from jaxforge.lowering.linalg.svd import config
 
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "0")
     monkeypatch.setattr(config, "JACOBI_LANES", True)
+    monkeypatch.setattr(config, "JACOBI_PAIRS_VALIDATED", sweeps == "pairs")
     a = random(np.random.default_rng(0), shape, np.float32)
-    f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with the flag on
+    f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with these flags
     u, s, vh = f(on_gpu(a))
-    assert "jaxforge_svd_jacobi_lanes_f32" in f.lower(on_gpu(a)).as_text()
+    assert f"jaxforge_svd_jacobi_{sweeps}_f32" in f.lower(on_gpu(a)).as_text()
     check_svd(a, s, u, vh)
 
 
@@ -98,7 +103,24 @@ BLOCK_SHAPES = [(1024, 64, 64), (64, 128, 128), (50, 200, 37), (30, 45, 130), (1
 def test_block_kernel_is_used_and_matches_numpy(shape):
     a = random(np.random.default_rng(4), shape, np.float32)
     f, (u, s, vh) = gpu_svd(a)
-    assert "jaxforge_svd_jacobi_block" in f.lower(on_gpu(a)).as_text()
+    text = f.lower(on_gpu(a)).as_text()
+    assert "jaxforge_svd_jacobi_block" in text or "jaxforge_svd_jacobi_slots" in text  # slots: 64 x 64, 33 x 33
+    check_svd(a, s, u, vh)
+
+
+@pytest.mark.parametrize("sweeps", ["block", "slots"])
+@pytest.mark.parametrize("shape", [(1024, 64, 64), (16, 33, 33), (9, 100, 40), (5, 37, 50), (3, 128, 64)])
+def test_either_block_sweeps_where_the_slots_fit(sweeps, shape, monkeypatch):
+    """The block kernel's column pairs in shared memory or in registers, as config.use_jacobi_slots
+    picks them. (The other tests here run the slots where they fit: unvalidated kernels may run.)"""
+    from jaxforge.lowering.linalg.svd import config
+
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "0")
+    monkeypatch.setattr(config, "JACOBI_SLOTS_VALIDATED", sweeps == "slots")
+    a = random(np.random.default_rng(7), shape, np.float32)
+    f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with this flag
+    u, s, vh = f(on_gpu(a))
+    assert f"jaxforge_svd_jacobi_{sweeps}_f32" in f.lower(on_gpu(a)).as_text()
     check_svd(a, s, u, vh)
 
 

@@ -17,8 +17,24 @@ JACOBI_WARP_VALIDATED = True
 # H200 at 8192 x 32 x 32 the columns take 5.27 ms against the rows' 8.11, at the same accuracy
 # (bench rows jaxforge-lanes, jaxforge-rows; 2026-11-30).
 JACOBI_LANES = True
+# float32: two lanes a column pair (jacobi_sweeps_pairs: rows split in halves, one column of a pair
+# moving between rounds, 128 registers) in place of either, once they pass their gpu tests and
+# beat the column per lane (bench rows jaxforge-pairs, jaxforge-lanes). Not yet run on a GPU: in
+# the emulation they take the lanes' sweeps within 4% (17% at condition 1e6), the same accuracy, and
+# half the shuffles and arithmetic a round at 32 x 32; ptxas gives them 128 registers against 225,
+# so an SM holds 16 warps instead of 8. Past 16 columns they play 31 rounds a sweep, where the
+# circle method of the lanes plays C - 1 (C rounded up to even).
+JACOBI_PAIRS_VALIDATED = False
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
+# float32 with 32 < min(m, n) <= 64 and max(m, n) <= 128: the block kernel with its column pairs in
+# registers (jacobi_sweeps_slots: 4 or 8 threads a pair, 128 or 256 a block, V in float64
+# registers), in place of the shared-memory sweeps, once it passes its gpu tests and beats them
+# (bench rows jaxforge-slots, jaxforge-block; the anchor 1024 x 64 x 64 took 10.1 ms, target 1.5).
+# Not yet run on a GPU: in the emulation it takes 0-15% more sweeps at the same accuracy; ptxas
+# gives it 217 registers, so an SM holds two 64 x 64 matrices (8 warps).
+JACOBI_SLOTS_VALIDATED = False
+JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 64
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
 # sm_80 163 KiB, sm_86/sm_89 99 KiB.
 MAX_SHARED_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
@@ -34,12 +50,39 @@ def use_jacobi_warp(m: int, n: int, dtype, full_matrices: bool) -> bool:
     return build.enabled(JACOBI_WARP_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name in types
 
 
+def jacobi_warp_sweeps(dtype) -> str:
+    """The sweeps the one-warp kernel runs on ``dtype``: ``"pairs"``, ``"lanes"`` (float32) or
+    ``"rows"`` (every type)."""
+    if dtype.name != "float32":
+        return "rows"
+    if build.enabled(JACOBI_PAIRS_VALIDATED):
+        return "pairs"
+    return "lanes" if JACOBI_LANES else "rows"
+
+
 def jacobi_block_bytes(rows: int, cols: int) -> int:
     """The block kernel's shared memory for an R x C work matrix (``block_layout<float>`` in
     csrc/svd_jacobi_block.cuh): V in float64, W, norms, 8 reduction slots, perm, flag."""
     v = (cols | 1) * cols * 8
     w = (rows | 1) * cols * 4
     return (v + w + cols * 4 + 8 * 4 + cols * 4 + 4 + 15) // 16 * 16
+
+
+def jacobi_slots_bytes(rows: int, cols: int) -> int:
+    """The slot sweeps' shared memory (``slots_bytes<float>``): the block layout, or two exchange
+    buffers (16 float64 and 16 float32 values and an index per thread) where they are larger."""
+    lanes = 1
+    while lanes * 16 < rows:
+        lanes *= 2
+    return max(jacobi_block_bytes(rows, cols), 2 * 32 * lanes * (16 * (8 + 4) + 4))
+
+
+def use_jacobi_slots(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
+    """For float32 matrices with 32 < min(m, n) <= 64 and max(m, n) <= 128, on GPU ``arch``."""
+    rows, cols = max(m, n), min(m, n)
+    fits = JACOBI_WARP_MAX_DIM < cols <= JACOBI_SLOTS_MAX_COLS and rows <= JACOBI_SLOTS_MAX_ROWS
+    fits = fits and jacobi_slots_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
+    return build.enabled(JACOBI_SLOTS_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
 
 
 def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:

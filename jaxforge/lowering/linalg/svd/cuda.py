@@ -25,8 +25,11 @@ WARP_TARGETS = {
     "complex64": "jaxforge_svd_jacobi_c64",
     "complex128": "jaxforge_svd_jacobi_c128",
 }
-LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"  # the one-warp kernel with a column per lane (config.JACOBI_LANES)
+# float32's other one-warp sweeps (config.jacobi_warp_sweeps): a column a lane, two lanes a column pair
+LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"
+PAIRS_TARGET = "jaxforge_svd_jacobi_pairs_f32"
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
+SLOTS_TARGET = "jaxforge_svd_jacobi_slots_f32"  # the same with its column pairs in registers (config.use_jacobi_slots)
 KERNEL = build.declare(
     build.Kernel(
         name="svd_jacobi",
@@ -45,7 +48,9 @@ KERNEL = build.declare(
             WARP_TARGETS["complex64"]: "JaxforgeSvdJacobiC64",
             WARP_TARGETS["complex128"]: "JaxforgeSvdJacobiC128",
             LANES_TARGET: "JaxforgeSvdJacobiLanesF32",
+            PAIRS_TARGET: "JaxforgeSvdJacobiPairsF32",
             BLOCK_TARGET: "JaxforgeSvdJacobiBlockF32",
+            SLOTS_TARGET: "JaxforgeSvdJacobiSlotsF32",
         },
     )
 )
@@ -55,7 +60,10 @@ def _target(a, full_matrices: bool) -> str | None:
     """The FFI target serving ``a``, or None where the default lowering does."""
     m, n = a.shape[-2:]
     if config.use_jacobi_warp(m, n, a.dtype, full_matrices):
-        return LANES_TARGET if config.JACOBI_LANES and a.dtype.name == "float32" else WARP_TARGETS[a.dtype.name]
+        sweeps = config.jacobi_warp_sweeps(a.dtype)
+        return {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}.get(sweeps, WARP_TARGETS[a.dtype.name])
+    if config.use_jacobi_slots(m, n, a.dtype, full_matrices, build.gpu_arch()):
+        return SLOTS_TARGET
     if config.use_jacobi_block(m, n, a.dtype, full_matrices, build.gpu_arch()):
         return BLOCK_TARGET
     return None

@@ -41,6 +41,9 @@ constexpr int kMaxDim = 32;           // rows of the work matrix live in the 32 
 constexpr int kMaxWarpsPerBlock = 8;  // one matrix per warp
 constexpr int kSmemBudget = 48 * 1024;  // per block; stays below the default dynamic-smem limit
 constexpr unsigned kFullMask = 0xffffffffu;
+// Which lanes hold what in the one-warp sweeps: a row of W each (jacobi_sweeps, any T), a column
+// each (jacobi_sweeps_lanes, real), or a row half of two columns each (jacobi_sweeps_pairs, real).
+enum class Sweeps { kRows, kLanes, kPairs };
 // Loops with runtime bounds carry `#pragma unroll 1`: the Jacobi loops are latency-bound chains
 // of shuffles that unrolling cannot overlap, and unrolled index loops (integer division per
 // element) double the register count, which caps occupancy for small matrices, where shared memory
@@ -335,6 +338,171 @@ __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int c
   return sweeps;
 }
 
+// The rows of each of its two columns a lane of jacobi_sweeps_pairs holds.
+constexpr int kPairRows = kMaxDim / 2;
+
+// A lane's part of x . y over its kPairRows rows: four 4-term FMA chains, then a 2-level tree, so
+// each product is rounded at most 6 times; the pair's one cross-lane add makes 7, within
+// jacobi_tolerance's floor of 8 eps. The lanes of a pair add each other's parts in swapped order,
+// which IEEE addition makes bitwise equal.
+template <typename T>
+__device__ __forceinline__ T lane_dot(const T (&x)[kPairRows], const T (&y)[kPairRows]) {
+  static_assert(kPairRows == 16);
+  T part[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    part[j] = Real<T>::mul_rn(x[j], y[j]);
+#pragma unroll
+    for (int i = j + 4; i < kPairRows; i += 4) part[j] = Real<T>::fma_rn(x[i], y[i], part[j]);
+  }
+  return Real<T>::add_rn(Real<T>::add_rn(part[0], part[1]), Real<T>::add_rn(part[2], part[3]));
+}
+
+// y <- the value lane `source` holds in its y, or, kSplit and `second`, in its x, which then takes
+// its own y. One entry of a pair's column (or its index) changing lanes between two rounds. The
+// plain move is a separate instantiation: a shuffle in place, where the select would keep
+// temporaries of all entries alive.
+template <bool kSplit, typename T>
+__device__ __forceinline__ void move_value(T& x, T& y, int source, bool second) {
+  if constexpr (kSplit) {
+    const T in = __shfl_sync(kFullMask, second ? x : y, source);
+    if (second) x = y;
+    y = in;
+  } else {
+    y = __shfl_sync(kFullMask, y, source);
+  }
+}
+
+// Two columns, X and Y, of W (in T) and of V (in S) as one thread of the column-pair sweeps
+// holds them: rows [row0, row0 + kPairRows) of each, and the columns' indices (past `cols`: a zero
+// column). The members are unrolled over, so the arrays stay in registers.
+template <typename T, typename S>
+struct ColumnPair {
+  T xw[kPairRows], yw[kPairRows];
+  S xv[kPairRows], yv[kPairRows];
+  int xid, yid;
+
+  // Reads the rows from W (`rows` long columns) and V (`cols` long), zero past them.
+  __device__ __forceinline__ void load(const T* W, int ldw, const S* V, int ldv, int rows, int cols, int row0) {
+#pragma unroll
+    for (int i = 0; i < kPairRows; ++i) {
+      const int r = row0 + i;
+      xw[i] = xid < cols && r < rows ? W[xid * ldw + r] : T(0);
+      yw[i] = yid < cols && r < rows ? W[yid * ldw + r] : T(0);
+      xv[i] = xid < cols && r < cols ? V[xid * ldv + r] : S(0);
+      yv[i] = yid < cols && r < cols ? V[yid * ldv + r] : S(0);
+    }
+  }
+
+  __device__ __forceinline__ void store(T* W, int ldw, S* V, int ldv, int rows, int cols, int row0) const {
+#pragma unroll
+    for (int i = 0; i < kPairRows; ++i) {
+      const int r = row0 + i;
+      if (xid < cols && r < rows) W[xid * ldw + r] = xw[i];
+      if (yid < cols && r < rows) W[yid * ldw + r] = yw[i];
+      if (xid < cols && r < cols) V[xid * ldv + r] = xv[i];
+      if (yid < cols && r < cols) V[yid * ldv + r] = yv[i];
+    }
+  }
+
+  // This thread's parts of ||X||^2, ||Y||^2 and X . Y over W's rows.
+  __device__ __forceinline__ void gram_parts(T& alpha, T& beta, T& gamma) const {
+    alpha = lane_dot(xw, xw);
+    beta = lane_dot(yw, yw);
+    gamma = lane_dot(xw, yw);
+  }
+
+  // X <- c X - s Y, Y <- s X + c Y (Rutishauser's, X as column p); W's rows in T.
+  __device__ __forceinline__ void rotate(S c, S s) {
+    const T cw = static_cast<T>(c), sw = static_cast<T>(s);
+#pragma unroll
+    for (int i = 0; i < kPairRows; ++i) {
+      const T x = xw[i], y = yw[i];
+      const S p = xv[i], q = yv[i];
+      xw[i] = cw * x - sw * y;
+      yw[i] = sw * x + cw * y;
+      xv[i] = c * p - s * q;
+      yv[i] = s * p + c * q;
+    }
+  }
+
+  // move_value on every entry and on the index: the move before a round.
+  template <bool kSplit>
+  __device__ __forceinline__ void move(int source, bool second) {
+#pragma unroll
+    for (int i = 0; i < kPairRows; ++i) {
+      move_value<kSplit>(xw[i], yw[i], source, second);
+      move_value<kSplit>(xv[i], yv[i], source, second);
+    }
+    move_value<kSplit>(xid, yid, source, second);
+  }
+};
+
+// The same one-sided Jacobi as jacobi_sweeps, with two lanes per column pair: lanes 2j and 2j + 1
+// hold rows [0, 16) and [16, 32) of a pair's two columns, X and Y, of W and of V, so the pair's
+// Gram entries take three partial sums and one xor-shuffle each, and the rotation is all registers.
+// Between two rounds one column of each pair changes lanes (16 + 16 values a lane). The ordering
+// is a recursive tournament of P players (C rounded up to a power of two) in S = P / 2 slots: in a
+// group of G slots the X columns stay while the Y columns go round the group, so in G rounds every
+// X meets every Y; then one move gathers the group's X columns in its first half and its Y columns
+// in its second, and each half plays the same tournament within itself. S + S/2 + ... + 1 = P - 1
+// rounds a sweep, every pair once. Players past C are zero columns, which never rotate; each
+// column's index travels with it, for the write-back. Same tolerance, rotation (X as column p) and
+// return value as jacobi_sweeps.
+template <typename T>
+__device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
+  int players = 2;
+  while (players < cols) players *= 2;
+  const int slots = players / 2;
+  const int slot = lane >> 1;
+  const int row0 = (lane & 1) * kPairRows;
+  const bool playing = slot < slots;
+  ColumnPair<T, T> pair;
+  pair.xid = playing ? slot : players;
+  pair.yid = playing ? slot + slots : players;
+  pair.load(W, ldw, V, ldv, rows, cols, row0);
+  const T tol = jacobi_tolerance<T>(rows);
+  int sweeps = -1;
+#pragma unroll 1
+  for (int sweep = 1; sweep <= Real<T>::kMaxSweeps && sweeps < 0; ++sweep) {
+    bool rotated = false;
+#pragma unroll 1
+    for (int group = slots; group >= 1; group >>= 1) {
+#pragma unroll 1
+      for (int t = 0; t < group; ++t) {
+        // The move before this round: Y round the group, or the split after a group's rounds.
+        const bool split = t == 0 && group < slots;
+        const int offset = slot & (split ? 2 * group - 1 : group - 1);
+        const bool second = split && offset >= group;  // keeps its Y as X, sends its X
+        const int from = split ? (second ? slot - group : slot + group)
+                               : slot - offset + ((offset + group - 1) & (group - 1));
+        const int source = playing ? 2 * from + (lane & 1) : lane;
+        if (split) {
+          pair.template move<true>(source, second);
+        } else {
+          pair.template move<false>(source, second);
+        }
+
+        T alpha, beta, gamma;
+        pair.gram_parts(alpha, beta, gamma);
+        alpha = Real<T>::add_rn(alpha, __shfl_xor_sync(kFullMask, alpha, 1));
+        beta = Real<T>::add_rn(beta, __shfl_xor_sync(kFullMask, beta, 1));
+        gamma = Real<T>::add_rn(gamma, __shfl_xor_sync(kFullMask, gamma, 1));
+        if (needs_rotation(alpha, beta, gamma, tol)) {
+          rotated = true;
+          T c, s;
+          rutishauser(alpha, beta, gamma, c, s);
+          pair.rotate(c, s);
+        }
+      }
+    }
+    if (!__any_sync(kFullMask, rotated)) sweeps = sweep;
+  }
+  pair.store(W, ldw, V, ldv, rows, cols, row0);
+  __syncwarp();
+  return sweeps;
+}
+
 // Rows i of two columns x, y (length len) become c x_i - s y_i and s x_i + c y_i; the threads of
 // one warp share the loop, this one being `lane`. W's columns rotate in T, V's in its own type.
 template <typename S>
@@ -406,7 +574,7 @@ __device__ void fill(T* dst, int count, T value, int tid, int threads) {
 // One matrix, executed by a whole warp (all control flow is warp-uniform).
 // m >= n: W = A (m x n) and A = (W / s) diag(s) Vᴴ, so u = W / s and vt = Vᴴ.
 // m <  n: W = Aᴴ (n x m) and A = V diag(s) (W / s)ᴴ, so u = V and vt = (W / s)ᴴ.
-template <typename T, bool kLanes>
+template <typename T, Sweeps kSweeps>
 __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, int m, int n,
                         const WarpLayout& l, T* W, T* V, RealOf<T>* sv, int* perm, int lane) {
   using R = RealOf<T>;
@@ -434,9 +602,11 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
       for (int j = 0; j < cols; ++j) V[j * l.ldv + lane] = T(j == lane);
     }
     __syncwarp();  // the load above wrote other lanes' rows of W
-    if constexpr (kLanes) {
-      static_assert(std::is_floating_point_v<T>, "the column-per-lane sweeps are real only");
+    static_assert(kSweeps == Sweeps::kRows || std::is_floating_point_v<T>, "lanes and pairs: real only");
+    if constexpr (kSweeps == Sweeps::kLanes) {
       sweeps = jacobi_sweeps_lanes(W, l.ldw, V, l.ldv, rows, cols, lane);
+    } else if constexpr (kSweeps == Sweeps::kPairs) {
+      sweeps = jacobi_sweeps_pairs(W, l.ldw, V, l.ldv, rows, cols, lane);
     } else {
       sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
     }
@@ -470,9 +640,10 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
 // Grid-stride over matrices, one per warp; the dynamic shared memory is blockDim.x / 32 slices of
 // warp_layout<T>(max(m, n), min(m, n)).bytes. The explicit minimum of 1 block per SM matters: with
 // the thread bound alone, ptxas 13.0 squeezed the f64 kernel to 48 registers and spilled on sm_90a.
-// kLanes: the sweeps of jacobi_sweeps_lanes (a column per lane) instead of jacobi_sweeps (a row).
-template <typename T, bool kLanes>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
+// The pairs' sweeps ask for 2 blocks, at most 128 registers: their 64 values a lane fit, and 16
+// warps an SM hide more of the latency of a round's shuffles than 8.
+template <typename T, Sweeps kSweeps>
+__global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, kSweeps == Sweeps::kPairs ? 2 : 1)
     svd_jacobi_kernel(const T* __restrict__ a, RealOf<T>* __restrict__ s, T* __restrict__ u,
                       T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m, int n) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -485,21 +656,38 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, 1)
   T* W = reinterpret_cast<T*>(slice);
   int* perm = reinterpret_cast<int*>(slice + l.perm_byte);
   for (int64_t b = blockIdx.x * int64_t{warps} + warp; b < batch; b += int64_t{gridDim.x} * warps) {
-    svd_one<T, kLanes>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l,
-                       W, W + l.v_off, reinterpret_cast<RealOf<T>*>(W + l.s_off), perm, lane);
+    svd_one<T, kSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l,
+                        W, W + l.v_off, reinterpret_cast<RealOf<T>*>(W + l.s_off), perm, lane);
     __syncwarp();  // the next matrix overwrites shared memory other lanes may still be reading
   }
 }
 
+// Warps a block of `kernel`: as many as kSmemBudget holds slices of `bytes`, fewer where that
+// lets more warps run on an SM. The register file decides it: at 225 registers a thread (the
+// column-per-lane sweeps) an SM holds 8 warps, one 5-warp block but two 4-warp ones.
+template <typename Kernel>
+int warps_per_block(Kernel kernel, int bytes) {
+  const int most = std::clamp(kSmemBudget / bytes, 1, kMaxWarpsPerBlock);
+  int best = most, best_resident = 0;
+  for (int warps = most; warps >= 1; --warps) {
+    int blocks = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, warps * 32, warps * bytes) != cudaSuccess) {
+      return most;
+    }
+    if (blocks * warps > best_resident) best = warps, best_resident = blocks * warps;
+  }
+  return best;
+}
+
 // Enqueues the batched SVD on `stream`. Requires batch >= 1 and 1 <= m, n <= kMaxDim (the FFI
 // handler answers empty problems). Returns the launch error, cudaSuccess otherwise.
-template <typename T, bool kLanes = false>
+template <typename T, Sweeps kSweeps = Sweeps::kRows>
 cudaError_t launch(cudaStream_t stream, const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
-  const int warps = std::clamp(kSmemBudget / l.bytes, 1, kMaxWarpsPerBlock);
+  constexpr auto kernel = svd_jacobi_kernel<T, kSweeps>;
+  const int warps = warps_per_block(kernel, l.bytes);
   const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);
-  constexpr auto kernel = svd_jacobi_kernel<T, kLanes>;
   JAXFORGE_LAUNCH(kernel, static_cast<unsigned>(blocks), warps * 32, warps * l.bytes, stream)(
       a, s, u, vt, info, batch, m, n);
   return cudaGetLastError();

@@ -119,8 +119,171 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
   return -1;
 }
 
-// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
+// The slot sweeps: for 32 < C <= 64 and R <= 128, the one-warp kernel's column-pair sweeps
+// (svd_jacobi::jacobi_sweeps_pairs) spread over a block. kSlots slots of `slot_lanes(R)` threads
+// (4 or 8) each hold a pair of columns, X and Y, of W and of V in registers, a thread rows
+// [16 j, 16 j + 16) of the four; the pair's Gram entries are the threads' partial sums added by an
+// xor-butterfly inside the slot, and the rotation (computed, and applied to V, in Acc) touches no
+// memory. The tournament is jacobi_sweeps_pairs' over 64 players. Between rounds one column of each
+// pair moves: by shuffle where its next slot is in the same warp, else through shared memory (the
+// `exchange` buffers, two so that one barrier a round suffices), which only the first slot of each
+// warp needs in most rounds. Rounds whose moves all stay within warps pass no barrier. A Gram
+// entry is rounded at most 6 + log2(4 or 8) times (svd_jacobi::lane_dot, then the butterfly),
+// within jacobi_tolerance's floor for these rows (9 eps up to 64 rows, 10 past).
+constexpr int kSlots = 32;
+constexpr int kSlotsMaxRows = 128;
+constexpr int kSlotRows = svd_jacobi::kPairRows;
+
+__host__ __device__ inline bool slots_fit(int rows, int cols) {
+  return cols > 32 && cols <= 2 * kSlots && rows >= cols && rows <= kSlotsMaxRows;
+}
+
+// Threads a slot: R / 16 rounded up to a power of two.
+__host__ __device__ inline int slot_lanes(int rows) {
+  int lanes = 1;
+  while (lanes * kSlotRows < rows) lanes *= 2;
+  return lanes;
+}
+
+// The exchange buffers' bytes: two of (values of V, values of W, column index) per thread, over
+// the start of the block's shared memory (W and V are in registers while they are in use).
 template <typename T>
+__host__ __device__ inline int slots_exchange_bytes(int rows) {
+  const int threads = kSlots * slot_lanes(rows);
+  return 2 * threads * (kSlotRows * static_cast<int>(sizeof(Acc) + sizeof(T)) + static_cast<int>(sizeof(int)));
+}
+
+// The dynamic shared memory of the slot sweeps' launch.
+template <typename T>
+__host__ __device__ inline int slots_bytes(int rows, int cols) {
+  return max(block_layout<T>(rows, cols).bytes, slots_exchange_bytes<T>(rows));
+}
+
+// One of the two exchange buffers: per thread kSlotRows values of V and of W and a column index.
+template <typename T>
+struct SlotBuffers {
+  Acc* v;
+  T* w;
+  int* id;
+};
+
+template <typename T>
+struct ExchangeBuffers {
+  unsigned char* base;
+  int threads;
+  __device__ SlotBuffers<T> at(int which) const {  // the layout slots_exchange_bytes counts
+    const int bytes = threads * (kSlotRows * static_cast<int>(sizeof(Acc) + sizeof(T)) + static_cast<int>(sizeof(int)));
+    unsigned char* start = base + which * bytes;
+    Acc* v = reinterpret_cast<Acc*>(start);
+    T* w = reinterpret_cast<T*>(v + threads * kSlotRows);
+    return {v, w, reinterpret_cast<int*>(w + threads * kSlotRows)};
+  }
+};
+
+// What a slot's thread sends in the move before a round (its Y, or its X where kSplit and `second`)
+// left in `sent` at thread `tid`'s entries, for a slot of another warp.
+template <bool kSplit, typename T>
+__device__ __forceinline__ void send(const svd_jacobi::ColumnPair<T, Acc>& pair, bool second, SlotBuffers<T> sent,
+                                     int tid) {
+#pragma unroll
+  for (int i = 0; i < kSlotRows; ++i) {
+    sent.w[tid * kSlotRows + i] = kSplit && second ? pair.xw[i] : pair.yw[i];
+    sent.v[tid * kSlotRows + i] = kSplit && second ? pair.xv[i] : pair.yv[i];
+  }
+  sent.id[tid] = kSplit && second ? pair.xid : pair.yid;
+}
+
+// The move before a round: svd_jacobi::ColumnPair::move from lane `source`, then, where it came
+// from another warp (`sent` once `cross` rounds meet their barrier), Y from thread `src` there.
+template <bool kSplit, typename T>
+__device__ __forceinline__ void move_pair(svd_jacobi::ColumnPair<T, Acc>& pair, int source, bool second,
+                                          bool write, bool cross, bool near, int src, SlotBuffers<T> sent,
+                                          int tid) {
+  if (write) send<kSplit>(pair, second, sent, tid);
+  pair.template move<kSplit>(source, second);
+  if (!cross) return;
+  __syncthreads();
+  if (near) return;
+#pragma unroll
+  for (int i = 0; i < kSlotRows; ++i) {
+    pair.yw[i] = sent.w[src * kSlotRows + i];
+    pair.yv[i] = sent.v[src * kSlotRows + i];
+  }
+  pair.yid = sent.id[src];
+}
+
+// jacobi_sweeps for slots_fit shapes with kSlots * slot_lanes(rows) threads; W and V are read at
+// the start and written at the end. Returns the sweeps used, or -1 at the cap.
+template <typename T>
+__device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int cols, unsigned char* exchange) {
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int lanes = slot_lanes(rows);
+  const int per_warp = 32 / lanes;  // slots a warp
+  const int slot = tid / lanes;
+  const int part = tid % lanes;
+  const int row0 = part * kSlotRows;
+  svd_jacobi::ColumnPair<T, Acc> pair;
+  pair.xid = slot;  // < 32 < cols
+  pair.yid = slot + kSlots;  // past cols: a zero player
+  pair.load(W, ldw, V, ldv, rows, cols, row0);
+  const ExchangeBuffers<T> buffers{exchange, kSlots * lanes};
+  int buffer = 0;
+  __syncthreads();  // the exchange buffers overlay W and V
+
+  const T tol = svd_jacobi::jacobi_tolerance<T>(rows);
+  int sweeps = -1;
+#pragma unroll 1
+  for (int sweep = 1; sweep <= kMaxSweeps && sweeps < 0; ++sweep) {
+    bool rotated = false;
+#pragma unroll 1
+    for (int group = kSlots; group >= 1; group >>= 1) {
+#pragma unroll 1
+      for (int t = 0; t < group; ++t) {
+        // The move before this round, as in jacobi_sweeps_pairs; `to` is the slot reading ours.
+        const bool split = t == 0 && group < kSlots;
+        const int offset = slot & (split ? 2 * group - 1 : group - 1);
+        const bool second = split && offset >= group;
+        const int from = split ? (second ? slot - group : slot + group)
+                               : slot - offset + ((offset + group - 1) & (group - 1));
+        const int to = split ? from : slot - offset + ((offset + 1) & (group - 1));
+        const bool cross = split ? group >= per_warp : group > per_warp;  // block-uniform
+        const bool near_from = from / per_warp == slot / per_warp;
+        const bool write = cross && to / per_warp != slot / per_warp;
+        const int source = near_from ? (from % per_warp) * lanes + part : lane;
+        const SlotBuffers<T> sent = buffers.at(buffer);
+        if (split) {
+          move_pair<true>(pair, source, second, write, cross, near_from, from * lanes + part, sent, tid);
+        } else {
+          move_pair<false>(pair, source, second, write, cross, near_from, from * lanes + part, sent, tid);
+        }
+        buffer ^= cross;
+
+        T alpha, beta, gamma;
+        pair.gram_parts(alpha, beta, gamma);
+        for (int off = 1; off < lanes; off *= 2) {
+          alpha = Real<T>::add_rn(alpha, __shfl_xor_sync(svd_jacobi::kFullMask, alpha, off));
+          beta = Real<T>::add_rn(beta, __shfl_xor_sync(svd_jacobi::kFullMask, beta, off));
+          gamma = Real<T>::add_rn(gamma, __shfl_xor_sync(svd_jacobi::kFullMask, gamma, off));
+        }
+        if (svd_jacobi::needs_rotation(alpha, beta, gamma, tol)) {
+          rotated = true;
+          Acc c, s;
+          svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
+          pair.rotate(c, s);
+        }
+      }
+    }
+    if (!__syncthreads_or(rotated)) sweeps = sweep;
+  }
+  // Every thread has read its last exchange (the sweep's last barrier) before W and V return.
+  pair.store(W, ldw, V, ldv, rows, cols, row0);
+  __syncthreads();
+  return sweeps;
+}
+
+// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
+template <typename T, bool kSlotSweeps>
 __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
                         const BlockLayout& l, unsigned char* smem) {
   Acc* V = reinterpret_cast<Acc*>(smem);
@@ -130,8 +293,10 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
   int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
   const int tid = threadIdx.x;
+  const int threads = blockDim.x;  // kThreads, or kSlots * slot_lanes(rows) (at most kThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  const int warps = threads >> 5;
   const bool transposed = m < n;
   const int rows = transposed ? n : m;
   const int cols = transposed ? m : n;
@@ -142,7 +307,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   T amax = T(0);
   bool finite = true;
 #pragma unroll 1
-  for (int idx = tid; idx < m * n; idx += kThreads) {
+  for (int idx = tid; idx < m * n; idx += threads) {
     const T x = fabs(a[idx]);
     finite = finite && x <= Real<T>::kMax;  // false for NaN and Inf
     amax = fmax(amax, x);
@@ -155,28 +320,32 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int e = 0;
   if (finite) {
     T top = T(0);
-    for (int w = 0; w < kWarps; ++w) top = fmax(top, red[w]);
+    for (int w = 0; w < warps; ++w) top = fmax(top, red[w]);
     e = exponent(top);
-    svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, kThreads);
+    svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, threads);
 #pragma unroll 1
-    for (int idx = tid; idx < cols * cols; idx += kThreads) {
+    for (int idx = tid; idx < cols * cols; idx += threads) {
       const int j = idx / cols;
       const int i = idx % cols;
       V[j * l.ldv + i] = Acc(i == j);
     }
     __syncthreads();
-    sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, flag);
+    if constexpr (kSlotSweeps) {
+      sweeps = jacobi_sweeps_slots(W, l.ldw, V, l.ldv, rows, cols, smem);
+    } else {
+      sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, flag);
+    }
   }
   if (tid == 0) *info = sweeps;
   if (sweeps < 0) {
-    svd_jacobi::fill(s, k, Real<T>::nan(), tid, kThreads);
-    svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, kThreads);
-    svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, kThreads);
+    svd_jacobi::fill(s, k, Real<T>::nan(), tid, threads);
+    svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, threads);
+    svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, threads);
     return;
   }
 
 #pragma unroll 1
-  for (int j = warp; j < cols; j += kWarps) {
+  for (int j = warp; j < cols; j += warps) {
     T sum = T(0);
 #pragma unroll 1
     for (int i = lane; i < rows; i += 32) sum = Real<T>::fma_rn(W[j * l.ldw + i], W[j * l.ldw + i], sum);
@@ -184,22 +353,22 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     if (lane == 0) sv[j] = Real<T>::sqrt(sum);
   }
   __syncthreads();
-  svd_jacobi::rank_order(sv, perm, cols, tid, kThreads);
+  svd_jacobi::rank_order(sv, perm, cols, tid, threads);
   __syncthreads();
 
 #pragma unroll 1
-  for (int r = tid; r < k; r += kThreads) s[r] = scale2(sv[perm[r]], e);
+  for (int r = tid; r < k; r += threads) s[r] = scale2(sv[perm[r]], e);
   if (transposed) {  // u = V, vt = (W / s)^T
-    svd_jacobi::store_vectors(u, m, k, false, V, l.ldv, sv, false, perm, tid, kThreads);
-    svd_jacobi::store_vectors(vt, n, k, true, W, l.ldw, sv, true, perm, tid, kThreads);
+    svd_jacobi::store_vectors(u, m, k, false, V, l.ldv, sv, false, perm, tid, threads);
+    svd_jacobi::store_vectors(vt, n, k, true, W, l.ldw, sv, true, perm, tid, threads);
   } else {  // u = W / s, vt = V^T
-    svd_jacobi::store_vectors(u, m, k, false, W, l.ldw, sv, true, perm, tid, kThreads);
-    svd_jacobi::store_vectors(vt, n, k, true, V, l.ldv, sv, false, perm, tid, kThreads);
+    svd_jacobi::store_vectors(u, m, k, false, W, l.ldw, sv, true, perm, tid, threads);
+    svd_jacobi::store_vectors(vt, n, k, true, V, l.ldv, sv, false, perm, tid, threads);
   }
 }
 
-// Grid-stride over matrices, one per block.
-template <typename T>
+// Grid-stride over matrices, one per block. kSlotSweeps: jacobi_sweeps_slots, else jacobi_sweeps.
+template <typename T, bool kSlotSweeps>
 __global__ void __launch_bounds__(kThreads)
     svd_jacobi_block_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
                             T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m,
@@ -208,25 +377,26 @@ __global__ void __launch_bounds__(kThreads)
   const int k = min(m, n);
   const BlockLayout l = block_layout<T>(max(m, n), k);
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x) {
-    svd_one(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
+    svd_one<T, kSlotSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
     __syncthreads();  // the next matrix overwrites shared memory other warps may still be reading
   }
 }
 
 // Enqueues the batched SVD on `stream`. Requires batch >= 1, 1 <= m, n, max(m, n) <= kMaxRows,
-// min(m, n) <= kMaxCols and block_layout<T>(max(m, n), min(m, n)).bytes within the device's opt-in
-// shared memory per block (the FFI handler answers empty problems). Returns the first CUDA error,
-// cudaSuccess otherwise.
-template <typename T>
+// min(m, n) <= kMaxCols (kSlotSweeps: slots_fit) and the launch's shared memory (block_layout's
+// bytes, or slots_bytes) within the device's opt-in per block (the FFI handler answers empty
+// problems). Returns the first CUDA error, cudaSuccess otherwise.
+template <typename T, bool kSlotSweeps = false>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
-  const BlockLayout l = block_layout<T>(std::max(m, n), std::min(m, n));
-  cudaError_t err = cudaFuncSetAttribute(svd_jacobi_block_kernel<T>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, l.bytes);
+  const int rows = std::max(m, n), cols = std::min(m, n);
+  const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols) : block_layout<T>(rows, cols).bytes;
+  const int threads = kSlotSweeps ? kSlots * slot_lanes(rows) : kThreads;
+  constexpr auto kernel = svd_jacobi_block_kernel<T, kSlotSweeps>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
-  JAXFORGE_LAUNCH(svd_jacobi_block_kernel<T>, static_cast<unsigned>(blocks), kThreads, l.bytes,
-                  stream)(a, s, u, vt, info, batch, m, n);
+  JAXFORGE_LAUNCH(kernel, static_cast<unsigned>(blocks), threads, bytes, stream)(a, s, u, vt, info, batch, m, n);
   return cudaGetLastError();
 }
 

@@ -1,7 +1,8 @@
 // XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
-// float32, float64, complex64 and complex128, rows or, float32 only, columns in the lanes) and one block per matrix
-// (svd_jacobi_block.cuh, float32, max(m, n) <= 256, min(m, n) <= 128, within the device's shared
-// memory per block).
+// float32, float64, complex64 and complex128 with a row a lane; float32 also with a column a lane or
+// two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, float32, max(m, n) <= 256,
+// min(m, n) <= 128, within the device's shared memory per block; the column pairs in shared memory,
+// or, for 32 < min(m, n) <= 64 and max(m, n) <= 128, in registers).
 //
 // Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending and real,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
@@ -25,7 +26,7 @@ namespace sjb = jaxforge::svd_jacobi_block;
 
 namespace {
 
-enum class Kernel { kWarp, kWarpLanes, kBlock };
+enum class Kernel { kWarp, kWarpLanes, kWarpPairs, kBlock, kBlockSlots };
 
 template <ffi::DataType DT, Kernel K>
 ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuffer<ffi::ToReal(DT)> s,
@@ -33,8 +34,10 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
                          ffi::ResultBuffer<ffi::S32> info) {
   const std::string name = K == Kernel::kWarp        ? "svd_jacobi"
                            : K == Kernel::kWarpLanes ? "svd_jacobi_lanes"
-                                                     : "svd_jacobi_block";
-  constexpr bool kOneWarp = K != Kernel::kBlock;
+                           : K == Kernel::kWarpPairs ? "svd_jacobi_pairs"
+                           : K == Kernel::kBlock     ? "svd_jacobi_block"
+                                                     : "svd_jacobi_slots";
+  constexpr bool kOneWarp = K != Kernel::kBlock && K != Kernel::kBlockSlots;
   const auto dims = a.dimensions();
   if (dims.size() < 2) {
     return ffi::Error::InvalidArgument(name + ": operand must have rank >= 2, got shape " +
@@ -42,11 +45,14 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
   }
   const int64_t m = dims[dims.size() - 2];
   const int64_t n = dims[dims.size() - 1];
-  const bool fits = kOneWarp
-                        ? m <= sj::kMaxDim && n <= sj::kMaxDim
-                        : std::max(m, n) <= sjb::kMaxRows && std::min(m, n) <= sjb::kMaxCols;
+  const int64_t rows = std::max(m, n), cols = std::min(m, n);
+  const bool fits = kOneWarp              ? m <= sj::kMaxDim && n <= sj::kMaxDim
+                    : K == Kernel::kBlock ? rows <= sjb::kMaxRows && cols <= sjb::kMaxCols
+                                          : rows <= sjb::kSlotsMaxRows && sjb::slots_fit(rows, cols);
   if (!fits) {
-    const std::string limit = kOneWarp ? "m, n <= 32" : "max(m, n) <= 256, min(m, n) <= 128";
+    const std::string limit = kOneWarp              ? "m, n <= 32"
+                              : K == Kernel::kBlock ? "max(m, n) <= 256, min(m, n) <= 128"
+                                                    : "32 < min(m, n) <= 64, max(m, n) <= 128";
     return ffi::Error::InvalidArgument(name + ": operand shape " + ShapeString(dims) +
                                        " exceeds the limit " + limit);
   }
@@ -66,12 +72,15 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
     if (k == 0) return cudaMemsetAsync(info->typed_data(), 0, batch * sizeof(int32_t), stream);
     // Instantiates only this kernel's launcher (the block one is float32 only).
     if constexpr (kOneWarp) {
-      return sj::launch<T, K == Kernel::kWarpLanes>(
+      constexpr sj::Sweeps kSweeps = K == Kernel::kWarpLanes   ? sj::Sweeps::kLanes
+                                     : K == Kernel::kWarpPairs ? sj::Sweeps::kPairs
+                                                               : sj::Sweeps::kRows;
+      return sj::launch<T, kSweeps>(
           stream, KernelData(a.typed_data()), s->typed_data(), KernelData(u->typed_data()),
           KernelData(vt->typed_data()), info->typed_data(), batch, static_cast<int>(m),
           static_cast<int>(n));
     } else {
-      return sjb::launch<T>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
+      return sjb::launch<T, K == Kernel::kBlockSlots>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
                             info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
     }
   };
@@ -105,5 +114,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiC128, (SvdJacobiImpl<ffi::C128, K
                               SvdJacobiBinding<ffi::C128>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiLanesF32, (SvdJacobiImpl<ffi::F32, Kernel::kWarpLanes>),
                               SvdJacobiBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiPairsF32, (SvdJacobiImpl<ffi::F32, Kernel::kWarpPairs>),
+                              SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32, (SvdJacobiImpl<ffi::F32, Kernel::kBlock>),
+                              SvdJacobiBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiSlotsF32, (SvdJacobiImpl<ffi::F32, Kernel::kBlockSlots>),
                               SvdJacobiBinding<ffi::F32>());
