@@ -35,7 +35,8 @@ def test_block_bytes_match_the_kernel_layout(tmp_path):
 def test_slot_bytes_and_limits_match_the_kernel(tmp_path, monkeypatch):
     # slots_bytes<float>(R, C) and slots_fit(R, C) from the kernel header, against config.py's.
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
-    sizes = [(33, 33), (64, 64), (100, 40), (128, 64), (65, 33), (128, 65), (129, 40), (64, 32), (50, 40)]
+    sizes = [(33, 33), (64, 64), (100, 40), (128, 64), (65, 33), (128, 65), (129, 40), (64, 32), (50, 40), (100, 20),
+             (40, 3), (64, 16), (33, 1)]
     source = tmp_path / "slots.cu"
     source.write_text(
         '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
@@ -64,7 +65,8 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     assert not block(70, 40, full=True) and block(70, 70, full=True)  # thin factors only
     assert not block(64, 64, arch=None)  # no GPU
     slots = lambda m, n, dtype=F32, arch="sm_90a": config.use_jacobi_slots(m, n, dtype, False, arch)  # noqa: E731
-    assert slots(64, 64) and slots(33, 128) and slots(128, 40) and not slots(32, 32) and not slots(129, 64)
+    assert slots(64, 64) and slots(33, 128) and slots(128, 40) and slots(100, 20) and slots(3, 40)
+    assert not slots(32, 32) and not slots(129, 64)  # the warp kernel's, past the slots' rows
     assert not slots(65, 65) and not slots(64, 64, F64) and not slots(64, 64, arch=None)
 
 

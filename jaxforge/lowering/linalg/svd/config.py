@@ -27,12 +27,12 @@ JACOBI_LANES = True
 JACOBI_PAIRS_VALIDATED = False
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
-# float32 with 32 < min(m, n) <= 64 and max(m, n) <= 128: the block kernel with its column pairs in
-# registers (jacobi_sweeps_slots: 4 or 8 threads a pair, 128 or 256 a block, V in float64
+# float32 with min(m, n) <= 64 and 32 < max(m, n) <= 128: the block kernel with its column pairs in
+# registers (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 256 a block, V in float64
 # registers), in place of the shared-memory sweeps, once it passes its gpu tests and beats them
 # (bench rows jaxforge-slots, jaxforge-block; the anchor 1024 x 64 x 64 took 10.1 ms, target 1.5).
 # Not yet run on a GPU: in the emulation it takes 0-15% more sweeps at the same accuracy; ptxas
-# gives it 217 registers, so an SM holds two 64 x 64 matrices (8 warps).
+# gives it 205 registers, so an SM holds two 64 x 64 matrices (8 warps).
 JACOBI_SLOTS_VALIDATED = False
 JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 64
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
@@ -71,16 +71,20 @@ def jacobi_block_bytes(rows: int, cols: int) -> int:
 def jacobi_slots_bytes(rows: int, cols: int) -> int:
     """The slot sweeps' shared memory (``slots_bytes<float>``): the block layout, or two exchange
     buffers (16 float64 and 16 float32 values and an index per thread) where they are larger."""
-    lanes = 1
+    lanes, players = 2, 2
     while lanes * 16 < rows:
         lanes *= 2
-    return max(jacobi_block_bytes(rows, cols), 2 * 32 * lanes * (16 * (8 + 4) + 4))
+    while players < cols:
+        players *= 2
+    threads = max(players // 2, 32 // lanes) * lanes
+    return max(jacobi_block_bytes(rows, cols), 2 * threads * (16 * (8 + 4) + 4))
 
 
 def use_jacobi_slots(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
-    """For float32 matrices with 32 < min(m, n) <= 64 and max(m, n) <= 128, on GPU ``arch``."""
+    """For float32 matrices past the warp kernel with min(m, n) <= 64 and max(m, n) <= 128, on GPU
+    ``arch``."""
     rows, cols = max(m, n), min(m, n)
-    fits = JACOBI_WARP_MAX_DIM < cols <= JACOBI_SLOTS_MAX_COLS and rows <= JACOBI_SLOTS_MAX_ROWS
+    fits = 0 < cols <= JACOBI_SLOTS_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_SLOTS_MAX_ROWS
     fits = fits and jacobi_slots_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
     return build.enabled(JACOBI_SLOTS_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
 

@@ -119,44 +119,52 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
   return -1;
 }
 
-// The slot sweeps: for 32 < C <= 64 and R <= 128, the one-warp kernel's column-pair sweeps
-// (svd_jacobi::jacobi_sweeps_pairs) spread over a block. kSlots slots of `slot_lanes(R)` threads
-// (4 or 8) each hold a pair of columns, X and Y, of W and of V in registers, a thread rows
-// [16 j, 16 j + 16) of the four; the pair's Gram entries are the threads' partial sums added by an
-// xor-butterfly inside the slot, and the rotation (computed, and applied to V, in Acc) touches no
-// memory. The tournament is jacobi_sweeps_pairs' over 64 players. Between rounds one column of each
+// The slot sweeps: for C <= 64 and R <= 128, the one-warp kernel's column-pair sweeps
+// (svd_jacobi::jacobi_sweeps_pairs) spread over a block. slot_count(R, C) slots of slot_lanes(R)
+// threads (4 or 8 past 32 rows) each hold a pair of columns, X and Y, of W and of V in registers,
+// a thread rows [16 j, 16 j + 16) of the four; the pair's Gram entries are the threads' partial
+// sums added by an xor-butterfly inside the slot, and the rotation (computed, and applied to V, in
+// Acc) touches no memory. The tournament is jacobi_sweeps_pairs' over twice as many players as
+// slots, those past C zero columns. Between rounds one column of each
 // pair moves: by shuffle where its next slot is in the same warp, else through shared memory (the
 // `exchange` buffers, two so that one barrier a round suffices), which only the first slot of each
 // warp needs in most rounds. Rounds whose moves all stay within warps pass no barrier. A Gram
-// entry is rounded at most 6 + log2(4 or 8) times (svd_jacobi::lane_dot, then the butterfly),
-// within jacobi_tolerance's floor for these rows (9 eps up to 64 rows, 10 past).
-constexpr int kSlots = 32;
+// entry is rounded at most 6 + log2(lanes) times (svd_jacobi::lane_dot, then the butterfly),
+// within jacobi_tolerance's floor for those rows (8 eps up to 32 rows, 9 to 64, 10 to 128).
+constexpr int kSlotsMaxCols = 64;
 constexpr int kSlotsMaxRows = 128;
 constexpr int kSlotRows = svd_jacobi::kPairRows;
 
 __host__ __device__ inline bool slots_fit(int rows, int cols) {
-  return cols > 32 && cols <= 2 * kSlots && rows >= cols && rows <= kSlotsMaxRows;
+  return cols >= 1 && cols <= kSlotsMaxCols && rows >= cols && rows <= kSlotsMaxRows;
 }
 
-// Threads a slot: R / 16 rounded up to a power of two.
+// Threads a slot: R / 16 rounded up to a power of two (at least 2).
 __host__ __device__ inline int slot_lanes(int rows) {
-  int lanes = 1;
+  int lanes = 2;
   while (lanes * kSlotRows < rows) lanes *= 2;
   return lanes;
+}
+
+// Slots: half of C rounded up to a power of two, and at least a warp's worth.
+__host__ __device__ inline int slot_count(int rows, int cols) {
+  int players = 2;
+  while (players < cols) players *= 2;
+  return max(players / 2, 32 / slot_lanes(rows));
 }
 
 // The exchange buffers' bytes: two of (values of V, values of W, column index) per thread, over
 // the start of the block's shared memory (W and V are in registers while they are in use).
 template <typename T>
-__host__ __device__ inline int slots_exchange_bytes(int rows) {
-  const int threads = kSlots * slot_lanes(rows);
+__host__ __device__ inline int slots_exchange_bytes(int rows, int cols) {
+  const int threads = slot_count(rows, cols) * slot_lanes(rows);
   return 2 * threads * (kSlotRows * static_cast<int>(sizeof(Acc) + sizeof(T)) + static_cast<int>(sizeof(int)));
 }
 
 // The dynamic shared memory of the slot sweeps' launch.
 template <typename T>
 __host__ __device__ inline int slots_bytes(int rows, int cols) {
-  return max(block_layout<T>(rows, cols).bytes, slots_exchange_bytes<T>(rows));
+  return max(block_layout<T>(rows, cols).bytes, slots_exchange_bytes<T>(rows, cols));
 }
 
 // One of the two exchange buffers: per thread kSlotRows values of V and of W and a column index.
@@ -212,22 +220,23 @@ __device__ __forceinline__ void move_pair(svd_jacobi::ColumnPair<T, Acc>& pair, 
   pair.yid = sent.id[src];
 }
 
-// jacobi_sweeps for slots_fit shapes with kSlots * slot_lanes(rows) threads; W and V are read at
+// jacobi_sweeps for slots_fit shapes with slot_count * slot_lanes threads; W and V are read at
 // the start and written at the end. Returns the sweeps used, or -1 at the cap.
 template <typename T>
 __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int cols, unsigned char* exchange) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int lanes = slot_lanes(rows);
+  const int slots = slot_count(rows, cols);
   const int per_warp = 32 / lanes;  // slots a warp
   const int slot = tid / lanes;
   const int part = tid % lanes;
   const int row0 = part * kSlotRows;
   svd_jacobi::ColumnPair<T, Acc> pair;
-  pair.xid = slot;  // < 32 < cols
-  pair.yid = slot + kSlots;  // past cols: a zero player
+  pair.xid = slot;  // past cols: a zero player
+  pair.yid = slot + slots;
   pair.load(W, ldw, V, ldv, rows, cols, row0);
-  const ExchangeBuffers<T> buffers{exchange, kSlots * lanes};
+  const ExchangeBuffers<T> buffers{exchange, slots * lanes};
   int buffer = 0;
   __syncthreads();  // the exchange buffers overlay W and V
 
@@ -237,11 +246,11 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
   for (int sweep = 1; sweep <= kMaxSweeps && sweeps < 0; ++sweep) {
     bool rotated = false;
 #pragma unroll 1
-    for (int group = kSlots; group >= 1; group >>= 1) {
+    for (int group = slots; group >= 1; group >>= 1) {
 #pragma unroll 1
       for (int t = 0; t < group; ++t) {
         // The move before this round, as in jacobi_sweeps_pairs; `to` is the slot reading ours.
-        const bool split = t == 0 && group < kSlots;
+        const bool split = t == 0 && group < slots;
         const int offset = slot & (split ? 2 * group - 1 : group - 1);
         const bool second = split && offset >= group;
         const int from = split ? (second ? slot - group : slot + group)
@@ -293,7 +302,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
   int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
   const int tid = threadIdx.x;
-  const int threads = blockDim.x;  // kThreads, or kSlots * slot_lanes(rows) (at most kThreads)
+  const int threads = blockDim.x;  // kThreads, or the slots' threads (at most kThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int warps = threads >> 5;
@@ -391,7 +400,7 @@ cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* 
                    int64_t batch, int m, int n) {
   const int rows = std::max(m, n), cols = std::min(m, n);
   const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols) : block_layout<T>(rows, cols).bytes;
-  const int threads = kSlotSweeps ? kSlots * slot_lanes(rows) : kThreads;
+  const int threads = kSlotSweeps ? slot_count(rows, cols) * slot_lanes(rows) : kThreads;
   constexpr auto kernel = svd_jacobi_block_kernel<T, kSlotSweeps>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
