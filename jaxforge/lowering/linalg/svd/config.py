@@ -32,7 +32,7 @@ JACOBI_BLOCK_VALIDATED = True
 # registers), in place of the shared-memory sweeps, once it passes its gpu tests and beats them
 # (bench rows jaxforge-slots, jaxforge-block; the anchor 1024 x 64 x 64 took 10.1 ms, target 1.5).
 # Not yet run on a GPU: in the emulation it takes 0-15% more sweeps at the same accuracy; ptxas
-# gives it 205 registers, so an SM holds two 64 x 64 matrices (8 warps).
+# gives it 206 registers, so an SM holds two 64 x 64 matrices (8 warps).
 JACOBI_SLOTS_VALIDATED = False
 JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 64
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,

@@ -358,21 +358,6 @@ __device__ __forceinline__ T lane_dot(const T (&x)[kPairRows], const T (&y)[kPai
   return Real<T>::add_rn(Real<T>::add_rn(part[0], part[1]), Real<T>::add_rn(part[2], part[3]));
 }
 
-// y <- the value lane `source` holds in its y, or, kSplit and `second`, in its x, which then takes
-// its own y. One entry of a pair's column (or its index) changing lanes between two rounds. The
-// plain move is a separate instantiation: a shuffle in place, where the select would keep
-// temporaries of all entries alive.
-template <bool kSplit, typename T>
-__device__ __forceinline__ void move_value(T& x, T& y, int source, bool second) {
-  if constexpr (kSplit) {
-    const T in = __shfl_sync(kFullMask, second ? x : y, source);
-    if (second) x = y;
-    y = in;
-  } else {
-    y = __shfl_sync(kFullMask, y, source);
-  }
-}
-
 // Two columns, X and Y, of W (in T) and of V (in S) as one thread of the column-pair sweeps
 // holds them: rows [row0, row0 + kPairRows) of each, and the columns' indices (past `cols`: a zero
 // column). The members are unrolled over, so the arrays stay in registers.
@@ -426,15 +411,30 @@ struct ColumnPair {
     }
   }
 
-  // move_value on every entry and on the index: the move before a round.
-  template <bool kSplit>
-  __device__ __forceinline__ void move(int source, bool second) {
+  // X and Y trade places (registers only): before a move that sends X and keeps Y.
+  __device__ __forceinline__ void swap() {
 #pragma unroll
     for (int i = 0; i < kPairRows; ++i) {
-      move_value<kSplit>(xw[i], yw[i], source, second);
-      move_value<kSplit>(xv[i], yv[i], source, second);
+      const T w = xw[i];
+      xw[i] = yw[i];
+      yw[i] = w;
+      const S v = xv[i];
+      xv[i] = yv[i];
+      yv[i] = v;
     }
-    move_value<kSplit>(xid, yid, source, second);
+    const int id = xid;
+    xid = yid;
+    yid = id;
+  }
+
+  // Y <- lane `source`'s Y, shuffled in place: the move before a round.
+  __device__ __forceinline__ void move(int source) {
+#pragma unroll
+    for (int i = 0; i < kPairRows; ++i) {
+      yw[i] = __shfl_sync(kFullMask, yw[i], source);
+      yv[i] = __shfl_sync(kFullMask, yv[i], source);
+    }
+    yid = __shfl_sync(kFullMask, yid, source);
   }
 };
 
@@ -476,12 +476,8 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
         const bool second = split && offset >= group;  // keeps its Y as X, sends its X
         const int from = split ? (second ? slot - group : slot + group)
                                : slot - offset + ((offset + group - 1) & (group - 1));
-        const int source = playing ? 2 * from + (lane & 1) : lane;
-        if (split) {
-          pair.template move<true>(source, second);
-        } else {
-          pair.template move<false>(source, second);
-        }
+        if (second) pair.swap();
+        pair.move(playing ? 2 * from + (lane & 1) : lane);
 
         T alpha, beta, gamma;
         pair.gram_parts(alpha, beta, gamma);

@@ -188,27 +188,24 @@ struct ExchangeBuffers {
   }
 };
 
-// What a slot's thread sends in the move before a round (its Y, or its X where kSplit and `second`)
-// left in `sent` at thread `tid`'s entries, for a slot of another warp.
-template <bool kSplit, typename T>
-__device__ __forceinline__ void send(const svd_jacobi::ColumnPair<T, Acc>& pair, bool second, SlotBuffers<T> sent,
-                                     int tid) {
-#pragma unroll
-  for (int i = 0; i < kSlotRows; ++i) {
-    sent.w[tid * kSlotRows + i] = kSplit && second ? pair.xw[i] : pair.yw[i];
-    sent.v[tid * kSlotRows + i] = kSplit && second ? pair.xv[i] : pair.yv[i];
-  }
-  sent.id[tid] = kSplit && second ? pair.xid : pair.yid;
-}
-
-// The move before a round: svd_jacobi::ColumnPair::move from lane `source`, then, where it came
-// from another warp (`sent` once `cross` rounds meet their barrier), Y from thread `src` there.
-template <bool kSplit, typename T>
+// The move before a round (svd_jacobi::ColumnPair::move from lane `source`, X and Y swapped first
+// where `second`). With `write`, a slot of another warp reads ours: Y also goes to `sent`, at
+// thread `tid`'s entries. With `cross` the block then meets the round's barrier, and where the
+// new Y came from another warp (not `near`) it is read from `sent` at thread `src`'s entries.
+template <typename T>
 __device__ __forceinline__ void move_pair(svd_jacobi::ColumnPair<T, Acc>& pair, int source, bool second,
                                           bool write, bool cross, bool near, int src, SlotBuffers<T> sent,
                                           int tid) {
-  if (write) send<kSplit>(pair, second, sent, tid);
-  pair.template move<kSplit>(source, second);
+  if (second) pair.swap();
+  if (write) {
+#pragma unroll
+    for (int i = 0; i < kSlotRows; ++i) {
+      sent.w[tid * kSlotRows + i] = pair.yw[i];
+      sent.v[tid * kSlotRows + i] = pair.yv[i];
+    }
+    sent.id[tid] = pair.yid;
+  }
+  pair.move(source);
   if (!cross) return;
   __syncthreads();
   if (near) return;
@@ -260,12 +257,7 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
         const bool near_from = from / per_warp == slot / per_warp;
         const bool write = cross && to / per_warp != slot / per_warp;
         const int source = near_from ? (from % per_warp) * lanes + part : lane;
-        const SlotBuffers<T> sent = buffers.at(buffer);
-        if (split) {
-          move_pair<true>(pair, source, second, write, cross, near_from, from * lanes + part, sent, tid);
-        } else {
-          move_pair<false>(pair, source, second, write, cross, near_from, from * lanes + part, sent, tid);
-        }
+        move_pair(pair, source, second, write, cross, near_from, from * lanes + part, buffers.at(buffer), tid);
         buffer ^= cross;
 
         T alpha, beta, gamma;
