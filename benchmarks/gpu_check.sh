@@ -61,7 +61,8 @@ if wants tests; then
     esac
     # every kernel, also those config.py does not dispatch to yet (build.enabled); the benchmarks
     # below run the dispatch as users get it, and time the other kernels in rows of their own
-    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -m gpu -p no:cacheprovider -n "$workers" --timeout 120 --tb=short $paths \
+    # -rA: a PASSED / FAILED line per test, which benchmarks/pending_kernels.py reads
+    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout 120 --tb=short $paths \
       >"$OUT/tests-$group.log" 2>&1 &
   done
   wait
@@ -116,3 +117,5 @@ echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s
 # targets (every row is in bench.txt, every field in the JSON)
 [[ -f "$OUT/bench.txt" ]] && grep -E "^op |^(svd|lstsq|lstsq_grad) |^attention .* (jaxforge(\[[^]]*\])?|jax.nn-cudnn|torch-sdpa-cudnn|torch-flex) +[0-9]|measurements in" \
   "$OUT/bench.txt"
+# the kernels config.py keeps off: what their tests and bench rows in this run say
+python3 benchmarks/pending_kernels.py "$OUT"

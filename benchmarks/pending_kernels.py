@@ -1,0 +1,151 @@
+"""What a GPU run says of the kernels config.py keeps off until a GPU has checked them: for each
+``*_VALIDATED = False`` flag, its gpu tests (the PASSED / FAILED lines pytest -rA left in
+tests.log) and its bench rows against the kernel it would replace (the JSON files of
+``python -m jaxforge.bench``), and a verdict: flip the flag when every one of its tests ran and
+passed and each candidate row is faster than its incumbent at no worse than twice its error.
+
+    python3 benchmarks/pending_kernels.py OUT_DIR     # benchmarks/gpu_check.sh runs it last
+
+A flag flipped in config.py leaves PENDING with it (tests/bench/test_pending_kernels.py holds every
+entry to a flag that is still False).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import sys
+from pathlib import Path
+
+LINALG = "tests/lowering/linalg/"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """Bench records to compare: ``candidate`` against ``incumbent`` on one case."""
+
+    op: str
+    shape_name: str
+    candidate: str
+    incumbent: str
+    mode: str | None = None  # attention's fwd / fwd+bwd / jvp
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    flag: str  # "module:ATTRIBUTE", a config flag that is False until the GPU has checked the kernel
+    tests: tuple[str, ...]  # node-id prefixes: every test they name must pass
+    rows: tuple[Row, ...]
+
+
+PENDING = (
+    Pending(
+        "jaxforge.lowering.linalg.svd.config:JACOBI_PAIRS_VALIDATED",
+        (
+            LINALG + "test_svd_cuda.py::test_float32_sweeps_are_used_and_match_numpy[pairs",
+            LINALG + "test_svd_cuda.py::test_kernel_is_used_and_matches_numpy",  # float32: the pairs
+            LINALG + "test_svd_cuda.py::test_ill_conditioned_and_rank_deficient",
+        ),
+        (Row("svd", "tiny_batch", "jaxforge-pairs", "jaxforge-lanes"),),
+    ),
+    Pending(
+        "jaxforge.lowering.linalg.svd.config:JACOBI_SLOTS_VALIDATED",
+        (
+            LINALG + "test_svd_cuda.py::test_either_block_sweeps_where_the_slots_fit[slots",
+            LINALG + "test_svd_cuda.py::test_block_kernel_is_used_and_matches_numpy",  # the slots where they fit
+            LINALG + "test_svd_cuda.py::test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64",
+        ),
+        (Row("svd", "small_batch", "jaxforge-slots", "jaxforge-block"),),
+    ),
+    Pending(
+        "jaxforge.lowering.linalg.lstsq.config:QR_SOLVE_WARP_VALIDATED",
+        (LINALG + "test_lstsq_cuda.py::test_the_warp_kernel_agrees_with_the_block_kernel_and_numpy",),
+        (Row("lstsq", "tiny_batch", "lstsq-qr_solve_warp", "lstsq-householder"),),
+    ),
+    Pending(
+        "jaxforge.lowering.attention.attention.config:MOSAIC_VALIDATED",
+        ("tests/lowering/attention/test_attention_mosaic_gpu.py::",),
+        (
+            Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "fwd"),
+            Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
+        ),
+    ),
+)
+
+_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (\S+)")
+
+
+def outcomes(log: str) -> dict[str, str]:
+    """Node id -> PASSED / FAILED / ERROR, from pytest's -rA summary lines."""
+    found = {}
+    for line in log.splitlines():
+        if match := _OUTCOME.match(line):
+            found[match.group(2)] = match.group(1)
+    return found
+
+
+def records(out: Path) -> list[dict]:
+    """Every record of the bench JSON files in ``out``."""
+    return [r for path in sorted(out.glob("*.json")) for r in json.loads(path.read_text()).get("records", [])]
+
+
+def _record(rows: list[dict], row: Row, name: str) -> dict | None:
+    for r in rows:
+        if (r["op"], r["shape_name"], r["implementation"], r.get("mode")) == (row.op, row.shape_name, name, row.mode):
+            return r if r.get("status") == "ok" else None
+    return None
+
+
+def verdict(pending: Pending, tests: dict[str, str], rows: list[dict]) -> tuple[bool, list[str]]:
+    """Whether ``pending`` has earned its flag, and the facts that say so, one line each."""
+    ran = {node: outcome for node, outcome in tests.items() if node.startswith(pending.tests)}
+    failed = sorted(node for node, outcome in ran.items() if outcome != "PASSED")
+    missing = [prefix for prefix in pending.tests if not any(node.startswith(prefix) for node in ran)]
+    lines = [f"tests: {len(ran) - len(failed)} passed, {len(failed)} failed" + "".join(f"\n    {n}" for n in failed)]
+    lines += [f"    no test ran for {prefix}" for prefix in missing]
+    earned = bool(ran) and not failed and not missing
+    for row in pending.rows:
+        mine, theirs = _record(rows, row, row.candidate), _record(rows, row, row.incumbent)
+        case = f"{row.op} {row.shape_name}{' ' + row.mode if row.mode else ''}"
+        if mine is None or theirs is None:
+            lines.append(f"{case}: no timing of {row.candidate if mine is None else row.incumbent}")
+            earned = False
+            continue
+        errors = [(k, mine["accuracy"][k], theirs["accuracy"].get(k)) for k in mine.get("accuracy") or {}]
+        worse = [k for k, a, b in errors if b is not None and a > 2 * b + 1e-12]
+        faster = mine["median_ms"] < theirs["median_ms"]
+        earned = earned and faster and not worse
+        accuracy = ", ".join(f"{k} {a:.1e} vs {b:.1e}" for k, a, b in errors if b is not None)
+        lines.append(
+            f"{case}: {row.candidate} {mine['median_ms']:.3g} ms vs {row.incumbent} {theirs['median_ms']:.3g} ms "
+            f"({mine['median_ms'] / theirs['median_ms']:.2f}x); {accuracy}"
+        )
+    return earned, lines
+
+
+def flag_value(flag: str):
+    module, attribute = flag.split(":")
+    return getattr(importlib.import_module(module), attribute)
+
+
+def main(out: Path) -> int:
+    log = out / "tests.log"
+    tests = outcomes(log.read_text()) if log.exists() else {}
+    rows = records(out)
+    print("== pending kernels: flip a flag only where the verdict says so")
+    for pending in PENDING:
+        name = pending.flag.split(":")[1]
+        if flag_value(pending.flag):
+            print(f"{name}: already True; its entry in PENDING goes")
+            continue
+        earned, lines = verdict(pending, tests, rows)
+        print(f"{name}: {'flip to True' if earned else 'keep False'}")
+        for line in lines:
+            print(f"  {line}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/jaxforge-gpu")))
