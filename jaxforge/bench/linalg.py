@@ -235,8 +235,8 @@ def _svd_kernel_variants() -> list[Implementation]:
     (m, n <= 32): its sweeps with a row a lane, a column a lane and two lanes a column pair
     (``jaxforge-rows``, ``jaxforge-lanes``, ``jaxforge-pairs``: which decide
     config.jacobi_warp_sweeps) and the one-block kernel (``jaxforge-block``:
-    config.JACOBI_WARP_MAX_DIM). Where the block kernel's slot sweeps fit (min(m, n) <= 64,
-    32 < max(m, n) <= 128): ``jaxforge-slots`` and ``jaxforge-block`` (config.JACOBI_SLOTS_VALIDATED)."""
+    config.JACOBI_WARP_MAX_DIM). Where the block kernel's slot sweeps fit (32 < max(m, n) <= 128):
+    ``jaxforge-slots`` and ``jaxforge-block`` (config.JACOBI_SLOTS_VALIDATED)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.svd import cuda
 
@@ -250,7 +250,7 @@ def _svd_kernel_variants() -> list[Implementation]:
         return Implementation(name, jax.jit(svd), applies=applies)
 
     one_warp = lambda shape: max(shape[-2:]) <= 32  # noqa: E731
-    slots = lambda shape: min(shape[-2:]) <= 64 and 32 < max(shape[-2:]) <= 128  # noqa: E731
+    slots = lambda shape: 32 < max(shape[-2:]) <= 128  # noqa: E731
     return [
         row("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
         row("jaxforge-lanes", cuda.LANES_TARGET, one_warp),

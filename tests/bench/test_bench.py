@@ -210,8 +210,8 @@ def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
     for kernel in (rows, lanes, pairs):  # one warp a matrix: m, n <= 32
         assert kernel.applies((8192, 32, 32)) and not kernel.applies((1024, 64, 64)), kernel.name
     assert block.applies((8192, 32, 32)) and block.applies((1024, 64, 64)) and slots.applies((1024, 64, 64))
-    assert not slots.applies((8192, 32, 32)) and not slots.applies((256, 128, 128)) and slots.applies((4, 37, 128))
-    assert slots.applies((4, 100, 20)) and not block.applies((256, 128, 128))
+    assert not slots.applies((8192, 32, 32)) and slots.applies((256, 128, 128)) and slots.applies((4, 37, 128))
+    assert slots.applies((4, 100, 20)) and block.applies((256, 128, 128)) and not slots.applies((7, 256, 100))
     householder, qr_r, qr_solve, qr_solve_warp, cholesky = linalg._lstsq_factors()
     assert qr_r.applies((8192, 64, 16, 1)) and not qr_r.applies((256, 512, 128, 4))  # 40 KiB at most
     assert qr_solve.applies((8192, 64, 16, 1)) and qr_solve.applies((7, 37, 61, 3))  # wide too: Aᵀ fits

@@ -340,7 +340,8 @@ def test_block_svd_matches_numpy(run_kernel):
 
 
 def test_block_svd_with_column_pairs_in_registers_matches_numpy(run_kernel):
-    """The slot sweeps: 4 threads a column pair up to 64 rows, 8 up to 128; 32 to 256 threads."""
+    """The slot sweeps: 4 threads a column pair up to 64 rows, 8 up to 128; 32 to 512 threads; V in
+    registers up to 64 columns, past them in shared memory."""
     rng = np.random.default_rng(5)
     deficient = np.r_[np.linspace(2, 1, 24), np.zeros(24)]
     cases = [
@@ -351,6 +352,7 @@ def test_block_svd_with_column_pairs_in_registers_matches_numpy(run_kernel):
         random(rng, (1, 16, 64), np.float32),  # one warp: 8 slots of 4 threads
         random(rng, (1, 100, 20), np.float32),  # 16 slots of 8 threads
         random(rng, (1, 40, 3), np.float32),  # 13 zero players
+        random(rng, (1, 72, 66), np.float32),  # V in shared memory: 64 slots of 8 threads
         with_singular_values(rng, (1,), 56, 48, np.geomspace(1, 1e-6, 48)).astype(np.float32),
         with_singular_values(rng, (1,), 48, 48, deficient).astype(np.float32),
     ]

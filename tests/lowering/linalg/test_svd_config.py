@@ -36,7 +36,7 @@ def test_slot_bytes_and_limits_match_the_kernel(tmp_path, monkeypatch):
     # slots_bytes<float>(R, C) and slots_fit(R, C) from the kernel header, against config.py's.
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     sizes = [(33, 33), (64, 64), (100, 40), (128, 64), (65, 33), (128, 65), (129, 40), (64, 32), (50, 40), (100, 20),
-             (40, 3), (64, 16), (33, 1)]
+             (40, 3), (64, 16), (33, 1), (128, 128), (70, 66), (128, 129)]
     source = tmp_path / "slots.cu"
     source.write_text(
         '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
@@ -66,8 +66,9 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     assert not block(64, 64, arch=None)  # no GPU
     slots = lambda m, n, dtype=F32, arch="sm_90a": config.use_jacobi_slots(m, n, dtype, False, arch)  # noqa: E731
     assert slots(64, 64) and slots(33, 128) and slots(128, 40) and slots(100, 20) and slots(3, 40)
+    assert slots(128, 128) and slots(65, 65) and slots(70, 100)
     assert not slots(32, 32) and not slots(129, 64)  # the warp kernel's, past the slots' rows
-    assert not slots(65, 65) and not slots(64, 64, F64) and not slots(64, 64, arch=None)
+    assert not slots(64, 64, F64) and not slots(64, 64, arch=None) and not slots(128, 128, arch="sm_80")
 
 
 def test_kernels_stay_off_until_validated(monkeypatch):

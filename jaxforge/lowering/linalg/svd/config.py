@@ -27,14 +27,16 @@ JACOBI_LANES = True
 JACOBI_PAIRS_VALIDATED = False
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
-# float32 with min(m, n) <= 64 and 32 < max(m, n) <= 128: the block kernel with its column pairs in
-# registers (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 256 a block, V in float64
-# registers), in place of the shared-memory sweeps, once it passes its gpu tests and beats them
-# (bench rows jaxforge-slots, jaxforge-block; the anchor 1024 x 64 x 64 took 10.1 ms, target 1.5).
-# Not yet run on a GPU: in the emulation it takes 0-15% more sweeps at the same accuracy; ptxas
-# gives it 206 registers, so an SM holds two 64 x 64 matrices (8 warps).
+# float32 with 32 < max(m, n) <= 128: the block kernel with its column pairs in registers
+# (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 512 a block; V in float64 registers up to 64
+# columns, past them in shared memory), in place of the shared-memory sweeps, once it passes its
+# gpu tests and beats them (bench rows jaxforge-slots, jaxforge-block; the anchors 1024 x 64 x 64
+# and 256 x 128 x 128 took 10.1 and 27.3 ms, targets 1.5 and 3). Not yet run on a GPU: in the
+# emulation it takes 0-15% more sweeps at the same accuracy; ptxas gives it 208 registers (two
+# 64 x 64 matrices an SM, 8 warps) and, with V in shared memory, 128 (one 128 x 128, 16 warps).
 JACOBI_SLOTS_VALIDATED = False
-JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 64
+JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 128
+JACOBI_SLOTS_MAX_COLS_IN_REGISTERS = 64  # past it V stays in shared memory
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
 # sm_80 163 KiB, sm_86/sm_89 99 KiB.
 MAX_SHARED_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
@@ -62,27 +64,30 @@ def jacobi_warp_sweeps(dtype) -> str:
 
 def jacobi_block_bytes(rows: int, cols: int) -> int:
     """The block kernel's shared memory for an R x C work matrix (``block_layout<float>`` in
-    csrc/svd_jacobi_block.cuh): V in float64, W, norms, 8 reduction slots, perm, flag."""
+    csrc/svd_jacobi_block.cuh): V in float64, W, norms, 16 reduction slots, perm, flag."""
     v = (cols | 1) * cols * 8
     w = (rows | 1) * cols * 4
-    return (v + w + cols * 4 + 8 * 4 + cols * 4 + 4 + 15) // 16 * 16
+    return (v + w + cols * 4 + 16 * 4 + cols * 4 + 4 + 15) // 16 * 16
 
 
 def jacobi_slots_bytes(rows: int, cols: int) -> int:
-    """The slot sweeps' shared memory (``slots_bytes<float>``): the block layout, or two exchange
-    buffers (16 float64 and 16 float32 values and an index per thread) where they are larger."""
+    """The slot sweeps' shared memory (``slots_bytes<float>``): the block layout, or where they end
+    past it, two exchange buffers of 16 float32 values of W, 16 float64 values of V (unless V stays
+    in shared memory, ahead of them) and an index per thread."""
     lanes, players = 2, 2
     while lanes * 16 < rows:
         lanes *= 2
     while players < cols:
         players *= 2
     threads = max(players // 2, 32 // lanes) * lanes
-    return max(jacobi_block_bytes(rows, cols), 2 * threads * (16 * (8 + 4) + 4))
+    shared_v = cols > JACOBI_SLOTS_MAX_COLS_IN_REGISTERS
+    start = (cols | 1) * cols * 8 if shared_v else 0
+    end = start + 2 * threads * (16 * (4 + (0 if shared_v else 8)) + 4)
+    return max(jacobi_block_bytes(rows, cols), (end + 15) // 16 * 16)
 
 
 def use_jacobi_slots(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
-    """For float32 matrices past the warp kernel with min(m, n) <= 64 and max(m, n) <= 128, on GPU
-    ``arch``."""
+    """For float32 matrices past the warp kernel with max(m, n) <= 128, on GPU ``arch``."""
     rows, cols = max(m, n), min(m, n)
     fits = 0 < cols <= JACOBI_SLOTS_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_SLOTS_MAX_ROWS
     fits = fits and jacobi_slots_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)

@@ -358,13 +358,13 @@ __device__ __forceinline__ T lane_dot(const T (&x)[kPairRows], const T (&y)[kPai
   return Real<T>::add_rn(Real<T>::add_rn(part[0], part[1]), Real<T>::add_rn(part[2], part[3]));
 }
 
-// Two columns, X and Y, of W (in T) and of V (in S) as one thread of the column-pair sweeps
-// holds them: rows [row0, row0 + kPairRows) of each, and the columns' indices (past `cols`: a zero
-// column). The members are unrolled over, so the arrays stay in registers.
-template <typename T, typename S>
+// Two columns, X and Y, of W (in T) and of V (in S; kV false: V is not held) as one thread of the
+// column-pair sweeps holds them: rows [row0, row0 + kPairRows) of each, and the columns' indices
+// (past `cols`: a zero column). The members are unrolled over, so the arrays stay in registers.
+template <typename T, typename S, bool kV = true>
 struct ColumnPair {
   T xw[kPairRows], yw[kPairRows];
-  S xv[kPairRows], yv[kPairRows];
+  S xv[kV ? kPairRows : 1], yv[kV ? kPairRows : 1];
   int xid, yid;
 
   // Reads the rows from W (`rows` long columns) and V (`cols` long), zero past them.
@@ -374,8 +374,10 @@ struct ColumnPair {
       const int r = row0 + i;
       xw[i] = xid < cols && r < rows ? W[xid * ldw + r] : T(0);
       yw[i] = yid < cols && r < rows ? W[yid * ldw + r] : T(0);
-      xv[i] = xid < cols && r < cols ? V[xid * ldv + r] : S(0);
-      yv[i] = yid < cols && r < cols ? V[yid * ldv + r] : S(0);
+      if constexpr (kV) {
+        xv[i] = xid < cols && r < cols ? V[xid * ldv + r] : S(0);
+        yv[i] = yid < cols && r < cols ? V[yid * ldv + r] : S(0);
+      }
     }
   }
 
@@ -385,8 +387,10 @@ struct ColumnPair {
       const int r = row0 + i;
       if (xid < cols && r < rows) W[xid * ldw + r] = xw[i];
       if (yid < cols && r < rows) W[yid * ldw + r] = yw[i];
-      if (xid < cols && r < cols) V[xid * ldv + r] = xv[i];
-      if (yid < cols && r < cols) V[yid * ldv + r] = yv[i];
+      if constexpr (kV) {
+        if (xid < cols && r < cols) V[xid * ldv + r] = xv[i];
+        if (yid < cols && r < cols) V[yid * ldv + r] = yv[i];
+      }
     }
   }
 
@@ -403,11 +407,13 @@ struct ColumnPair {
 #pragma unroll
     for (int i = 0; i < kPairRows; ++i) {
       const T x = xw[i], y = yw[i];
-      const S p = xv[i], q = yv[i];
       xw[i] = cw * x - sw * y;
       yw[i] = sw * x + cw * y;
-      xv[i] = c * p - s * q;
-      yv[i] = s * p + c * q;
+      if constexpr (kV) {
+        const S p = xv[i], q = yv[i];
+        xv[i] = c * p - s * q;
+        yv[i] = s * p + c * q;
+      }
     }
   }
 
@@ -418,9 +424,11 @@ struct ColumnPair {
       const T w = xw[i];
       xw[i] = yw[i];
       yw[i] = w;
-      const S v = xv[i];
-      xv[i] = yv[i];
-      yv[i] = v;
+      if constexpr (kV) {
+        const S v = xv[i];
+        xv[i] = yv[i];
+        yv[i] = v;
+      }
     }
     const int id = xid;
     xid = yid;
@@ -432,7 +440,7 @@ struct ColumnPair {
 #pragma unroll
     for (int i = 0; i < kPairRows; ++i) {
       yw[i] = __shfl_sync(kFullMask, yw[i], source);
-      yv[i] = __shfl_sync(kFullMask, yv[i], source);
+      if constexpr (kV) yv[i] = __shfl_sync(kFullMask, yv[i], source);
     }
     yid = __shfl_sync(kFullMask, yid, source);
   }

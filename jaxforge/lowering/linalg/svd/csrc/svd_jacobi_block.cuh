@@ -27,8 +27,9 @@ namespace jaxforge::svd_jacobi_block {
 
 using svd_jacobi::Real;
 
-constexpr int kThreads = 256;
+constexpr int kThreads = 256;  // the shared-memory sweeps' block
 constexpr int kWarps = kThreads / 32;
+constexpr int kMaxThreads = 512;  // the slot sweeps' largest block (64 slots of 8 threads)
 constexpr int kMaxRows = 256;  // R = max(m, n)
 constexpr int kMaxCols = 128;  // C = min(m, n)
 // The sweep cap. A float32 model of this kernel took 7-12 sweeps at condition 100, up to 24 at 1e6
@@ -38,7 +39,7 @@ constexpr int kMaxSweeps = 40;
 using Acc = double;  // V and the rotations
 
 // The block's dynamic shared memory, in bytes from its start: V (C x C of Acc) first, for its
-// alignment, then W (R x C of T), the C column norms and kWarps reduction slots (T), perm (C ints:
+// alignment, then W (R x C of T), the C column norms, a reduction slot a warp (T), perm (C ints:
 // perm[r] = column holding the r-th largest norm) and the flag (whether a sweep rotated). V and W
 // are column-major with odd leading dims, as in the warp kernel: a column is stride-1 across lanes,
 // a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py mirrors `bytes`.
@@ -56,7 +57,7 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols) {
   l.w_byte = l.ldv * cols * static_cast<int>(sizeof(Acc));
   l.s_byte = l.w_byte + l.ldw * cols * static_cast<int>(sizeof(T));
   l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(T));
-  l.perm_byte = l.red_byte + kWarps * static_cast<int>(sizeof(T));
+  l.perm_byte = l.red_byte + kMaxThreads / 32 * static_cast<int>(sizeof(T));
   l.flag_byte = l.perm_byte + cols * static_cast<int>(sizeof(int));
   l.bytes = (l.flag_byte + static_cast<int>(sizeof(int)) + 15) & ~15;
   return l;
@@ -131,13 +132,24 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
 // warp needs in most rounds. Rounds whose moves all stay within warps pass no barrier. A Gram
 // entry is rounded at most 6 + log2(lanes) times (svd_jacobi::lane_dot, then the butterfly),
 // within jacobi_tolerance's floor for those rows (8 eps up to 32 rows, 9 to 64, 10 to 128).
-constexpr int kSlotsMaxCols = 64;
+//
+// Past 64 columns (64 slots of 8 threads, 512 a block, at most 128 registers a thread) V's 16
+// float64 rows of two columns do not fit beside W's: V stays in shared memory, where a column
+// never moves and its slot's threads rotate their rows of it in place (rows part + lanes i, so the
+// threads of a slot touch consecutive words). A column's rows of V are its W column's owner's to
+// touch: when the W column moves inside a warp a __syncwarp orders the two owners, across warps
+// the round's barrier does.
+constexpr int kSlotsMaxCols = 128;
+constexpr int kSlotsMaxColsInRegisters = 64;
 constexpr int kSlotsMaxRows = 128;
 constexpr int kSlotRows = svd_jacobi::kPairRows;
 
 __host__ __device__ inline bool slots_fit(int rows, int cols) {
   return cols >= 1 && cols <= kSlotsMaxCols && rows >= cols && rows <= kSlotsMaxRows;
 }
+
+// Whether V stays in shared memory (past kSlotsMaxColsInRegisters columns).
+__host__ __device__ inline bool slots_shared_v(int cols) { return cols > kSlotsMaxColsInRegisters; }
 
 // Threads a slot: R / 16 rounded up to a power of two (at least 2).
 __host__ __device__ inline int slot_lanes(int rows) {
@@ -153,21 +165,31 @@ __host__ __device__ inline int slot_count(int rows, int cols) {
   return max(players / 2, 32 / slot_lanes(rows));
 }
 
-// The exchange buffers' bytes: two of (values of V, values of W, column index) per thread, over
-// the start of the block's shared memory (W and V are in registers while they are in use).
+// Bytes a thread sends through an exchange buffer: kSlotRows values of W, of V where it holds V,
+// and a column index.
 template <typename T>
-__host__ __device__ inline int slots_exchange_bytes(int rows, int cols) {
-  const int threads = slot_count(rows, cols) * slot_lanes(rows);
-  return 2 * threads * (kSlotRows * static_cast<int>(sizeof(Acc) + sizeof(T)) + static_cast<int>(sizeof(int)));
+__host__ __device__ inline int slot_message_bytes(int cols) {
+  const int v = slots_shared_v(cols) ? 0 : static_cast<int>(sizeof(Acc));
+  return kSlotRows * (v + static_cast<int>(sizeof(T))) + static_cast<int>(sizeof(int));
+}
+
+// Where the two exchange buffers start: over W (which is in registers while they are in use), and
+// over V too where V is in registers.
+template <typename T>
+__host__ __device__ inline int slots_exchange_byte(int rows, int cols) {
+  return slots_shared_v(cols) ? block_layout<T>(rows, cols).w_byte : 0;
 }
 
 // The dynamic shared memory of the slot sweeps' launch.
 template <typename T>
 __host__ __device__ inline int slots_bytes(int rows, int cols) {
-  return max(block_layout<T>(rows, cols).bytes, slots_exchange_bytes<T>(rows, cols));
+  const int threads = slot_count(rows, cols) * slot_lanes(rows);
+  const int exchange_end = slots_exchange_byte<T>(rows, cols) + 2 * threads * slot_message_bytes<T>(cols);
+  return max(block_layout<T>(rows, cols).bytes, (exchange_end + 15) & ~15);
 }
 
-// One of the two exchange buffers: per thread kSlotRows values of V and of W and a column index.
+// One of the two exchange buffers: per thread kSlotRows values of V (unless kSharedV) and of W,
+// and a column index.
 template <typename T>
 struct SlotBuffers {
   Acc* v;
@@ -175,52 +197,71 @@ struct SlotBuffers {
   int* id;
 };
 
-template <typename T>
+template <typename T, bool kSharedV>
 struct ExchangeBuffers {
   unsigned char* base;
   int threads;
-  __device__ SlotBuffers<T> at(int which) const {  // the layout slots_exchange_bytes counts
-    const int bytes = threads * (kSlotRows * static_cast<int>(sizeof(Acc) + sizeof(T)) + static_cast<int>(sizeof(int)));
-    unsigned char* start = base + which * bytes;
-    Acc* v = reinterpret_cast<Acc*>(start);
-    T* w = reinterpret_cast<T*>(v + threads * kSlotRows);
+  __device__ SlotBuffers<T> at(int which) const {  // the layout slot_message_bytes counts
+    const int v_rows = kSharedV ? 0 : kSlotRows;
+    const int bytes = threads * (kSlotRows * static_cast<int>(sizeof(T)) + v_rows * static_cast<int>(sizeof(Acc)) +
+                                 static_cast<int>(sizeof(int)));
+    Acc* v = reinterpret_cast<Acc*>(base + which * bytes);
+    T* w = reinterpret_cast<T*>(v + threads * v_rows);
     return {v, w, reinterpret_cast<int*>(w + threads * kSlotRows)};
   }
 };
+
+template <bool kSharedV, typename T>
+using SlotPair = svd_jacobi::ColumnPair<T, Acc, !kSharedV>;
 
 // The move before a round (svd_jacobi::ColumnPair::move from lane `source`, X and Y swapped first
 // where `second`). With `write`, a slot of another warp reads ours: Y also goes to `sent`, at
 // thread `tid`'s entries. With `cross` the block then meets the round's barrier, and where the
 // new Y came from another warp (not `near`) it is read from `sent` at thread `src`'s entries.
-template <typename T>
-__device__ __forceinline__ void move_pair(svd_jacobi::ColumnPair<T, Acc>& pair, int source, bool second,
-                                          bool write, bool cross, bool near, int src, SlotBuffers<T> sent,
-                                          int tid) {
+// Without, a __syncwarp hands V's columns (kSharedV) over inside the warp.
+template <bool kSharedV, typename T>
+__device__ __forceinline__ void move_pair(SlotPair<kSharedV, T>& pair, int source, bool second, bool write,
+                                          bool cross, bool near, int src, SlotBuffers<T> sent, int tid) {
   if (second) pair.swap();
   if (write) {
 #pragma unroll
     for (int i = 0; i < kSlotRows; ++i) {
       sent.w[tid * kSlotRows + i] = pair.yw[i];
-      sent.v[tid * kSlotRows + i] = pair.yv[i];
+      if constexpr (!kSharedV) sent.v[tid * kSlotRows + i] = pair.yv[i];
     }
     sent.id[tid] = pair.yid;
   }
   pair.move(source);
-  if (!cross) return;
+  if (!cross) {
+    if constexpr (kSharedV) __syncwarp();
+    return;
+  }
   __syncthreads();
   if (near) return;
 #pragma unroll
   for (int i = 0; i < kSlotRows; ++i) {
     pair.yw[i] = sent.w[src * kSlotRows + i];
-    pair.yv[i] = sent.v[src * kSlotRows + i];
+    if constexpr (!kSharedV) pair.yv[i] = sent.v[src * kSlotRows + i];
   }
   pair.yid = sent.id[src];
 }
 
-// jacobi_sweeps for slots_fit shapes with slot_count * slot_lanes threads; W and V are read at
-// the start and written at the end. Returns the sweeps used, or -1 at the cap.
-template <typename T>
-__device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int cols, unsigned char* exchange) {
+// Columns x and y of V (shared memory, `cols` long) rotated in place: rows part + lanes i.
+__device__ __forceinline__ void rotate_shared_v(Acc* V, int ldv, int cols, int x, int y, Acc c, Acc s, int part,
+                                                int lanes) {
+#pragma unroll 4
+  for (int r = part; r < cols; r += lanes) {
+    const Acc p = V[x * ldv + r], q = V[y * ldv + r];
+    V[x * ldv + r] = c * p - s * q;
+    V[y * ldv + r] = s * p + c * q;
+  }
+}
+
+// jacobi_sweeps for slots_fit shapes with slot_count * slot_lanes threads, kSharedV past
+// kSlotsMaxColsInRegisters columns; W (and V, unless kSharedV) are read at the start and written at
+// the end. Returns the sweeps used, or -1 at the cap.
+template <bool kSharedV, typename T>
+__device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int cols, unsigned char* smem) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int lanes = slot_lanes(rows);
@@ -229,13 +270,13 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
   const int slot = tid / lanes;
   const int part = tid % lanes;
   const int row0 = part * kSlotRows;
-  svd_jacobi::ColumnPair<T, Acc> pair;
+  SlotPair<kSharedV, T> pair;
   pair.xid = slot;  // past cols: a zero player
   pair.yid = slot + slots;
   pair.load(W, ldw, V, ldv, rows, cols, row0);
-  const ExchangeBuffers<T> buffers{exchange, slots * lanes};
+  const ExchangeBuffers<T, kSharedV> buffers{smem + slots_exchange_byte<T>(rows, cols), slots * lanes};
   int buffer = 0;
-  __syncthreads();  // the exchange buffers overlay W and V
+  __syncthreads();  // the exchange buffers overlay W (and V)
 
   const T tol = svd_jacobi::jacobi_tolerance<T>(rows);
   int sweeps = -1;
@@ -257,7 +298,8 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
         const bool near_from = from / per_warp == slot / per_warp;
         const bool write = cross && to / per_warp != slot / per_warp;
         const int source = near_from ? (from % per_warp) * lanes + part : lane;
-        move_pair(pair, source, second, write, cross, near_from, from * lanes + part, buffers.at(buffer), tid);
+        move_pair<kSharedV>(pair, source, second, write, cross, near_from, from * lanes + part, buffers.at(buffer),
+                            tid);
         buffer ^= cross;
 
         T alpha, beta, gamma;
@@ -272,19 +314,24 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
           Acc c, s;
           svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
           pair.rotate(c, s);
+          if constexpr (kSharedV) rotate_shared_v(V, ldv, cols, pair.xid, pair.yid, c, s, part, lanes);
         }
       }
     }
     if (!__syncthreads_or(rotated)) sweeps = sweep;
   }
-  // Every thread has read its last exchange (the sweep's last barrier) before W and V return.
+  // Every thread has read its last exchange (the sweep's last barrier) before W (and V) return.
   pair.store(W, ldw, V, ldv, rows, cols, row0);
   __syncthreads();
   return sweeps;
 }
 
 // One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
-template <typename T, bool kSlotSweeps>
+// Which sweeps a block runs: column pairs in shared memory (jacobi_sweeps), or in registers
+// (jacobi_sweeps_slots) with V there too or, past kSlotsMaxColsInRegisters columns, in shared memory.
+enum class BlockSweeps { kShared, kSlots, kSlotsSharedV };
+
+template <typename T, BlockSweeps kSweeps>
 __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
                         const BlockLayout& l, unsigned char* smem) {
   Acc* V = reinterpret_cast<Acc*>(smem);
@@ -331,8 +378,8 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
       V[j * l.ldv + i] = Acc(i == j);
     }
     __syncthreads();
-    if constexpr (kSlotSweeps) {
-      sweeps = jacobi_sweeps_slots(W, l.ldw, V, l.ldv, rows, cols, smem);
+    if constexpr (kSweeps != BlockSweeps::kShared) {
+      sweeps = jacobi_sweeps_slots<kSweeps == BlockSweeps::kSlotsSharedV>(W, l.ldw, V, l.ldv, rows, cols, smem);
     } else {
       sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, flag);
     }
@@ -368,9 +415,9 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   }
 }
 
-// Grid-stride over matrices, one per block. kSlotSweeps: jacobi_sweeps_slots, else jacobi_sweeps.
-template <typename T, bool kSlotSweeps>
-__global__ void __launch_bounds__(kThreads)
+// Grid-stride over matrices, one per block.
+template <typename T, BlockSweeps kSweeps>
+__global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV ? kMaxThreads : kThreads)
     svd_jacobi_block_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
                             T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m,
                             int n) {
@@ -378,7 +425,7 @@ __global__ void __launch_bounds__(kThreads)
   const int k = min(m, n);
   const BlockLayout l = block_layout<T>(max(m, n), k);
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x) {
-    svd_one<T, kSlotSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
+    svd_one<T, kSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
     __syncthreads();  // the next matrix overwrites shared memory other warps may still be reading
   }
 }
@@ -393,7 +440,9 @@ cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* 
   const int rows = std::max(m, n), cols = std::min(m, n);
   const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols) : block_layout<T>(rows, cols).bytes;
   const int threads = kSlotSweeps ? slot_count(rows, cols) * slot_lanes(rows) : kThreads;
-  constexpr auto kernel = svd_jacobi_block_kernel<T, kSlotSweeps>;
+  const auto kernel = !kSlotSweeps              ? svd_jacobi_block_kernel<T, BlockSweeps::kShared>
+                      : slots_shared_v(cols) ? svd_jacobi_block_kernel<T, BlockSweeps::kSlotsSharedV>
+                                             : svd_jacobi_block_kernel<T, BlockSweeps::kSlots>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);

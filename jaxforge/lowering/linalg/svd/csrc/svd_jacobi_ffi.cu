@@ -2,7 +2,7 @@
 // float32, float64, complex64 and complex128 with a row a lane; float32 also with a column a lane or
 // two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, float32, max(m, n) <= 256,
 // min(m, n) <= 128, within the device's shared memory per block; the column pairs in shared memory,
-// or, for min(m, n) <= 64 and max(m, n) <= 128, in registers).
+// or, for max(m, n) <= 128, in registers).
 //
 // Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending and real,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
@@ -52,7 +52,7 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
   if (!fits) {
     const std::string limit = kOneWarp              ? "m, n <= 32"
                               : K == Kernel::kBlock ? "max(m, n) <= 256, min(m, n) <= 128"
-                                                    : "min(m, n) <= 64, max(m, n) <= 128";
+                                                    : "max(m, n) <= 128";
     return ffi::Error::InvalidArgument(name + ": operand shape " + ShapeString(dims) +
                                        " exceeds the limit " + limit);
   }
