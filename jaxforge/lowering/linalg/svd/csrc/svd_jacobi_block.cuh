@@ -120,7 +120,7 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
   return -1;
 }
 
-// The slot sweeps: for C <= 64 and R <= 128, the one-warp kernel's column-pair sweeps
+// The slot sweeps: for R <= 128, the one-warp kernel's column-pair sweeps
 // (svd_jacobi::jacobi_sweeps_pairs) spread over a block. slot_count(R, C) slots of slot_lanes(R)
 // threads (4 or 8 past 32 rows) each hold a pair of columns, X and Y, of W and of V in registers,
 // a thread rows [16 j, 16 j + 16) of the four; the pair's Gram entries are the threads' partial
