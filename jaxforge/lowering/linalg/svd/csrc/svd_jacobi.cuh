@@ -358,6 +358,26 @@ __device__ __forceinline__ T lane_dot(const T (&x)[kPairRows], const T (&y)[kPai
   return Real<T>::add_rn(Real<T>::add_rn(part[0], part[1]), Real<T>::add_rn(part[2], part[3]));
 }
 
+// A slot's move before round t of a group of `group` slots (of `slots`) in the column-pair sweeps
+// tournament (jacobi_sweeps_pairs): Y goes round the group, or, at a group's first round after the
+// first group, the parent group splits and the slots of its second half keep their Y as X and send
+// their X (`second`). A slot takes its new Y from slot `from` and gives its old one to slot `to`.
+struct TournamentMove {
+  bool split, second;
+  int from, to;
+};
+
+__device__ __forceinline__ TournamentMove tournament_move(int slot, int group, int t, int slots) {
+  TournamentMove move;
+  move.split = t == 0 && group < slots;
+  const int offset = slot & (move.split ? 2 * group - 1 : group - 1);
+  move.second = move.split && offset >= group;
+  const int base = slot - offset;
+  move.from = move.split ? (move.second ? slot - group : slot + group) : base + ((offset + group - 1) & (group - 1));
+  move.to = move.split ? move.from : base + ((offset + 1) & (group - 1));
+  return move;
+}
+
 // Two columns, X and Y, of W (in T) and of V (in S; kV false: V is not held) as one thread of the
 // column-pair sweeps holds them: rows [row0, row0 + kPairRows) of each, and the columns' indices
 // (past `cols`: a zero column). The members are unrolled over, so the arrays stay in registers.
@@ -478,14 +498,9 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
     for (int group = slots; group >= 1; group >>= 1) {
 #pragma unroll 1
       for (int t = 0; t < group; ++t) {
-        // The move before this round: Y round the group, or the split after a group's rounds.
-        const bool split = t == 0 && group < slots;
-        const int offset = slot & (split ? 2 * group - 1 : group - 1);
-        const bool second = split && offset >= group;  // keeps its Y as X, sends its X
-        const int from = split ? (second ? slot - group : slot + group)
-                               : slot - offset + ((offset + group - 1) & (group - 1));
-        if (second) pair.swap();
-        pair.move(playing ? 2 * from + (lane & 1) : lane);
+        const TournamentMove move = tournament_move(slot, group, t, slots);
+        if (move.second) pair.swap();
+        pair.move(playing ? 2 * move.from + (lane & 1) : lane);
 
         T alpha, beta, gamma;
         pair.gram_parts(alpha, beta, gamma);

@@ -287,19 +287,13 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
     for (int group = slots; group >= 1; group >>= 1) {
 #pragma unroll 1
       for (int t = 0; t < group; ++t) {
-        // The move before this round, as in jacobi_sweeps_pairs; `to` is the slot reading ours.
-        const bool split = t == 0 && group < slots;
-        const int offset = slot & (split ? 2 * group - 1 : group - 1);
-        const bool second = split && offset >= group;
-        const int from = split ? (second ? slot - group : slot + group)
-                               : slot - offset + ((offset + group - 1) & (group - 1));
-        const int to = split ? from : slot - offset + ((offset + 1) & (group - 1));
-        const bool cross = split ? group >= per_warp : group > per_warp;  // block-uniform
-        const bool near_from = from / per_warp == slot / per_warp;
-        const bool write = cross && to / per_warp != slot / per_warp;
-        const int source = near_from ? (from % per_warp) * lanes + part : lane;
-        move_pair<kSharedV>(pair, source, second, write, cross, near_from, from * lanes + part, buffers.at(buffer),
-                            tid);
+        const svd_jacobi::TournamentMove move = svd_jacobi::tournament_move(slot, group, t, slots);
+        const bool cross = move.split ? group >= per_warp : group > per_warp;  // block-uniform
+        const bool near_from = move.from / per_warp == slot / per_warp;
+        const bool write = cross && move.to / per_warp != slot / per_warp;
+        const int source = near_from ? (move.from % per_warp) * lanes + part : lane;
+        move_pair<kSharedV>(pair, source, move.second, write, cross, near_from, move.from * lanes + part,
+                            buffers.at(buffer), tid);
         buffer ^= cross;
 
         T alpha, beta, gamma;
