@@ -238,7 +238,7 @@ def _svd_kernel_variants() -> list[Implementation]:
     config.JACOBI_WARP_MAX_DIM). Where the block kernel's slot sweeps fit (32 < max(m, n) <= 128):
     ``jaxforge-slots`` and ``jaxforge-block`` (config.JACOBI_SLOTS_VALIDATED)."""
     from jaxforge.lowering import build
-    from jaxforge.lowering.linalg.svd import cuda
+    from jaxforge.lowering.linalg.svd import config, cuda
 
     def row(name: str, target: str, applies) -> Implementation:
         def svd(a):
@@ -249,8 +249,8 @@ def _svd_kernel_variants() -> list[Implementation]:
 
         return Implementation(name, jax.jit(svd), applies=applies)
 
-    one_warp = lambda shape: max(shape[-2:]) <= 32  # noqa: E731
-    slots = lambda shape: 32 < max(shape[-2:]) <= 128  # noqa: E731
+    one_warp = lambda shape: max(shape[-2:]) <= config.JACOBI_WARP_MAX_DIM  # noqa: E731
+    slots = lambda shape: config.JACOBI_WARP_MAX_DIM < max(shape[-2:]) <= config.JACOBI_SLOTS_MAX_ROWS  # noqa: E731
     return [
         row("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
         row("jaxforge-lanes", cuda.LANES_TARGET, one_warp),

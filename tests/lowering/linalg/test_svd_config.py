@@ -15,20 +15,27 @@ F32, F64 = np.dtype(np.float32), np.dtype(np.float64)
 SIZES = [(33, 33), (64, 64), (128, 128), (200, 37), (256, 100), (256, 128), (45, 1)]
 
 
-@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
-def test_block_bytes_match_the_kernel_layout(tmp_path):
-    # A host program that prints block_layout<float>(R, C).bytes: compiled by nvcc, run on the CPU.
-    source = tmp_path / "layout.cu"
+def _block_header_prints(tmp_path, expressions):
+    """The values of C++ ``expressions`` (ints) in the namespace of svd_jacobi_block.cuh, one line of
+    them per entry, from a host program compiled by nvcc and run on the CPU."""
+    source = tmp_path / "prints.cu"
     source.write_text(
         '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
+        "using namespace jaxforge::svd_jacobi_block;\n"
         "int main() {\n"
-        + "".join(f"  std::printf(\"%d\\n\", jaxforge::svd_jacobi_block::block_layout<float>({r}, {c}).bytes);\n" for r, c in SIZES)
+        + "".join(f'  std::printf("{" ".join(["%d"] * len(e))}\\n", {", ".join(e)});\n' for e in expressions)
         + "}\n"
     )
-    exe = tmp_path / "layout"
+    exe = tmp_path / "prints"
     subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
-    printed = [int(line) for line in subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout.split()]
-    assert printed == [config.jacobi_block_bytes(r, c) for r, c in SIZES]
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    return [tuple(map(int, line.split())) for line in out.splitlines()]
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
+def test_block_bytes_match_the_kernel_layout(tmp_path):
+    printed = _block_header_prints(tmp_path, [[f"block_layout<float>({r}, {c}).bytes"] for r, c in SIZES])
+    assert printed == [(config.jacobi_block_bytes(r, c),) for r, c in SIZES]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
@@ -37,20 +44,10 @@ def test_slot_bytes_and_limits_match_the_kernel(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     sizes = [(33, 33), (64, 64), (100, 40), (128, 64), (65, 33), (128, 65), (129, 40), (64, 32), (50, 40), (100, 20),
              (40, 3), (64, 16), (33, 1), (128, 128), (70, 66), (128, 129)]
-    source = tmp_path / "slots.cu"
-    source.write_text(
-        '#include <cstdio>\n#include "linalg/svd/csrc/svd_jacobi_block.cuh"\n'
-        "using namespace jaxforge::svd_jacobi_block;\n"
-        "int main() {\n"
-        + "".join(f'  std::printf("%d %d\\n", slots_bytes<float>({r}, {c}), slots_fit({r}, {c}));\n' for r, c in sizes)
-        + "}\n"
-    )
-    exe = tmp_path / "slots"
-    subprocess.run([build.nvcc_path(), "-std=c++17", f"-I{build.PACKAGE_LOWERING}", str(source), "-o", str(exe)], check=True)
-    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    expressions = [[f"slots_bytes<float>({r}, {c})", f"slots_fit({r}, {c})"] for r, c in sizes]
+    printed = _block_header_prints(tmp_path, expressions)
     fits = [config.use_jacobi_slots(r, c, F32, False, "sm_90a") for r, c in sizes]
-    expected = [(config.jacobi_slots_bytes(r, c), int(fit)) for (r, c), fit in zip(sizes, fits, strict=True)]
-    assert [tuple(map(int, line.split())) for line in out.splitlines()] == expected
+    assert printed == [(config.jacobi_slots_bytes(r, c), int(fit)) for (r, c), fit in zip(sizes, fits, strict=True)]
 
 
 def test_each_shape_goes_to_one_kernel(monkeypatch):
@@ -98,8 +95,7 @@ def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(monke
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     sweeps = config.jacobi_warp_sweeps(np.dtype(dtype))
-    sweep_targets = {"lanes": cuda.LANES_TARGET, "pairs": cuda.PAIRS_TARGET}
-    target = sweep_targets.get(sweeps, cuda.WARP_TARGETS[np.dtype(dtype).name])
+    target = cuda.SWEEP_TARGETS.get(sweeps, cuda.WARP_TARGETS[np.dtype(dtype).name])
     checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
     exported = jax.export.export(jax.jit(jf.linalg.svd), platforms=("cuda",), disabled_checks=checks)(
         jax.ShapeDtypeStruct((8, 20, 12), dtype)

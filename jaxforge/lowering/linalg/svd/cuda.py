@@ -28,6 +28,7 @@ WARP_TARGETS = {
 # float32's other one-warp sweeps (config.jacobi_warp_sweeps): a column a lane, two lanes a column pair
 LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"
 PAIRS_TARGET = "jaxforge_svd_jacobi_pairs_f32"
+SWEEP_TARGETS = {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
 SLOTS_TARGET = "jaxforge_svd_jacobi_slots_f32"  # the same with its column pairs in registers (config.use_jacobi_slots)
 KERNEL = build.declare(
@@ -61,7 +62,7 @@ def _target(a, full_matrices: bool) -> str | None:
     m, n = a.shape[-2:]
     if config.use_jacobi_warp(m, n, a.dtype, full_matrices):
         sweeps = config.jacobi_warp_sweeps(a.dtype)
-        return {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}.get(sweeps, WARP_TARGETS[a.dtype.name])
+        return SWEEP_TARGETS.get(sweeps, WARP_TARGETS[a.dtype.name])
     if config.use_jacobi_slots(m, n, a.dtype, full_matrices, build.gpu_arch()):
         return SLOTS_TARGET
     if config.use_jacobi_block(m, n, a.dtype, full_matrices, build.gpu_arch()):

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -414,11 +415,17 @@ struct ColumnPair {
     }
   }
 
-  // This thread's parts of ||X||^2, ||Y||^2 and X . Y over W's rows.
-  __device__ __forceinline__ void gram_parts(T& alpha, T& beta, T& gamma) const {
+  // ||X||^2, ||Y||^2 and X . Y over W's rows: this thread's parts, summed by an xor-butterfly over
+  // the `lanes` aligned lanes (a power of two) that hold the pair, which all get the same bits.
+  __device__ __forceinline__ void gram(int lanes, T& alpha, T& beta, T& gamma) const {
     alpha = lane_dot(xw, xw);
     beta = lane_dot(yw, yw);
     gamma = lane_dot(xw, yw);
+    for (int off = 1; off < lanes; off *= 2) {
+      alpha = Real<T>::add_rn(alpha, __shfl_xor_sync(kFullMask, alpha, off));
+      beta = Real<T>::add_rn(beta, __shfl_xor_sync(kFullMask, beta, off));
+      gamma = Real<T>::add_rn(gamma, __shfl_xor_sync(kFullMask, gamma, off));
+    }
   }
 
   // X <- c X - s Y, Y <- s X + c Y (Rutishauser's, X as column p); W's rows in T.
@@ -503,10 +510,7 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
         pair.move(playing ? 2 * move.from + (lane & 1) : lane);
 
         T alpha, beta, gamma;
-        pair.gram_parts(alpha, beta, gamma);
-        alpha = Real<T>::add_rn(alpha, __shfl_xor_sync(kFullMask, alpha, 1));
-        beta = Real<T>::add_rn(beta, __shfl_xor_sync(kFullMask, beta, 1));
-        gamma = Real<T>::add_rn(gamma, __shfl_xor_sync(kFullMask, gamma, 1));
+        pair.gram(2, alpha, beta, gamma);
         if (needs_rotation(alpha, beta, gamma, tol)) {
           rotated = true;
           T c, s;
@@ -683,7 +687,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, kSweeps == Sweeps::kPa
 
 // Warps a block of `kernel`: as many as kSmemBudget holds slices of `bytes`, fewer where that
 // lets more warps run on an SM. The register file decides it: at 225 registers a thread (the
-// column-per-lane sweeps) an SM holds 8 warps, one 5-warp block but two 4-warp ones.
+// column-per-lane sweeps) an SM holds 8 warps, one 5-warp block but two 4-warp ones. Up to
+// kMaxWarpsPerBlock occupancy queries: launch() asks once per shape.
 template <typename Kernel>
 int warps_per_block(Kernel kernel, int bytes) {
   const int most = std::clamp(kSmemBudget / bytes, 1, kMaxWarpsPerBlock);
@@ -705,7 +710,13 @@ cudaError_t launch(cudaStream_t stream, const T* a, RealOf<T>* s, T* u, T* vt, i
                    int64_t batch, int m, int n) {
   const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
   constexpr auto kernel = svd_jacobi_kernel<T, kSweeps>;
-  const int warps = warps_per_block(kernel, l.bytes);
+  static std::atomic<int> known_warps[kMaxDim][kMaxDim];  // per (m, n); 0 until asked (races only repeat the query)
+  std::atomic<int>& known = known_warps[m - 1][n - 1];
+  int warps = known.load(std::memory_order_relaxed);
+  if (warps == 0) {
+    warps = warps_per_block(kernel, l.bytes);
+    known.store(warps, std::memory_order_relaxed);
+  }
   const int64_t blocks = std::min<int64_t>((batch + warps - 1) / warps, INT32_MAX);
   JAXFORGE_LAUNCH(kernel, static_cast<unsigned>(blocks), warps * 32, warps * l.bytes, stream)(
       a, s, u, vt, info, batch, m, n);

@@ -165,11 +165,11 @@ __host__ __device__ inline int slot_count(int rows, int cols) {
   return max(players / 2, 32 / slot_lanes(rows));
 }
 
-// Bytes a thread sends through an exchange buffer: kSlotRows values of W, of V where it holds V,
-// and a column index.
+// Bytes a thread sends through an exchange buffer: kSlotRows values of W, of V unless V stays in
+// shared memory, and a column index.
 template <typename T>
-__host__ __device__ inline int slot_message_bytes(int cols) {
-  const int v = slots_shared_v(cols) ? 0 : static_cast<int>(sizeof(Acc));
+__host__ __device__ inline int slot_message_bytes(bool shared_v) {
+  const int v = shared_v ? 0 : static_cast<int>(sizeof(Acc));
   return kSlotRows * (v + static_cast<int>(sizeof(T))) + static_cast<int>(sizeof(int));
 }
 
@@ -184,7 +184,8 @@ __host__ __device__ inline int slots_exchange_byte(int rows, int cols) {
 template <typename T>
 __host__ __device__ inline int slots_bytes(int rows, int cols) {
   const int threads = slot_count(rows, cols) * slot_lanes(rows);
-  const int exchange_end = slots_exchange_byte<T>(rows, cols) + 2 * threads * slot_message_bytes<T>(cols);
+  const int buffers = 2 * threads * slot_message_bytes<T>(slots_shared_v(cols));
+  const int exchange_end = slots_exchange_byte<T>(rows, cols) + buffers;
   return max(block_layout<T>(rows, cols).bytes, (exchange_end + 15) & ~15);
 }
 
@@ -203,9 +204,7 @@ struct ExchangeBuffers {
   int threads;
   __device__ SlotBuffers<T> at(int which) const {  // the layout slot_message_bytes counts
     const int v_rows = kSharedV ? 0 : kSlotRows;
-    const int bytes = threads * (kSlotRows * static_cast<int>(sizeof(T)) + v_rows * static_cast<int>(sizeof(Acc)) +
-                                 static_cast<int>(sizeof(int)));
-    Acc* v = reinterpret_cast<Acc*>(base + which * bytes);
+    Acc* v = reinterpret_cast<Acc*>(base + which * threads * slot_message_bytes<T>(kSharedV));
     T* w = reinterpret_cast<T*>(v + threads * v_rows);
     return {v, w, reinterpret_cast<int*>(w + threads * kSlotRows)};
   }
@@ -297,12 +296,7 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
         buffer ^= cross;
 
         T alpha, beta, gamma;
-        pair.gram_parts(alpha, beta, gamma);
-        for (int off = 1; off < lanes; off *= 2) {
-          alpha = Real<T>::add_rn(alpha, __shfl_xor_sync(svd_jacobi::kFullMask, alpha, off));
-          beta = Real<T>::add_rn(beta, __shfl_xor_sync(svd_jacobi::kFullMask, beta, off));
-          gamma = Real<T>::add_rn(gamma, __shfl_xor_sync(svd_jacobi::kFullMask, gamma, off));
-        }
+        pair.gram(lanes, alpha, beta, gamma);
         if (svd_jacobi::needs_rotation(alpha, beta, gamma, tol)) {
           rotated = true;
           Acc c, s;
@@ -320,11 +314,11 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
   return sweeps;
 }
 
-// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
 // Which sweeps a block runs: column pairs in shared memory (jacobi_sweeps), or in registers
 // (jacobi_sweeps_slots) with V there too or, past kSlotsMaxColsInRegisters columns, in shared memory.
 enum class BlockSweeps { kShared, kSlots, kSlotsSharedV };
 
+// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
 template <typename T, BlockSweeps kSweeps>
 __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
                         const BlockLayout& l, unsigned char* smem) {
@@ -335,7 +329,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
   int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
   const int tid = threadIdx.x;
-  const int threads = blockDim.x;  // kThreads, or the slots' threads (at most kThreads)
+  const int threads = blockDim.x;  // kThreads, or the slots' (at most kMaxThreads)
   const int lane = tid & 31;
   const int warp = tid >> 5;
   const int warps = threads >> 5;

@@ -80,8 +80,9 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
           KernelData(vt->typed_data()), info->typed_data(), batch, static_cast<int>(m),
           static_cast<int>(n));
     } else {
-      return sjb::launch<T, K == Kernel::kBlockSlots>(stream, a.typed_data(), s->typed_data(), u->typed_data(), vt->typed_data(),
-                            info->typed_data(), batch, static_cast<int>(m), static_cast<int>(n));
+      return sjb::launch<T, K == Kernel::kBlockSlots>(stream, a.typed_data(), s->typed_data(), u->typed_data(),
+                                                      vt->typed_data(), info->typed_data(), batch,
+                                                      static_cast<int>(m), static_cast<int>(n));
     }
   };
   const cudaError_t err = launch();
