@@ -562,7 +562,8 @@ def _hopper() -> str | None:
 
 
 def _jf_mosaic_forward(case: Case) -> Callable | str:
-    """``jf.attention`` with its forward on Mosaic GPU (the tangent and backward run Triton)."""
+    """``jf.attention`` on Mosaic GPU: its forward, and its backward where the head dims fit
+    (``d + dv <= 256``; Triton's beyond); the tangent runs Triton."""
     if why := _hopper():
         return why
     if case.mask == "document_causal":

@@ -16,7 +16,8 @@ import pytest
 import jaxforge as jf
 from jaxforge.functional.attention import Implementation
 from jaxforge.functional.attention import _mods as attention_mods
-from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu
+from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_mosaic_gpu_bwd, xla
+from jaxforge.lowering.attention.attention.kernel import Geometry
 
 MOSAIC = "pallas_mosaic_gpu"
 TRITON = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -43,10 +44,23 @@ CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_forward_lowers_to_one_mosaic_kernel_beside_the_triton_tangent_and_backward(case):
+def _shapes(case):
     (b, sq, skv, hq, hkv, d, dv), kw = CASES[case]
-    shapes = ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv))
+    return ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)), kw
+
+
+def _bwd_runs(case) -> bool:
+    shapes, kw = _shapes(case)
+    mods, _ = attention_mods(kw.get("mask"), kw.get("score_mod"), kw.get("softcap"), shapes[0][:1], shapes[0][1], shapes[1][1], jnp.float32)
+    q, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (shapes[0], shapes[2]))
+    return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, ()) is None
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_and_backward_lower_to_mosaic_kernels_beside_the_triton_tangent(case):
+    """The forward is one Mosaic GPU kernel; the backward two (dq, dkv) where its head dims fit,
+    else Triton's; the tangent is Triton's."""
+    shapes, kw = _shapes(case)
     att = lambda q, k, v: jf.attention(q, k, v, implementation=MOSAIC, **kw)  # noqa: E731
     assert mosaic_kernels(lowered(att, *shapes)) == 1
 
@@ -55,9 +69,21 @@ def test_forward_lowers_to_one_mosaic_kernel_beside_the_triton_tangent_and_backw
         return tangent, jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), (0, 1, 2))(q, k, v)
 
     text = lowered(jvp_and_grad, *shapes)
-    assert mosaic_kernels(text) == 2  # the forward of jvp and of grad
-    assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == {
-        "jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+    triton = set(re.findall(r'name = "(jaxforge_attention_\w+)"', text))
+    if _bwd_runs(case):
+        assert mosaic_kernels(text) == 4  # the forward of jvp and of grad, the backward's dq and dkv
+        assert triton == {"jaxforge_attention_tangent"}
+    else:
+        assert mosaic_kernels(text) == 2
+        assert triton == {"jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+
+
+def test_backward_head_dims_are_capped_with_the_reason():
+    mods, _ = attention_mods(None, None, None, (1,), 128, 128, jnp.float32)
+    arg = lambda d: jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)  # noqa: E731
+    assert pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, arg(80), arg(72), ()) is None  # 128 + 128 after padding
+    assert "192 + 128 (padded) exceed 256" in pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, arg(192), arg(128), ())
+    assert "cotangent" in pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, arg(64), arg(64), (True,))
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (256, 128)], ids=str)
@@ -80,6 +106,41 @@ def test_default_tiles_are_the_largest_that_fit(dims):
     fits = lambda block_kv: config.mosaic_smem(block_kv, stages, *dims, 2) <= config.MOSAIC_SMEM_BYTES  # noqa: E731
     assert stages == config.MOSAIC_STAGES and fits(block_kv)
     assert block_kv == (128 if fits(128) else 64)
+
+
+def _lowered_bwd_kernel(kernel: str, d: int, dv: int, block: int, stages: int):
+    """One backward kernel alone (pallas_mosaic_gpu_bwd._dq or _dkv) lowered for cuda, s = 256."""
+    s = 256
+    mods, _ = attention_mods(None, None, None, (1,), s, s, jnp.float32)
+    rows = (128, block) if kernel == "dq" else (block, 128)
+    geo = Geometry(s, s, *rows, 1, 1.0, jnp.dtype(jnp.float32), None)
+    run = getattr(pallas_mosaic_gpu_bwd, f"_{kernel}")
+    f = functools.partial(run, geo=geo, mods=mods, scale=1.0, interpret=False, block=block, stages=stages)
+    seq = lambda width: jax.ShapeDtypeStruct((1, s, 1, width), jnp.bfloat16)  # noqa: E731
+    stats, offsets = jax.ShapeDtypeStruct((1, 1, 2, s), jnp.float32), jax.ShapeDtypeStruct((1, 32), jnp.int32)
+    args = (seq(d), seq(dv), stats, seq(d), seq(dv), offsets) if kernel == "dq" else (seq(d), seq(dv), seq(d), seq(dv), stats, offsets)
+    return jax.export.export(jax.jit(f), platforms=("cuda",))(*args).mlir_module()
+
+
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (64, 192)], ids=str)
+@pytest.mark.parametrize("kernel", ["dq", "dkv"])
+def test_backward_shared_memory_model_bounds_what_mosaic_allocates(kernel, dims):
+    """Each backward kernel at its default tiles lowers; with a ring too large for sm90 Mosaic's own
+    check fails, and its count must be bounded from above by the model, by at most its margin."""
+    d, dv = dims
+    block, stages = config.mosaic_bwd_tiles(d, dv, 2, Implementation(MOSAIC))
+    assert mosaic_kernels(_lowered_bwd_kernel(kernel, d, dv, block, stages)) == 1
+    too_many = lambda s: config.mosaic_bwd_smem(kernel, 128, s, d, dv, 2) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES  # noqa: E731
+    stages = next(s for s in range(2, 32) if too_many(s))
+    with pytest.raises(ValueError, match="exceeds available shared memory") as error:
+        _lowered_bwd_kernel(kernel, d, dv, 128, stages)
+    allocated = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
+    assert allocated <= config.mosaic_bwd_smem(kernel, 128, stages, d, dv, 2) <= allocated + config.MOSAIC_SMEM_MARGIN
+
+
+def test_backward_tiles_that_do_not_fit_are_refused():
+    with pytest.raises(ValueError, match="Mosaic GPU backward needs .* bytes of shared memory for head dims 128/128"):
+        config.mosaic_bwd_tiles(128, 128, 2, Implementation(MOSAIC, block_kv=128, num_stages=4))
 
 
 def test_calls_it_cannot_run_are_refused_with_the_reason():
@@ -119,3 +180,28 @@ def test_interpreted_forward_matches_xla(case):
     ref_out, ref_lse = jf.attention(*f32, implementation="xla", return_lse=True, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2, rtol=3e-2)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(pallas_mosaic_gpu.mosaic_interpret_params() is None, reason="needs jax >= 0.11 (Mosaic GPU interpret mode)")
+@pytest.mark.parametrize("case", sorted(c for c in CASES if _bwd_runs(c)))
+def test_interpreted_backward_matches_xla(case):
+    """Both backward kernels interpreted on CPU against the XLA backward in float32, with a
+    cotangent for lse too (rows that see no key get none: their lse is -inf)."""
+    shapes, kw = _shapes(case)
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in shapes)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    out, lse = jf.attention(*f32, implementation="xla", return_lse=True, **kw)
+    g_out = jnp.asarray(rng.standard_normal(out.shape), jnp.bfloat16)
+    g_lse = jnp.where(jnp.isfinite(lse), jnp.asarray(rng.standard_normal(lse.shape), jnp.float32), 0.0)
+    b, sq, skv = shapes[0][0], shapes[0][1], shapes[1][1]
+    mods, consts = attention_mods(kw.get("mask"), kw.get("score_mod"), kw.get("softcap"), (b,), sq, skv, jnp.float32)
+    params = dict(
+        mods=mods, scale=shapes[0][-1] ** -0.5, const_grads=(), implementation=Implementation(MOSAIC),
+        batch_ids=jnp.arange(b, dtype=jnp.int32), head_offset=0,
+    )  # fmt: skip
+    kernel = functools.partial(pallas_mosaic_gpu_bwd.attention_bwd_mosaic, interpret=True, **params)
+    got = jax.jit(kernel)(q, k, v, out.astype(jnp.bfloat16), lse, *consts, g_out, g_lse)
+    want = xla.attention_bwd_xla(*f32, out, lse, *consts, g_out.astype(jnp.float32), g_lse, **params)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=1e-2 * float(jnp.max(jnp.abs(w))), rtol=0)

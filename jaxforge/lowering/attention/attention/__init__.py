@@ -2,10 +2,13 @@
 
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
 platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
-CPU) or "pallas_mosaic_gpu" (a Hopper forward kernel, Triton for the tangent and backward).
+CPU) or "pallas_mosaic_gpu" (Hopper forward and backward kernels, Triton for the tangent).
 ``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory; else "xla") and
-"xla" elsewhere; on an sm90 GPU, once validated there (config.MOSAIC_VALIDATED), the forward runs
-on Mosaic GPU where it can.
+"xla" elsewhere; on an sm90 GPU, once validated there (config.MOSAIC_VALIDATED and
+MOSAIC_BWD_VALIDATED), the forward and the backward run on Mosaic GPU where they can.
+"pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot) and backward (Triton's
+where it cannot, and in interpret mode: a primitive's lowering cannot host Mosaic GPU's
+interpreter), and Triton's tangent.
 """
 
 import math
@@ -13,7 +16,7 @@ import math
 import jax.numpy as jnp
 
 from jaxforge.lowering import build
-from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_triton, xla
+from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_mosaic_gpu_bwd, pallas_triton, xla
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     attention_bwd_p,
@@ -22,6 +25,13 @@ from jaxforge.primitives.attention.attention import (
     lse_dtype,
     shared_operands,
 )
+
+def _bwd_mosaic_or_triton(q, k, v, *args, mods, const_grads, interpret: bool, **params):
+    """The Mosaic GPU backward where it can run, else Triton's."""
+    why_not = pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, const_grads)
+    lowering = pallas_triton.attention_bwd_pallas if interpret or why_not else pallas_mosaic_gpu_bwd.attention_bwd_mosaic
+    return lowering(q, k, v, *args, mods=mods, const_grads=const_grads, interpret=interpret, **params)
+
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
 IMPLEMENTATIONS = {
@@ -38,7 +48,7 @@ IMPLEMENTATIONS = {
     attention_bwd_p: {
         "xla": xla.attention_bwd_xla,
         "pallas_triton": pallas_triton.attention_bwd_pallas,
-        "pallas_mosaic_gpu": pallas_triton.attention_bwd_pallas,
+        "pallas_mosaic_gpu": _bwd_mosaic_or_triton,
     },
 }
 
@@ -49,19 +59,19 @@ _TRITON_CALL = {attention_fwd_p: "fwd", attention_tangent_p: "tangent", attentio
 def _dispatch(prim, platform: str | None):
     def lowering(*args, mods, implementation, shards, **params):
         name = implementation.name
-        mosaic_why_not = pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2]) if prim is attention_fwd_p else None
+        mosaic_why_not = _mosaic_why_not(prim, mods, args, params)
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
             triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
             name = "pallas_triton" if triton else "xla"
-            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default():
+            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default(prim):
                 name = "pallas_mosaic_gpu"
         elif platform == "cuda" and name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
             raise ValueError(
                 f"attention: implementation={name!r} cannot apply this mask/score_mod on GPU: it "
                 "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
             )
-        if name == "pallas_mosaic_gpu" and mosaic_why_not is not None:
+        if name == "pallas_mosaic_gpu" and mosaic_why_not is not None and prim is attention_fwd_p:
             raise ValueError(f"attention: implementation='pallas_mosaic_gpu' cannot run this call: {mosaic_why_not}")
         if name == "pallas_mosaic_gpu" and platform != "cuda" and prim is attention_fwd_p:
             # Mosaic GPU's interpreter runs through ordered io_callbacks, which a primitive's
@@ -79,11 +89,21 @@ def _dispatch(prim, platform: str | None):
     return lowering
 
 
-def _mosaic_by_default() -> bool:
-    """The Mosaic GPU forward is the default on Hopper once validated there. Not on request
+def _mosaic_why_not(prim, mods, args, params) -> str | None:
+    """Why ``prim`` has no Mosaic GPU kernel for this call, or None where it has one."""
+    if prim is attention_fwd_p:
+        return pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2])
+    if prim is attention_bwd_p:
+        return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, args[0], args[2], params["const_grads"])
+    return "the tangent runs in Triton"
+
+
+def _mosaic_by_default(prim) -> bool:
+    """A Mosaic GPU kernel is the default on Hopper once validated there. Not on request
     (JAXFORGE_UNVALIDATED_KERNELS): the gpu tests and the bench ask for it by name, and the
     default stays the Triton kernels they measure it against."""
-    return config.MOSAIC_VALIDATED and build.gpu_arch() == "sm_90a"
+    validated = {attention_fwd_p: config.MOSAIC_VALIDATED, attention_bwd_p: config.MOSAIC_BWD_VALIDATED}
+    return validated.get(prim, False) and build.gpu_arch() == "sm_90a"
 
 
 def _global_indices(q_shape, shards):

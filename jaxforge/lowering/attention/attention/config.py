@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
+__all__ = ["mosaic_bwd_smem", "mosaic_bwd_tiles", "mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
 
 
 def pow2_at_least(n: int) -> int:
@@ -148,6 +148,37 @@ def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int) -> i
     (128 bytes) and the margin."""
     own = 2 * MOSAIC_BLOCK_Q * (d if d == dv else d + dv)
     return itemsize * (own + stages * block_kv * (d + dv)) + 2 * (4 * MOSAIC_BLOCK_Q + 128) + MOSAIC_SMEM_MARGIN
+
+
+# The Mosaic GPU backward (pallas_mosaic_gpu_bwd.py): its dq and dkv programs own 2 x 64 rows and
+# stream tiles of MOSAIC_BWD_BLOCK rows through a ring of MOSAIC_BWD_STAGES; a dkv consumer keeps
+# the float32 dk and dv of its 64 keys in registers, (d + dv) / 2 a thread, hence the head-dim cap.
+MOSAIC_BWD_VALIDATED = False  # True once its gpu tests pass on an H200: then the sm90 default backward
+MOSAIC_BWD_BLOCK = 64
+MOSAIC_BWD_STAGES = 2
+MOSAIC_BWD_MAX_HEAD_DIMS = 256
+
+
+def mosaic_bwd_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
+    """``(block, stages)`` of the Mosaic GPU backward for padded head dims ``d``, ``dv``: the
+    Implementation's ``block_kv`` and ``num_stages``, else the defaults above; both kernels must fit."""
+    block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
+    if (size := max(mosaic_bwd_smem(kernel, block, stages, d, dv, itemsize) for kernel in ("dq", "dkv"))) > MOSAIC_SMEM_BYTES:
+        raise ValueError(
+            f"attention: the Mosaic GPU backward needs {size} bytes of shared memory for head dims {d}/{dv}, "
+            f"{block}-row tiles and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or rows"
+        )
+    return block, stages
+
+
+def mosaic_bwd_smem(kernel: str, block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+    """Shared memory of one program of the backward's ``kernel`` ("dq" or "dkv"): the two consumers'
+    own tiles (Q and dO, or K and V) and offsets, ``stages`` streamed tiles (K and V, or Q, dO and
+    their lse and Δ rows), and the margin."""
+    own = itemsize * 2 * MOSAIC_BLOCK_Q * (d + dv) + 2 * 128
+    if kernel == "dq":
+        return own + 2 * 2 * MOSAIC_BLOCK_Q * 4 + stages * itemsize * block * (d + dv) + MOSAIC_SMEM_MARGIN
+    return own + stages * (itemsize * block * (d + dv) + 2 * block * 4) + MOSAIC_SMEM_MARGIN
 
 
 def _round_up(n: int, m: int) -> int:

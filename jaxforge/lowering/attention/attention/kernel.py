@@ -19,7 +19,7 @@ from jax import lax
 
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["Geometry", "MaskTiles", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows"]
+__all__ = ["Geometry", "MaskTiles", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows", "tile_loop"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +103,7 @@ class Geometry:
         return self.q_tiles(mods, j, mask.span), self.full_q_tiles(mods, j, mask.span)
 
 
-def _tile_loop(tiles, full_tiles, body, carry):
+def tile_loop(tiles, full_tiles, body, carry):
     """``body(t, carry, masked)`` over ``tiles``: the wholly visible ones in the middle unmasked."""
     bounds = (*tiles, *full_tiles)
     lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*bounds)) for x in bounds)  # spans mix int widths
@@ -178,7 +178,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    m, l, acc = _tile_loop(*geo.row_tiles(mods, i, mask), body, init)
+    m, l, acc = tile_loop(*geo.row_tiles(mods, i, mask), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
@@ -203,7 +203,7 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
-    r, acc = _tile_loop(*geo.row_tiles(mods, i, mask), body, init)
+    r, acc = tile_loop(*geo.row_tiles(mods, i, mask), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 
@@ -242,7 +242,7 @@ def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, 
         _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, [], masked)
         return gq + _dot(geo, g_raw, k) * geo.scale
 
-    return _tile_loop(*geo.row_tiles(mods, i, mask), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return tile_loop(*geo.row_tiles(mods, i, mask), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
 def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTiles, score_c, fused=None, const_grads=()):
@@ -274,7 +274,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
                 fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
             return gk, gv, fused
 
-        return _tile_loop(*geo.col_tiles(mods, j, mask), body, carry)
+        return tile_loop(*geo.col_tiles(mods, j, mask), body, carry)
 
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)

@@ -15,8 +15,8 @@ the producer's ring is consumed in lockstep; the tiles wholly visible to all 128
 mask arithmetic. Sequences are zero-padded to whole tiles and padded keys are masked; head dims
 are padded to multiples of 64 (the 128-byte swizzle of bf16 rows), so MLA's 192 stays 192.
 
-Only the forward runs here; the tangent and backward of a call run the Triton kernels
-(pallas_triton.py), which read the ``(out, lse)`` this kernel writes.
+The backward's kernels (pallas_mosaic_gpu_bwd.py) share this module's pieces; the tangent runs
+Triton's kernel (pallas_triton.py). Both read the ``(out, lse)`` this kernel writes.
 """
 
 from __future__ import annotations
@@ -30,17 +30,29 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxforge.lowering.attention.attention import config, pallas_triton
-from jaxforge.lowering.attention.attention.kernel import Geometry
+from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["attention_fwd_mosaic", "mosaic_can_run", "mosaic_interpret_params"]
+__all__ = [
+    "CONSUMERS",
+    "CONSUMER_REGISTERS",
+    "PRODUCER_REGISTERS",
+    "accumulate",
+    "attention_fwd_mosaic",
+    "global_offsets",
+    "mosaic_can_run",
+    "mosaic_interpret_params",
+    "product",
+    "swizzled_smem",
+    "swizzled_width",
+]
 
-_CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
+CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2)
 # Consumers need registers for their accumulators; the producer only issues copies.
-_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
 def mosaic_can_run(mods: Mods, q, v) -> str | None:
@@ -64,9 +76,39 @@ def mosaic_interpret_params():
     return None if params is None else params()
 
 
-def _swizzled_width(n: int) -> int:
+def swizzled_width(n: int) -> int:
     """A head dim padded to whole 128-byte swizzled rows of bf16/f16: a multiple of 64."""
     return -(-n // 64) * 64
+
+
+def swizzled_smem(shape, dtype):
+    """Shared memory in wgmma's operand layout: 128-byte swizzled tiles of 8 rows."""
+    dtype = jnp.dtype(dtype)
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 128 // dtype.itemsize)), plgpu.SwizzleTransform(128)))
+
+
+def product(a, b_ref, shape):
+    """``a @ b`` on the tensor cores into a fresh float32 accumulator of ``shape``; ``a`` a shared
+    memory ref or a register array."""
+
+    def run(acc_ref):
+        plgpu.wgmma(acc_ref, a, b_ref)
+        return acc_ref[...]
+
+    return pl.run_scoped(run, plgpu.ACC(shape, jnp.float32))
+
+
+def accumulate(acc, a, b_ref, interpret: bool):
+    """``acc + a @ b`` (``acc`` float32 in the wgmma layout, ``a`` registers, ``b`` shared memory)."""
+    if interpret:  # Mosaic GPU's interpreter lacks run_state: a fresh product, then the sum
+        return acc + product(a, b_ref, acc.shape)
+    return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_ref))(plgpu.ACC.init(acc))  # in place, in registers
+
+
+def global_offsets(batch_ids, head_offset):
+    """Per local batch item its global index and that of the first local head, padded to 32 int32:
+    a program copies its item's row (128 bytes, the smallest copy a warpgroup takes) to shared memory."""
+    return jnp.zeros((batch_ids.shape[0], 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
 
 
 def attention_fwd_mosaic(
@@ -75,17 +117,15 @@ def attention_fwd_mosaic(
     if interpret and mosaic_interpret_params() is None:
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     block_q = config.MOSAIC_BLOCK_Q
-    rows = _CONSUMERS * block_q
-    d, dv = _swizzled_width(q.shape[-1]), _swizzled_width(v.shape[-1])
+    rows = CONSUMERS * block_q
+    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
     block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation)
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
     geo = Geometry(sq, skv, rows, block_kv, hq // hkv, scale, jnp.dtype(jnp.float32), None)
     batch, bsz = q.shape[:-3], math.prod(q.shape[:-3])
     sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block_kv
     qp, kp, vp = (pallas_triton._seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
-    # Per item, its global batch index and the global index of the first local head: a program
-    # copies its item's row (one 128-byte copy, the smallest a warpgroup's copy takes) to shared memory.
-    offsets = jnp.zeros((bsz, 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
+    offsets = global_offsets(batch_ids, head_offset)
     wgmma_layout = plgpu.Layout.WGMMA
     row_layout = wgmma_layout.reduce(1)
 
@@ -96,14 +136,12 @@ def attention_fwd_mosaic(
         k_free, v_free = free
         h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
         wg = lax.axis_index("warpgroup")
-        (lo, hi), (full_lo, full_hi) = geo.kv_tiles(mods, i, ()), geo.full_kv_tiles(mods, i, ())
-        lo, hi = (jnp.asarray(x, jnp.int32) for x in (lo, hi))
-        full_lo = jnp.clip(jnp.asarray(full_lo, jnp.int32), lo, hi)
-        full_hi = jnp.clip(jnp.asarray(full_hi, jnp.int32), full_lo, hi)
+        tiles, full_tiles = geo.kv_tiles(mods, i, ()), geo.full_kv_tiles(mods, i, ())
+        lo, hi = (jnp.asarray(x, jnp.int32) for x in tiles)
 
-        @pl.when(wg < _CONSUMERS)
+        @pl.when(wg < CONSUMERS)
         def _consume():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q_lo = i * rows + wg * block_q
             plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], offset_ready.at[wg])
             plgpu.copy_gmem_to_smem(q_ref.at[item, pl.ds(q_lo, block_q), h_local], q_smem.at[wg], q_ready.at[wg])
@@ -120,7 +158,7 @@ def attention_fwd_mosaic(
                 slot = lax.rem(t - lo, jnp.int32(stages))
                 plgpu.barrier_wait(k_ready.at[slot])
 
-                def scores(acc_ref):
+                def scores(acc_ref):  # the product, then the meeting, then the wait for it
                     plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
                     meet()
                     return acc_ref[...]
@@ -145,13 +183,7 @@ def attention_fwd_mosaic(
                 plgpu.barrier_wait(v_ready.at[slot])
                 plgpu.barrier_wait(turn)
 
-                def accumulate(acc_ref):
-                    plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
-
-                if interpret:  # Mosaic GPU's interpreter lacks run_state: a fresh product, then the sum
-                    acc = acc + pl.run_scoped(lambda r: (accumulate(r), r[...])[1], plgpu.ACC((block_q, dv), jnp.float32))
-                else:  # in place: the tensor cores add to acc's registers
-                    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+                acc = accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], interpret)
                 plgpu.barrier_arrive(v_free.at[slot])
                 return m_new, l, acc
 
@@ -161,9 +193,7 @@ def attention_fwd_mosaic(
                 plgpu.layout_cast(jnp.full((block_q, dv), 0.0, jnp.float32), wgmma_layout),
             )
             pl.when(wg == 1)(meet)  # consumer 1 runs half a step behind consumer 0 ...
-            carry = lax.fori_loop(lo, full_lo, lambda t, c: step(t, c, True), carry)
-            carry = lax.fori_loop(full_lo, full_hi, lambda t, c: step(t, c, False), carry)
-            m, l, acc = lax.fori_loop(full_hi, hi, lambda t, c: step(t, c, True), carry)
+            m, l, acc = tile_loop((lo, hi), full_tiles, step, carry)
             pl.when(wg == 0)(meet)  # ... and consumer 0 makes up the meeting at the end
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)
@@ -175,9 +205,9 @@ def attention_fwd_mosaic(
             plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[item, h_local, pl.ds(q_lo, block_q)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == _CONSUMERS)
+        @pl.when(wg == CONSUMERS)
         def _produce():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
 
             def load(t, wait: bool):
@@ -201,30 +231,28 @@ def attention_fwd_mosaic(
             pl.loop(jnp.maximum(lo, hi - stages), hi)(drain)
 
     def entry(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref):
-        swizzled = lambda shape: plgpu.SMEM(  # noqa: E731  wgmma's operand layout: 128-byte swizzled tiles
-            shape, q.dtype, transforms=(plgpu.TilingTransform((8, 128 // q.dtype.itemsize)), plgpu.SwizzleTransform(128))
-        )
+        swizzled = lambda shape: swizzled_smem(shape, q.dtype)  # noqa: E731
         smem = (
-            swizzled((_CONSUMERS, block_q, d)),
-            None if dv == d else swizzled((_CONSUMERS, block_q, dv)),
+            swizzled((CONSUMERS, block_q, d)),
+            None if dv == d else swizzled((CONSUMERS, block_q, dv)),
             swizzled((stages, block_kv, d)),
             swizzled((stages, block_kv, dv)),
-            plgpu.SMEM((_CONSUMERS, block_q), jnp.float32),
-            plgpu.SMEM((_CONSUMERS, offsets.shape[1]), jnp.int32),
+            plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
+            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
         )
         ready = (
-            plgpu.Barrier(num_barriers=_CONSUMERS),
+            plgpu.Barrier(num_barriers=CONSUMERS),
             plgpu.Barrier(num_barriers=stages),
             plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=_CONSUMERS),
+            plgpu.Barrier(num_barriers=CONSUMERS),
         )
-        free = (plgpu.Barrier(num_arrivals=_CONSUMERS, num_barriers=stages),) * 2
+        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
         pl.run_scoped(
             lambda *scratch: body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, *scratch),
             smem,
             ready,
             free,
-            plgpu.Barrier(num_arrivals=_CONSUMERS),
+            plgpu.Barrier(num_arrivals=CONSUMERS),
             collective_axes="warpgroup",
         )
 
@@ -238,7 +266,7 @@ def attention_fwd_mosaic(
         ),
         grid=(hq, geo.num_q_tiles, bsz),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=_CONSUMERS + 1,
+        num_threads=CONSUMERS + 1,
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params() if interpret else None,

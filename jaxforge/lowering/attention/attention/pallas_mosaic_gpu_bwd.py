@@ -1,0 +1,345 @@
+"""The attention backward as two Pallas Mosaic GPU kernels for Hopper (sm90): TMA, wgmma, warpgroups.
+
+The Triton backward's split (pallas_triton.py), on the tensor cores of pallas_mosaic_gpu.py's
+forward. With ``P = exp(S - lse)``, ``dP = dO Vᵀ`` and ``dS = P (dP - Δ)`` pulled back through
+softcap and score_mod (``Δ = rowsum(dO · O) - g_lse``):
+
+* ``dq`` programs own 2 x 64 query rows (one consumer warpgroup each, with ``Q`` and ``dO`` in
+  shared memory, ``lse`` and ``Δ`` in registers) and stream key/value tiles from a producer
+  warpgroup's TMA ring: ``S = Q Kᵀ`` and ``dP = dO Vᵀ`` on the tensor cores, ``dS`` in registers,
+  ``dQ += dS K`` with ``dS`` as the register operand.
+* ``dk, dv`` programs own 2 x 64 keys and stream, for each query head of their GQA group, the
+  query tiles ``Q``, ``dO`` and their ``(lse, Δ)`` rows: ``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``,
+  ``dV += Pᵀ dO`` and ``dK += dSᵀ Q``, transposed so that both accumulators keep the program's
+  keys as rows and no product needs a transposed register operand.
+
+Neither needs atomics. Tiles skipped and wholly visible ones come from the mask's span
+(``Geometry``), as in the forward; padded keys and queries are masked. The kernels take
+what the forward takes (elementwise mask and score_mod, bf16/f16) with ``d + dv <= 256`` after
+padding to multiples of 64: the dk and dv accumulators of 64 keys stay in registers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxforge.lowering.attention.attention import config, pallas_triton, xla
+from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
+from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    PRODUCER_REGISTERS,
+    accumulate,
+    global_offsets,
+    mosaic_can_run,
+    mosaic_interpret_params,
+    product,
+    swizzled_smem,
+    swizzled_width,
+)
+from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["attention_bwd_mosaic", "mosaic_bwd_can_run"]
+
+_LOG2E = math.log2(math.e)
+_WGMMA = plgpu.Layout.WGMMA
+
+
+def mosaic_bwd_can_run(mods: Mods, q, v, const_grads) -> str | None:
+    """Why the Mosaic GPU backward cannot run this call, or None if it can."""
+    if any(const_grads):
+        return "a captured array wants its cotangent (a reduction over every program)"
+    if why := mosaic_can_run(mods, q, v):
+        return why
+    d, dv = (swizzled_width(x.shape[-1]) for x in (q, v))
+    if d + dv > config.MOSAIC_BWD_MAX_HEAD_DIMS:
+        return f"its backward keeps dk and dv in registers: head dims {d} + {dv} (padded) exceed {config.MOSAIC_BWD_MAX_HEAD_DIMS}"
+    return None
+
+
+def _rows(ref, layout, interpret: bool):
+    """A float32 row vector from shared memory in ``layout`` (the interpreter ignores layouts and
+    lacks ``plgpu.load``)."""
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+
+def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo: Geometry):
+    """``(P, dS)`` of one tile from the raw scores, given ``stats = (lse, Δ, dP)`` broadcast to
+    the tile (``lse`` in log2 units, 0 where infinite): ``dS`` pulled back through score_mod.
+
+    The mods are elementwise, so the pullback is a product with their derivative, which a JVP
+    gives (a VJP would emit ``add_any``, which Mosaic GPU does not lower).
+    """
+    lse, delta, dp = stats
+    modify = lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, [])  # noqa: E731
+    s, slope = jax.jvp(modify, (raw,), (jnp.ones_like(raw),))
+    p = jnp.exp2(s * _LOG2E - lse)
+    g_raw = p * (dp - delta) * slope
+    if not masked:
+        return p, g_raw
+    visible = (kv_idx < geo.skv) & (q_idx < geo.sq)
+    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
+    visible = visible if user is None else visible & user
+    return jnp.where(visible, p, 0.0), jnp.where(visible, g_raw, 0.0)  # exactly 0, even at infinite Δ
+
+
+def _int32(*xs):
+    """Loop bounds and indices in int32, whatever jax_enable_x64 says (Mosaic GPU indexes in int32)."""
+    return tuple(jnp.asarray(x, jnp.int32) for x in xs)
+
+
+def _ring(total, load, free, stages: int):
+    """The producer's loop: ``load(c, slot)`` for c in ``[0, total)``, each slot's reuse waiting on
+    ``free(slot)`` (both consumers done), and the last waits drained (Pallas wants every phase seen)."""
+    for first in range(stages):
+        pl.when(first < total)(lambda first=first: load(jnp.int32(first), first))
+
+    @pl.loop(jnp.int32(stages), total)
+    def _(c):
+        slot = lax.rem(c, jnp.int32(stages))
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[slot])
+        load(c, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _(c):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(c, jnp.int32(stages))])
+
+
+def attention_bwd_mosaic(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
+):
+    if why := mosaic_bwd_can_run(mods, q, v, const_grads):
+        raise ValueError(f"attention: the Mosaic GPU backward cannot run this call: {why}")
+    if interpret and mosaic_interpret_params() is None:
+        raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
+    g_out, g_lse = operands[-2:]
+    block, stages = config.mosaic_bwd_tiles(swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1]), q.dtype.itemsize, implementation)
+    rows = CONSUMERS * config.MOSAIC_BLOCK_Q
+    sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
+    # One padding serves both kernels: whole 128-row programs, whole ``block`` tiles inside.
+    sq_pad, skv_pad = (-(-n // rows) * rows for n in (sq, skv))
+    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
+    qp, gp = pallas_triton._seq_major(q, sq_pad, d), pallas_triton._seq_major(g_out, sq_pad, dv)
+    kp, vp = pallas_triton._seq_major(k, skv_pad, d), pallas_triton._seq_major(v, skv_pad, dv)
+    lse2 = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * _LOG2E
+    delta = xla.bwd_delta(out, g_out, g_lse, jnp.float32)
+    stats = jnp.stack([xla.seq_last(lse2, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
+    offsets = global_offsets(batch_ids, head_offset)
+    common = dict(mods=mods, scale=scale, interpret=interpret, block=block, stages=stages)
+    gq = _dq(qp, gp, stats, kp, vp, offsets, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
+    gk, gv = _dkv(kp, vp, qp, gp, stats, offsets, Geometry(sq, skv, block, rows, hq // hkv, scale, jnp.float32, None), **common)
+    batch = q.shape[:-3]
+    return (
+        pallas_triton._back(gq, batch, sq, q.shape[-1]),
+        pallas_triton._back(gk, batch, skv, k.shape[-1]),
+        pallas_triton._back(gv, batch, skv, v.shape[-1]),
+    )
+
+
+def _kernel(entry, out_type, grid, names, interpret: bool):
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=names,
+        num_threads=CONSUMERS + 1,
+        thread_name="warpgroup",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic_interpret_params() if interpret else None,
+    )
+
+
+def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret, block, stages):
+    """``dQ`` (B, Sq_pad, Hq, d): programs of 128 query rows over the key tiles they may see."""
+    bsz, _, hq, d = qp.shape
+    dv, block_q = vp.shape[-1], config.MOSAIC_BLOCK_Q
+    dtype = qp.dtype
+
+    def body(q_ref, g_ref, stats_ref, k_ref, v_ref, offset_ref, gq_ref, smem, ready, free):
+        q_smem, g_smem, stats_smem, offset_smem, k_smem, v_smem = smem
+        own_ready, k_ready, v_ready = ready
+        k_free, v_free = free
+        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
+        wg = lax.axis_index("warpgroup")
+        lo, hi, full_lo, full_hi = _int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            q_lo = i * geo.block_q + wg * block_q
+            own = (item, pl.ds(q_lo, block_q), h_local)
+            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], own_ready.at[wg * 4])
+            plgpu.copy_gmem_to_smem(q_ref.at[own], q_smem.at[wg], own_ready.at[wg * 4 + 1])
+            plgpu.copy_gmem_to_smem(g_ref.at[own], g_smem.at[wg], own_ready.at[wg * 4 + 2])
+            plgpu.copy_gmem_to_smem(stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)], stats_smem.at[wg], own_ready.at[wg * 4 + 3])
+            for n in range(4):
+                plgpu.barrier_wait(own_ready.at[wg * 4 + n])
+            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
+            row_layout = _WGMMA.reduce(1)
+            lse, delta = (_rows(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
+
+            def step(t, gq, masked: bool):
+                slot = lax.rem(t - lo, jnp.int32(stages))
+                shape = (block_q, block)
+                plgpu.barrier_wait(k_ready.at[slot])
+                raw = product(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), shape) * scale
+                plgpu.barrier_wait(v_ready.at[slot])
+                dp = product(g_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape)
+                plgpu.barrier_arrive(v_free.at[slot])
+                q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
+                kv_idx = t * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+                row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
+                _, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, (row(lse), row(delta), dp), masked, geo)
+                gq = accumulate(gq, g_raw.astype(dtype), k_smem.at[slot], interpret)
+                plgpu.barrier_arrive(k_free.at[slot])
+                return gq
+
+            gq = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), _WGMMA)
+            gq = tile_loop((lo, hi), (full_lo, full_hi), step, gq)
+            q_smem.at[wg][...] = (gq * scale).astype(dtype)  # Q is read: its tile carries dQ out
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem.at[wg], gq_ref.at[own])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            h_kv = h_local // geo.group
+            def load(c, slot):
+                tile = (item, pl.ds((lo + c) * block, block), h_kv)
+                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+
+            _ring(hi - lo, load, (k_free, v_free), stages)
+
+    def entry(*refs):
+        smem = (
+            swizzled_smem((CONSUMERS, block_q, d), dtype),
+            swizzled_smem((CONSUMERS, block_q, dv), dtype),
+            plgpu.SMEM((CONSUMERS, 2, block_q), jnp.float32),
+            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            swizzled_smem((stages, block, d), dtype),
+            swizzled_smem((stages, block, dv), dtype),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=CONSUMERS * 4),  # per consumer: offsets, Q, dO, stats
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        )
+        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
+        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+
+    mat = jax.typeof(kp).manual_axis_type
+    out_type = jax.ShapeDtypeStruct(qp.shape, dtype, manual_axis_type=mat)
+    return _kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(
+        qp, gp, stats, kp, vp, offsets
+    )
+
+
+def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpret, block, stages):
+    """``(dK, dV)`` (B, Skv_pad, Hkv, d / dv): programs of 128 keys over the query tiles of each
+    query head of their group that may see them."""
+    bsz, _, hkv, d = kp.shape
+    dv, block_kv = vp.shape[-1], config.MOSAIC_BLOCK_Q
+    dtype = kp.dtype
+
+    def body(k_ref, v_ref, q_ref, g_ref, stats_ref, offset_ref, gk_ref, gv_ref, smem, ready, free):
+        k_smem, v_smem, offset_smem, q_smem, g_smem, stats_smem = smem
+        own_ready, q_ready, g_ready, stats_ready = ready
+        (free,) = free
+        hk, j, item = lax.axis_index("heads"), lax.axis_index("kv_tiles"), lax.axis_index("batch")
+        wg = lax.axis_index("warpgroup")
+        lo, hi, full_lo, full_hi = _int32(*geo.q_tiles(mods, j, ()), *geo.full_q_tiles(mods, j, ()))
+        tiles = hi - lo  # per query head
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            kv_lo = j * geo.block_kv + wg * block_kv
+            own = (item, pl.ds(kv_lo, block_kv), hk)
+            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], own_ready.at[wg * 3])
+            plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem.at[wg], own_ready.at[wg * 3 + 1])
+            plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem.at[wg], own_ready.at[wg * 3 + 2])
+            for n in range(3):
+                plgpu.barrier_wait(own_ready.at[wg * 3 + n])
+            b, h_first = offset_smem[wg, 0], offset_smem[wg, 1] + hk * geo.group
+            shape, col_layout = (block_kv, block), _WGMMA.reduce(0)
+
+            def head(g, carry):
+                def step(i, carry, masked: bool):
+                    gk, gv = carry
+                    slot = lax.rem(g * tiles + i - lo, jnp.int32(stages))
+                    plgpu.barrier_wait(q_ready.at[slot])
+                    raw = product(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape) * scale
+                    plgpu.barrier_wait(g_ready.at[slot])
+                    dp = product(v_smem.at[wg], g_smem.at[slot].transpose((1, 0)), shape)
+                    plgpu.barrier_wait(stats_ready.at[slot])
+                    lse, delta = (_rows(stats_smem.at[slot, n], col_layout, interpret) for n in range(2))
+                    col = lambda x: lax.broadcast_in_dim(x, shape, [1])  # noqa: E731
+                    kv_idx = kv_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
+                    q_idx = i * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+                    p, g_raw = _pulled_back(mods, raw, b, h_first + g, q_idx, kv_idx, (col(lse), col(delta), dp), masked, geo)
+                    gv = accumulate(gv, p.astype(dtype), g_smem.at[slot], interpret)
+                    gk = accumulate(gk, g_raw.astype(dtype), q_smem.at[slot], interpret)
+                    plgpu.barrier_arrive(free.at[slot])
+                    return gk, gv
+
+                return tile_loop((lo, hi), (full_lo, full_hi), step, carry)
+
+            zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32), _WGMMA)  # noqa: E731
+            gk, gv = lax.fori_loop(*_int32(0, geo.group), head, (zeros(d), zeros(dv)))
+            k_smem.at[wg][...] = (gk * scale).astype(dtype)  # K and V are read: their tiles carry dK, dV out
+            v_smem.at[wg][...] = gv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem.at[wg], gk_ref.at[own])
+            plgpu.copy_smem_to_gmem(v_smem.at[wg], gv_ref.at[own])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+
+            def load(c, slot):
+                g, i = lax.div(c, tiles), lo + lax.rem(c, tiles)
+                rows, h_local = pl.ds(i * block, block), hk * geo.group + g
+                plgpu.copy_gmem_to_smem(q_ref.at[item, rows, h_local], q_smem.at[slot], q_ready.at[slot])
+                plgpu.copy_gmem_to_smem(g_ref.at[item, rows, h_local], g_smem.at[slot], g_ready.at[slot])
+                plgpu.copy_gmem_to_smem(stats_ref.at[item, h_local, :, rows], stats_smem.at[slot], stats_ready.at[slot])
+
+            _ring(geo.group * tiles, load, (free,), stages)
+
+    def entry(*refs):
+        smem = (
+            swizzled_smem((CONSUMERS, block_kv, d), dtype),
+            swizzled_smem((CONSUMERS, block_kv, dv), dtype),
+            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            swizzled_smem((stages, block, d), dtype),
+            swizzled_smem((stages, block, dv), dtype),
+            plgpu.SMEM((stages, 2, block), jnp.float32),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=CONSUMERS * 3),  # per consumer: offsets, K, V
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages),
+        )
+        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
+        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+
+    mat = jax.typeof(kp).manual_axis_type
+    out_type = (
+        jax.ShapeDtypeStruct(kp.shape, dtype, manual_axis_type=mat),
+        jax.ShapeDtypeStruct(vp.shape, dtype, manual_axis_type=mat),
+    )
+    return _kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)(
+        kp, vp, qp, gp, stats, offsets
+    )
