@@ -95,6 +95,16 @@ def _int32(*xs):
     return tuple(jnp.asarray(x, jnp.int32) for x in xs)
 
 
+def _load_own(copies, ready, wg):
+    """Consumer ``wg``'s own tiles: a TMA copy per ``(source, destination[wg])``, each on its own
+    barrier of ``ready`` (``len(copies)`` per consumer), then the waits for all."""
+    n = len(copies)
+    for c, (source, destination) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(source, destination.at[wg], ready.at[wg * n + c])
+    for c in range(n):
+        plgpu.barrier_wait(ready.at[wg * n + c])
+
+
 def _ring(total, load, free, stages: int):
     """The producer's loop: ``load(c, slot)`` for c in ``[0, total)``, each slot's reuse waiting on
     ``free(slot)`` (both consumers done), and the last waits drained (Pallas wants every phase seen)."""
@@ -177,12 +187,9 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q_lo = i * geo.block_q + wg * block_q
             own = (item, pl.ds(q_lo, block_q), h_local)
-            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], own_ready.at[wg * 4])
-            plgpu.copy_gmem_to_smem(q_ref.at[own], q_smem.at[wg], own_ready.at[wg * 4 + 1])
-            plgpu.copy_gmem_to_smem(g_ref.at[own], g_smem.at[wg], own_ready.at[wg * 4 + 2])
-            plgpu.copy_gmem_to_smem(stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)], stats_smem.at[wg], own_ready.at[wg * 4 + 3])
-            for n in range(4):
-                plgpu.barrier_wait(own_ready.at[wg * 4 + n])
+            stats_rows = stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)]
+            copies = ((offset_ref.at[item], offset_smem), (q_ref.at[own], q_smem), (g_ref.at[own], g_smem), (stats_rows, stats_smem))
+            _load_own(copies, own_ready, wg)
             b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
             row_layout = _WGMMA.reduce(1)
             lse, delta = (_rows(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
@@ -266,11 +273,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             kv_lo = j * geo.block_kv + wg * block_kv
             own = (item, pl.ds(kv_lo, block_kv), hk)
-            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], own_ready.at[wg * 3])
-            plgpu.copy_gmem_to_smem(k_ref.at[own], k_smem.at[wg], own_ready.at[wg * 3 + 1])
-            plgpu.copy_gmem_to_smem(v_ref.at[own], v_smem.at[wg], own_ready.at[wg * 3 + 2])
-            for n in range(3):
-                plgpu.barrier_wait(own_ready.at[wg * 3 + n])
+            _load_own(((offset_ref.at[item], offset_smem), (k_ref.at[own], k_smem), (v_ref.at[own], v_smem)), own_ready, wg)
             b, h_first = offset_smem[wg, 0], offset_smem[wg, 1] + hk * geo.group
             shape, col_layout = (block_kv, block), _WGMMA.reduce(0)
 
