@@ -76,6 +76,14 @@ PENDING = (
             Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
         ),
     ),
+    Pending(  # jaxforge-mgpu's jvp is the Mosaic forward and tangent
+        "jaxforge.lowering.attention.attention.config:MOSAIC_TANGENT_VALIDATED",
+        (ATTENTION + "test_attention_gpu.py::test_mosaic_tangent",),
+        (
+            Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "jvp"),
+            Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "jvp"),
+        ),
+    ),
     Pending(  # jaxforge-mgpu's fwd+bwd is the Mosaic forward and backward
         "jaxforge.lowering.attention.attention.config:MOSAIC_BWD_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_mosaic_backward",),

@@ -561,9 +561,9 @@ def _hopper() -> str | None:
     return None if arch == "sm_90a" else f"Mosaic GPU attention is for sm90 (Hopper); this device is {arch or 'not a GPU'}"
 
 
-def _jf_mosaic_forward(case: Case) -> Callable | str:
-    """``jf.attention`` on Mosaic GPU: its forward, and its backward where the head dims fit
-    (``d + dv <= 256``; Triton's beyond); the tangent runs Triton."""
+def _jf_mosaic(case: Case) -> Callable | str:
+    """``jf.attention`` on Mosaic GPU: its forward, and its tangent and backward where the head
+    dims fit (``d + dv <= 256``; Triton's beyond)."""
     if why := _hopper():
         return why
     if case.mask == "document_causal":
@@ -726,12 +726,7 @@ def _contenders(backend: str) -> list[Contender]:
         return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), jnn_xla]
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
-        _jax_contender(
-            "jaxforge-mgpu",
-            _jf_mosaic_forward,
-            no_jvp="its jvp is jaxforge's (Triton tangent) after this forward: fwd and fwd+bwd tell it apart",
-            essential=everywhere,
-        ),
+        _jax_contender("jaxforge-mgpu", _jf_mosaic, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(
             "jax.nn-cudnn",

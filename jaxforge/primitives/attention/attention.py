@@ -75,9 +75,9 @@ class Implementation:
 
     ``name=None`` picks the platform's best: "pallas_triton" on GPU, "xla" elsewhere. On CPU,
     "pallas_triton" runs the kernels in Pallas interpret mode (slow: for testing kernel logic).
-    "pallas_mosaic_gpu" runs the forward and the backward as Hopper (sm90) Mosaic GPU kernels
-    (TMA, wgmma, warpgroups; the backward for head dims ``d + dv <= 256``, Triton's beyond) and the
-    tangent in Triton; a GPU only (the kernels' own tests interpret them where jax exports Mosaic
+    "pallas_mosaic_gpu" runs the forward, the tangent and the backward as Hopper (sm90) Mosaic GPU
+    kernels (TMA, wgmma, warpgroups; the tangent and backward for head dims ``d + dv <= 256``,
+    Triton's beyond); a GPU only (the kernels' own tests interpret them where jax exports Mosaic
     GPU's interpret mode, 0.11+). ``block_q``/``block_kv`` (tile rows) and, for Triton, ``num_warps`` (a
     power of two) and ``num_stages`` (software-pipelining depth) override config.py's choice for
     every kernel of the call: for tuning sweeps (``python -m jaxforge.bench attention --variants``).

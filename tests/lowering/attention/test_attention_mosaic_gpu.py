@@ -16,7 +16,7 @@ import pytest
 import jaxforge as jf
 from jaxforge.functional.attention import Implementation
 from jaxforge.functional.attention import _mods as attention_mods
-from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_mosaic_gpu_bwd, xla
+from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_mosaic_gpu_bwd, pallas_mosaic_gpu_tangent, xla
 from jaxforge.lowering.attention.attention.kernel import Geometry
 
 MOSAIC = "pallas_mosaic_gpu"
@@ -49,17 +49,19 @@ def _shapes(case):
     return ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)), kw
 
 
-def _bwd_runs(case) -> bool:
+def _mosaic_runs(case) -> tuple[bool, bool]:
+    """Whether the Mosaic GPU tangent and backward take the case (their head dims)."""
     shapes, kw = _shapes(case)
     mods, _ = attention_mods(kw.get("mask"), kw.get("score_mod"), kw.get("softcap"), shapes[0][:1], shapes[0][1], shapes[1][1], jnp.float32)
     q, v = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in (shapes[0], shapes[2]))
-    return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, ()) is None
+    tangent = pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, q, v) is None
+    return tangent, pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, ()) is None
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_forward_and_backward_lower_to_mosaic_kernels_beside_the_triton_tangent(case):
-    """The forward is one Mosaic GPU kernel; the backward two (dq, dkv) where its head dims fit,
-    else Triton's; the tangent is Triton's."""
+def test_every_primitive_lowers_to_mosaic_kernels_where_they_can_run(case):
+    """The forward is one Mosaic GPU kernel; the tangent one and the backward two (dq, dkv) where
+    their head dims fit, else Triton's."""
     shapes, kw = _shapes(case)
     att = lambda q, k, v: jf.attention(q, k, v, implementation=MOSAIC, **kw)  # noqa: E731
     assert mosaic_kernels(lowered(att, *shapes)) == 1
@@ -69,13 +71,11 @@ def test_forward_and_backward_lower_to_mosaic_kernels_beside_the_triton_tangent(
         return tangent, jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), (0, 1, 2))(q, k, v)
 
     text = lowered(jvp_and_grad, *shapes)
-    triton = set(re.findall(r'name = "(jaxforge_attention_\w+)"', text))
-    if _bwd_runs(case):
-        assert mosaic_kernels(text) == 4  # the forward of jvp and of grad, the backward's dq and dkv
-        assert triton == {"jaxforge_attention_tangent"}
-    else:
-        assert mosaic_kernels(text) == 2
-        assert triton == {"jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+    tangent, bwd = _mosaic_runs(case)
+    assert mosaic_kernels(text) == 2 + tangent + 2 * bwd  # the forward of jvp and of grad, the tangent, dq and dkv
+    triton = set() if tangent else {"jaxforge_attention_tangent"}
+    triton |= set() if bwd else {"jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+    assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == triton
 
 
 def test_backward_head_dims_are_capped_with_the_reason():
@@ -143,6 +143,36 @@ def test_backward_tiles_that_do_not_fit_are_refused():
         config.mosaic_bwd_tiles(128, 128, 2, Implementation(MOSAIC, block_kv=128, num_stages=4))
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (64, 192)], ids=str)
+def test_tangent_shared_memory_model_bounds_what_mosaic_allocates(dims, monkeypatch):
+    d, dv = dims
+    too_many = lambda s: config.mosaic_tangent_smem(128, s, d, dv, 2) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES  # noqa: E731
+    stages = next(s for s in range(2, 32) if too_many(s))
+    monkeypatch.setattr(config, "MOSAIC_SMEM_BYTES", 1 << 30)
+    mods, _ = attention_mods(None, None, None, (1,), 128, 256, jnp.float32)
+    impl = Implementation(MOSAIC, block_kv=128, num_stages=stages)
+    tangent = functools.partial(
+        pallas_mosaic_gpu_tangent.attention_tangent_mosaic, mods=mods, scale=1.0, implementation=impl,
+        interpret=False, batch_ids=jnp.zeros((1,), jnp.int32), head_offset=0,
+    )  # fmt: skip
+    seq = lambda s, width: jax.ShapeDtypeStruct((1, s, 1, width), jnp.bfloat16)  # noqa: E731
+    args = (seq(128, d), seq(256, d), seq(256, dv), seq(128, dv), jax.ShapeDtypeStruct((1, 128, 1), jnp.float32))
+    with pytest.raises(ValueError, match="exceeds available shared memory") as error:
+        jax.export.export(jax.jit(tangent), platforms=("cuda",))(*args, seq(128, d), seq(256, d), seq(256, dv))
+    allocated = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
+    assert allocated <= config.mosaic_tangent_smem(128, stages, d, dv, 2) <= allocated + config.MOSAIC_SMEM_MARGIN
+
+
+def test_default_tangent_and_backward_tiles_fit_every_head_dims_they_take():
+    mods, _ = attention_mods(None, None, None, (1,), 128, 128, jnp.float32)
+    arg = lambda d: jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)  # noqa: E731
+    for d, dv in ((64, 64), (128, 128), (64, 192), (192, 64), (80, 72)):
+        if pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, arg(d), arg(dv)) is None:
+            config.mosaic_tangent_tiles(-(-d // 64) * 64, -(-dv // 64) * 64, 2, Implementation(MOSAIC))
+        config.mosaic_bwd_tiles(-(-d // 64) * 64, -(-dv // 64) * 64, 2, Implementation(MOSAIC))
+    assert "d <= 128" in pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, arg(192), arg(64))
+
+
 def test_calls_it_cannot_run_are_refused_with_the_reason():
     shapes = ((1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64))
     seg = jnp.zeros((1, 128), jnp.int32)
@@ -183,7 +213,7 @@ def test_interpreted_forward_matches_xla(case):
 
 
 @pytest.mark.skipif(pallas_mosaic_gpu.mosaic_interpret_params() is None, reason="needs jax >= 0.11 (Mosaic GPU interpret mode)")
-@pytest.mark.parametrize("case", sorted(c for c in CASES if _bwd_runs(c)))
+@pytest.mark.parametrize("case", sorted(c for c in CASES if _mosaic_runs(c)[1]))
 def test_interpreted_backward_matches_xla(case):
     """Both backward kernels interpreted on CPU against the XLA backward in float32, with a
     cotangent for lse too (rows that see no key get none: their lse is -inf)."""
@@ -205,3 +235,26 @@ def test_interpreted_backward_matches_xla(case):
     want = xla.attention_bwd_xla(*f32, out, lse, *consts, g_out.astype(jnp.float32), g_lse, **params)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=1e-2 * float(jnp.max(jnp.abs(w))), rtol=0)
+
+
+@pytest.mark.skipif(pallas_mosaic_gpu.mosaic_interpret_params() is None, reason="needs jax >= 0.11 (Mosaic GPU interpret mode)")
+@pytest.mark.parametrize("case", sorted(c for c in CASES if _mosaic_runs(c)[0]))
+def test_interpreted_tangent_matches_xla(case):
+    """The tangent kernel interpreted on CPU against the XLA tangent in float32 (out's and lse's)."""
+    shapes, kw = _shapes(case)
+    rng = np.random.default_rng(2)
+    q, k, v, dq, dk, dv = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in (*shapes, *shapes))
+    f32 = lambda *xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    out, lse = jf.attention(*f32(q, k, v), implementation="xla", return_lse=True, **kw)
+    b, sq, skv = shapes[0][0], shapes[0][1], shapes[1][1]
+    mods, consts = attention_mods(kw.get("mask"), kw.get("score_mod"), kw.get("softcap"), (b,), sq, skv, jnp.float32)
+    params = dict(
+        mods=mods, scale=shapes[0][-1] ** -0.5, implementation=Implementation(MOSAIC),
+        batch_ids=jnp.arange(b, dtype=jnp.int32), head_offset=0,
+    )  # fmt: skip
+    kernel = functools.partial(pallas_mosaic_gpu_tangent.attention_tangent_mosaic, interpret=True, **params)
+    got = jax.jit(kernel)(q, k, v, out.astype(jnp.bfloat16), lse, *consts, dq, dk, dv)
+    want = xla.attention_tangent_xla(*f32(q, k, v), out, lse, *consts, *f32(dq, dk, dv), **params)
+    for g, w in zip(got, want):
+        w = np.where(np.isfinite(w), w, 0)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=1e-2 * float(np.max(np.abs(w))), rtol=0)

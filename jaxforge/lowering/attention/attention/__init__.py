@@ -2,13 +2,13 @@
 
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
 platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
-CPU) or "pallas_mosaic_gpu" (Hopper forward and backward kernels, Triton for the tangent).
+CPU) or "pallas_mosaic_gpu" (Hopper kernels).
 ``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory; else "xla") and
-"xla" elsewhere; on an sm90 GPU, once validated there (config.MOSAIC_VALIDATED and
-MOSAIC_BWD_VALIDATED), the forward and the backward run on Mosaic GPU where they can.
-"pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot) and backward (Triton's
-where it cannot, and in interpret mode: a primitive's lowering cannot host Mosaic GPU's
-interpreter), and Triton's tangent.
+"xla" elsewhere; on an sm90 GPU each Mosaic GPU kernel, once validated there
+(config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED, MOSAIC_BWD_VALIDATED), runs where it can.
+"pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
+(Triton's where they cannot, and in interpret mode: a primitive's lowering cannot host Mosaic
+GPU's interpreter).
 """
 
 import math
@@ -16,7 +16,14 @@ import math
 import jax.numpy as jnp
 
 from jaxforge.lowering import build
-from jaxforge.lowering.attention.attention import config, pallas_mosaic_gpu, pallas_mosaic_gpu_bwd, pallas_triton, xla
+from jaxforge.lowering.attention.attention import (
+    config,
+    pallas_mosaic_gpu,
+    pallas_mosaic_gpu_bwd,
+    pallas_mosaic_gpu_tangent,
+    pallas_triton,
+    xla,
+)
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     attention_bwd_p,
@@ -26,11 +33,15 @@ from jaxforge.primitives.attention.attention import (
     shared_operands,
 )
 
-def _bwd_mosaic_or_triton(q, k, v, *args, mods, const_grads, interpret: bool, **params):
-    """The Mosaic GPU backward where it can run, else Triton's."""
-    why_not = pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, const_grads)
-    lowering = pallas_triton.attention_bwd_pallas if interpret or why_not else pallas_mosaic_gpu_bwd.attention_bwd_mosaic
-    return lowering(q, k, v, *args, mods=mods, const_grads=const_grads, interpret=interpret, **params)
+
+def _mosaic_or_triton(prim, mosaic, triton):
+    """``prim``'s lowering by the Mosaic GPU kernel ``mosaic`` where it can run, else by Triton's."""
+
+    def lowering(*args, mods, interpret: bool, **params):
+        runs = not interpret and _mosaic_why_not(prim, mods, args, params) is None
+        return (mosaic if runs else triton)(*args, mods=mods, interpret=interpret, **params)
+
+    return lowering
 
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
@@ -43,12 +54,16 @@ IMPLEMENTATIONS = {
     attention_tangent_p: {
         "xla": xla.attention_tangent_xla,
         "pallas_triton": pallas_triton.attention_tangent_pallas,
-        "pallas_mosaic_gpu": pallas_triton.attention_tangent_pallas,
+        "pallas_mosaic_gpu": _mosaic_or_triton(
+            attention_tangent_p, pallas_mosaic_gpu_tangent.attention_tangent_mosaic, pallas_triton.attention_tangent_pallas
+        ),
     },
     attention_bwd_p: {
         "xla": xla.attention_bwd_xla,
         "pallas_triton": pallas_triton.attention_bwd_pallas,
-        "pallas_mosaic_gpu": _bwd_mosaic_or_triton,
+        "pallas_mosaic_gpu": _mosaic_or_triton(
+            attention_bwd_p, pallas_mosaic_gpu_bwd.attention_bwd_mosaic, pallas_triton.attention_bwd_pallas
+        ),
     },
 }
 
@@ -95,15 +110,19 @@ def _mosaic_why_not(prim, mods, args, params) -> str | None:
         return pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2])
     if prim is attention_bwd_p:
         return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, args[0], args[2], params["const_grads"])
-    return "the tangent runs in Triton"
+    return pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, args[0], args[2])
 
 
 def _mosaic_by_default(prim) -> bool:
     """A Mosaic GPU kernel is the default on Hopper once validated there. Not on request
     (JAXFORGE_UNVALIDATED_KERNELS): the gpu tests and the bench ask for it by name, and the
     default stays the Triton kernels they measure it against."""
-    validated = {attention_fwd_p: config.MOSAIC_VALIDATED, attention_bwd_p: config.MOSAIC_BWD_VALIDATED}
-    return validated.get(prim, False) and build.gpu_arch() == "sm_90a"
+    validated = {
+        attention_fwd_p: config.MOSAIC_VALIDATED,
+        attention_tangent_p: config.MOSAIC_TANGENT_VALIDATED,
+        attention_bwd_p: config.MOSAIC_BWD_VALIDATED,
+    }
+    return validated[prim] and build.gpu_arch() == "sm_90a"
 
 
 def _global_indices(q_shape, shards):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["mosaic_bwd_smem", "mosaic_bwd_tiles", "mosaic_smem", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
+__all__ = ["mosaic_bwd_smem", "mosaic_bwd_tiles", "mosaic_smem", "mosaic_tangent_smem", "mosaic_tangent_tiles", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
 
 
 def pow2_at_least(n: int) -> int:
@@ -154,6 +154,7 @@ def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int) -> i
 # stream tiles of MOSAIC_BWD_BLOCK rows through a ring of MOSAIC_BWD_STAGES; a dkv consumer keeps
 # the float32 dk and dv of its 64 keys in registers, (d + dv) / 2 a thread, hence the head-dim cap.
 MOSAIC_BWD_VALIDATED = False  # True once its gpu tests pass on an H200: then the sm90 default backward
+MOSAIC_TANGENT_VALIDATED = False  # the same for the tangent (pallas_mosaic_gpu_tangent.py)
 MOSAIC_BWD_BLOCK = 64
 MOSAIC_BWD_STAGES = 2
 MOSAIC_BWD_MAX_HEAD_DIMS = 256
@@ -179,6 +180,26 @@ def mosaic_bwd_smem(kernel: str, block: int, stages: int, d: int, dv: int, items
     if kernel == "dq":
         return own + 2 * 2 * MOSAIC_BLOCK_Q * 4 + stages * itemsize * block * (d + dv) + MOSAIC_SMEM_MARGIN
     return own + stages * (itemsize * block * (d + dv) + 2 * block * 4) + MOSAIC_SMEM_MARGIN
+
+
+def mosaic_tangent_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
+    """``(block, stages)`` of the Mosaic GPU tangent: the backward's defaults (or the
+    Implementation's), its ring of K, V, dK and dV tiles fitting sm90's shared memory."""
+    block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
+    if (size := mosaic_tangent_smem(block, stages, d, dv, itemsize)) > MOSAIC_SMEM_BYTES:
+        raise ValueError(
+            f"attention: the Mosaic GPU tangent needs {size} bytes of shared memory for head dims {d}/{dv}, "
+            f"{block}-row tiles and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or rows"
+        )
+    return block, stages
+
+
+def mosaic_tangent_smem(block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+    """Shared memory of one Mosaic GPU tangent program: the two consumers' Q, dQ and (when its
+    head dim differs from Q's) O tiles, their lse rows and offsets, ``stages`` of K, V, dK, dV
+    tiles, and the margin."""
+    own = itemsize * 2 * MOSAIC_BLOCK_Q * (2 * d + (dv if dv != d else 0)) + 2 * (4 * MOSAIC_BLOCK_Q + 128)
+    return own + stages * itemsize * block * 2 * (d + dv) + MOSAIC_SMEM_MARGIN
 
 
 def _round_up(n: int, m: int) -> int:

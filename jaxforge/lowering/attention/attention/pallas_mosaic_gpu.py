@@ -15,8 +15,8 @@ the producer's ring is consumed in lockstep; the tiles wholly visible to all 128
 mask arithmetic. Sequences are zero-padded to whole tiles and padded keys are masked; head dims
 are padded to multiples of 64 (the 128-byte swizzle of bf16 rows), so MLA's 192 stays 192.
 
-The backward's kernels (pallas_mosaic_gpu_bwd.py) share this module's pieces; the tangent runs
-Triton's kernel (pallas_triton.py). Both read the ``(out, lse)`` this kernel writes.
+The tangent's and the backward's kernels (pallas_mosaic_gpu_tangent.py, pallas_mosaic_gpu_bwd.py)
+share this module's pieces and read the ``(out, lse)`` this kernel writes.
 """
 
 from __future__ import annotations
@@ -41,11 +41,18 @@ __all__ = [
     "accumulate",
     "attention_fwd_mosaic",
     "global_offsets",
+    "int32",
+    "load_own",
     "mosaic_can_run",
     "mosaic_interpret_params",
     "product",
+    "ring",
+    "load_in_layout",
     "swizzled_smem",
     "swizzled_width",
+    "visible",
+    "warpgroup_kernel",
+    "write_back",
 ]
 
 CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
@@ -111,6 +118,74 @@ def global_offsets(batch_ids, head_offset):
     return jnp.zeros((batch_ids.shape[0], 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
 
 
+def load_in_layout(ref, layout, interpret: bool):
+    """A shared-memory tile or row in registers in ``layout`` (the interpreter ignores layouts and
+    lacks ``plgpu.load``)."""
+    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+
+
+def int32(*xs):
+    """Loop bounds and indices in int32, whatever jax_enable_x64 says (Mosaic GPU indexes in int32)."""
+    return tuple(jnp.asarray(x, jnp.int32) for x in xs)
+
+
+def load_own(copies, ready, wg):
+    """Consumer ``wg``'s own tiles: a TMA copy per ``(source, destination[wg])``, each on its own
+    barrier of ``ready`` (``len(copies)`` per consumer), then the waits for all."""
+    n = len(copies)
+    for c, (source, destination) in enumerate(copies):
+        plgpu.copy_gmem_to_smem(source, destination.at[wg], ready.at[wg * n + c])
+    for c in range(n):
+        plgpu.barrier_wait(ready.at[wg * n + c])
+
+
+def ring(total, load, free, stages: int):
+    """The producer's loop: ``load(c, slot)`` for c in ``[0, total)``, each slot's reuse waiting on
+    ``free(slot)`` (both consumers done), and the last waits drained (Pallas wants every phase seen)."""
+    for first in range(stages):
+        pl.when(first < total)(lambda first=first: load(jnp.int32(first), first))
+
+    @pl.loop(jnp.int32(stages), total)
+    def _(c):
+        slot = lax.rem(c, jnp.int32(stages))
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[slot])
+        load(c, slot)
+
+    @pl.loop(jnp.maximum(total - stages, 0), total)
+    def _(c):
+        for barrier in free:
+            plgpu.barrier_wait(barrier.at[lax.rem(c, jnp.int32(stages))])
+
+
+def warpgroup_kernel(entry, out_type, grid, names, interpret: bool):
+    return plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=grid,
+        grid_names=names,
+        num_threads=CONSUMERS + 1,
+        thread_name="warpgroup",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=mosaic_interpret_params() if interpret else None,
+    )
+
+
+def write_back(*copies):
+    """``(shared, global)`` tiles a consumer has written: made visible to TMA, copied out, waited for."""
+    plgpu.commit_smem()
+    for source, destination in copies:
+        plgpu.copy_smem_to_gmem(source, destination)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def visible(mods: Mods, geo: Geometry, b, h, q_idx, kv_idx):
+    """Which scores of a tile count: inside both sequences (not padding) and allowed by the mask."""
+    inside = (kv_idx < geo.skv) & (q_idx < geo.sq)
+    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
+    return inside if user is None else inside & user
+
+
 def attention_fwd_mosaic(
     q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
@@ -169,9 +244,7 @@ def attention_fwd_mosaic(
                 kv_idx = t * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
                 s = mods.modify(s * scale, b, h, q_idx, kv_idx, [])
                 if masked:
-                    visible = kv_idx < geo.skv
-                    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
-                    s = jnp.where(visible if user is None else visible & user, s, -jnp.inf)
+                    s = jnp.where(visible(mods, geo, b, h, q_idx, kv_idx), s, -jnp.inf)
                 s = s * _LOG2E  # base 2 from here: m and the exponents are in log2 units
                 m_new = jnp.maximum(m, s.max(axis=1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: exp2 stays finite
@@ -200,10 +273,8 @@ def attention_fwd_mosaic(
             o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             lse_smem.at[wg][...] = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[item, pl.ds(q_lo, block_q), h_local])
-            plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[item, h_local, pl.ds(q_lo, block_q)])
-            plgpu.wait_smem_to_gmem(0)
+            own_rows = pl.ds(q_lo, block_q)
+            write_back((o_smem.at[wg], out_ref.at[item, own_rows, h_local]), (lse_smem.at[wg], lse_ref.at[item, h_local, own_rows]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
@@ -258,18 +329,10 @@ def attention_fwd_mosaic(
 
     # As in pallas_triton._call: inside shard_map the outputs take the operands' varying axes.
     mat = jax.typeof(k).manual_axis_type
-    out, lse = plgpu.kernel(
-        entry,
-        out_type=(
-            jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype, manual_axis_type=mat),
-            jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
-        ),
-        grid=(hq, geo.num_q_tiles, bsz),
-        grid_names=("heads", "q_tiles", "batch"),
-        num_threads=CONSUMERS + 1,
-        thread_name="warpgroup",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=mosaic_interpret_params() if interpret else None,
-    )(qp, kp, vp, offsets)
+    out_type = (
+        jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype, manual_axis_type=mat),
+        jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
+    )
+    out, lse = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(qp, kp, vp, offsets)
     return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)
 

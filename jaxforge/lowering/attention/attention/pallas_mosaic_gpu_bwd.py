@@ -37,11 +37,18 @@ from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
     PRODUCER_REGISTERS,
     accumulate,
     global_offsets,
+    int32,
+    load_in_layout,
+    load_own,
     mosaic_can_run,
     mosaic_interpret_params,
     product,
+    ring,
     swizzled_smem,
     swizzled_width,
+    visible,
+    warpgroup_kernel,
+    write_back,
 )
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
@@ -64,12 +71,6 @@ def mosaic_bwd_can_run(mods: Mods, q, v, const_grads) -> str | None:
     return None
 
 
-def _rows(ref, layout, interpret: bool):
-    """A float32 row vector from shared memory in ``layout`` (the interpreter ignores layouts and
-    lacks ``plgpu.load``)."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
-
-
 def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo: Geometry):
     """``(P, dS)`` of one tile from the raw scores, given ``stats = (lse, Δ, dP)`` broadcast to
     the tile (``lse`` in log2 units, 0 where infinite): ``dS`` pulled back through score_mod.
@@ -84,44 +85,8 @@ def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo:
     g_raw = p * (dp - delta) * slope
     if not masked:
         return p, g_raw
-    visible = (kv_idx < geo.skv) & (q_idx < geo.sq)
-    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
-    visible = visible if user is None else visible & user
-    return jnp.where(visible, p, 0.0), jnp.where(visible, g_raw, 0.0)  # exactly 0, even at infinite Δ
-
-
-def _int32(*xs):
-    """Loop bounds and indices in int32, whatever jax_enable_x64 says (Mosaic GPU indexes in int32)."""
-    return tuple(jnp.asarray(x, jnp.int32) for x in xs)
-
-
-def _load_own(copies, ready, wg):
-    """Consumer ``wg``'s own tiles: a TMA copy per ``(source, destination[wg])``, each on its own
-    barrier of ``ready`` (``len(copies)`` per consumer), then the waits for all."""
-    n = len(copies)
-    for c, (source, destination) in enumerate(copies):
-        plgpu.copy_gmem_to_smem(source, destination.at[wg], ready.at[wg * n + c])
-    for c in range(n):
-        plgpu.barrier_wait(ready.at[wg * n + c])
-
-
-def _ring(total, load, free, stages: int):
-    """The producer's loop: ``load(c, slot)`` for c in ``[0, total)``, each slot's reuse waiting on
-    ``free(slot)`` (both consumers done), and the last waits drained (Pallas wants every phase seen)."""
-    for first in range(stages):
-        pl.when(first < total)(lambda first=first: load(jnp.int32(first), first))
-
-    @pl.loop(jnp.int32(stages), total)
-    def _(c):
-        slot = lax.rem(c, jnp.int32(stages))
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[slot])
-        load(c, slot)
-
-    @pl.loop(jnp.maximum(total - stages, 0), total)
-    def _(c):
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[lax.rem(c, jnp.int32(stages))])
+    seen = visible(mods, geo, b, h, q_idx, kv_idx)
+    return jnp.where(seen, p, 0.0), jnp.where(seen, g_raw, 0.0)  # exactly 0, even at infinite Δ
 
 
 def attention_bwd_mosaic(
@@ -155,19 +120,6 @@ def attention_bwd_mosaic(
     )
 
 
-def _kernel(entry, out_type, grid, names, interpret: bool):
-    return plgpu.kernel(
-        entry,
-        out_type=out_type,
-        grid=grid,
-        grid_names=names,
-        num_threads=CONSUMERS + 1,
-        thread_name="warpgroup",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=mosaic_interpret_params() if interpret else None,
-    )
-
-
 def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret, block, stages):
     """``dQ`` (B, Sq_pad, Hq, d): programs of 128 query rows over the key tiles they may see."""
     bsz, _, hq, d = qp.shape
@@ -180,7 +132,7 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
         k_free, v_free = free
         h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
         wg = lax.axis_index("warpgroup")
-        lo, hi, full_lo, full_hi = _int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+        lo, hi, full_lo, full_hi = int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -189,10 +141,10 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             own = (item, pl.ds(q_lo, block_q), h_local)
             stats_rows = stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)]
             copies = ((offset_ref.at[item], offset_smem), (q_ref.at[own], q_smem), (g_ref.at[own], g_smem), (stats_rows, stats_smem))
-            _load_own(copies, own_ready, wg)
+            load_own(copies, own_ready, wg)
             b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
             row_layout = _WGMMA.reduce(1)
-            lse, delta = (_rows(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
+            lse, delta = (load_in_layout(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
 
             def step(t, gq, masked: bool):
                 slot = lax.rem(t - lo, jnp.int32(stages))
@@ -213,20 +165,19 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             gq = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), _WGMMA)
             gq = tile_loop((lo, hi), (full_lo, full_hi), step, gq)
             q_smem.at[wg][...] = (gq * scale).astype(dtype)  # Q is read: its tile carries dQ out
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem.at[wg], gq_ref.at[own])
-            plgpu.wait_smem_to_gmem(0)
+            write_back((q_smem.at[wg], gq_ref.at[own]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
+
             def load(c, slot):
                 tile = (item, pl.ds((lo + c) * block, block), h_kv)
                 plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
 
-            _ring(hi - lo, load, (k_free, v_free), stages)
+            ring(hi - lo, load, (k_free, v_free), stages)
 
     def entry(*refs):
         smem = (
@@ -247,7 +198,7 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
 
     mat = jax.typeof(kp).manual_axis_type
     out_type = jax.ShapeDtypeStruct(qp.shape, dtype, manual_axis_type=mat)
-    return _kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(
+    return warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(
         qp, gp, stats, kp, vp, offsets
     )
 
@@ -265,7 +216,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
         (free,) = free
         hk, j, item = lax.axis_index("heads"), lax.axis_index("kv_tiles"), lax.axis_index("batch")
         wg = lax.axis_index("warpgroup")
-        lo, hi, full_lo, full_hi = _int32(*geo.q_tiles(mods, j, ()), *geo.full_q_tiles(mods, j, ()))
+        lo, hi, full_lo, full_hi = int32(*geo.q_tiles(mods, j, ()), *geo.full_q_tiles(mods, j, ()))
         tiles = hi - lo  # per query head
 
         @pl.when(wg < CONSUMERS)
@@ -273,7 +224,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             kv_lo = j * geo.block_kv + wg * block_kv
             own = (item, pl.ds(kv_lo, block_kv), hk)
-            _load_own(((offset_ref.at[item], offset_smem), (k_ref.at[own], k_smem), (v_ref.at[own], v_smem)), own_ready, wg)
+            load_own(((offset_ref.at[item], offset_smem), (k_ref.at[own], k_smem), (v_ref.at[own], v_smem)), own_ready, wg)
             b, h_first = offset_smem[wg, 0], offset_smem[wg, 1] + hk * geo.group
             shape, col_layout = (block_kv, block), _WGMMA.reduce(0)
 
@@ -286,7 +237,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
                     plgpu.barrier_wait(g_ready.at[slot])
                     dp = product(v_smem.at[wg], g_smem.at[slot].transpose((1, 0)), shape)
                     plgpu.barrier_wait(stats_ready.at[slot])
-                    lse, delta = (_rows(stats_smem.at[slot, n], col_layout, interpret) for n in range(2))
+                    lse, delta = (load_in_layout(stats_smem.at[slot, n], col_layout, interpret) for n in range(2))
                     col = lambda x: lax.broadcast_in_dim(x, shape, [1])  # noqa: E731
                     kv_idx = kv_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
                     q_idx = i * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
@@ -299,13 +250,10 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
                 return tile_loop((lo, hi), (full_lo, full_hi), step, carry)
 
             zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32), _WGMMA)  # noqa: E731
-            gk, gv = lax.fori_loop(*_int32(0, geo.group), head, (zeros(d), zeros(dv)))
+            gk, gv = lax.fori_loop(*int32(0, geo.group), head, (zeros(d), zeros(dv)))
             k_smem.at[wg][...] = (gk * scale).astype(dtype)  # K and V are read: their tiles carry dK, dV out
             v_smem.at[wg][...] = gv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem.at[wg], gk_ref.at[own])
-            plgpu.copy_smem_to_gmem(v_smem.at[wg], gv_ref.at[own])
-            plgpu.wait_smem_to_gmem(0)
+            write_back((k_smem.at[wg], gk_ref.at[own]), (v_smem.at[wg], gv_ref.at[own]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
@@ -318,7 +266,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
                 plgpu.copy_gmem_to_smem(g_ref.at[item, rows, h_local], g_smem.at[slot], g_ready.at[slot])
                 plgpu.copy_gmem_to_smem(stats_ref.at[item, h_local, :, rows], stats_smem.at[slot], stats_ready.at[slot])
 
-            _ring(geo.group * tiles, load, (free,), stages)
+            ring(geo.group * tiles, load, (free,), stages)
 
     def entry(*refs):
         smem = (
@@ -343,6 +291,6 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
         jax.ShapeDtypeStruct(kp.shape, dtype, manual_axis_type=mat),
         jax.ShapeDtypeStruct(vp.shape, dtype, manual_axis_type=mat),
     )
-    return _kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)(
+    return warpgroup_kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)(
         kp, vp, qp, gp, stats, offsets
     )

@@ -1,0 +1,189 @@
+"""The attention tangent (forward-mode AD) as a Pallas Mosaic GPU kernel for Hopper (sm90).
+
+kernel.py's ``tangent_rows`` on the tensor cores of pallas_mosaic_gpu.py's forward. With
+``S = mod(Q Kᵀ·scale)``, ``dS = mod'(·)·(dQ Kᵀ + Q dKᵀ)·scale`` (the JVP of the elementwise
+mods), ``P = exp(S - lse)`` from the forward's lse, and ``r = rowsum(P dS)``:
+``dlse = r`` and ``dO = P dV + (P dS) V - r O``.
+
+A program owns 2 x 64 query rows (one consumer warpgroup each: ``Q``, ``dQ`` and ``O`` in shared
+memory, ``lse`` in registers) and a producer warpgroup streams ``K``, ``V``, ``dK``, ``dV`` tiles
+through a TMA ring. Per tile a consumer runs ``Q Kᵀ`` and ``dQ Kᵀ + Q dKᵀ`` (two products into one
+accumulator), the softmax in registers, then ``P dV + (P dS) V`` into its output accumulator, both
+probabilities as register operands. Tiles come from the mask's span as in the forward; padded keys
+are masked. It takes what the forward takes (elementwise mask and score_mod, bf16/f16) with
+``d + dv <= 256`` after padding to multiples of 64 and d <= 128: two d-wide tiles of its own
+and a ring of four tiles a stage fill sm90's shared memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxforge.lowering.attention.attention import config, pallas_triton, xla
+from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
+from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
+    CONSUMER_REGISTERS,
+    CONSUMERS,
+    PRODUCER_REGISTERS,
+    accumulate,
+    global_offsets,
+    int32,
+    load_in_layout,
+    load_own,
+    mosaic_can_run,
+    mosaic_interpret_params,
+    ring,
+    swizzled_smem,
+    swizzled_width,
+    visible,
+    warpgroup_kernel,
+    write_back,
+)
+from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.mods import Mods
+
+__all__ = ["attention_tangent_mosaic", "mosaic_tangent_can_run"]
+
+_LOG2E = math.log2(math.e)
+_WGMMA = plgpu.Layout.WGMMA
+
+
+def mosaic_tangent_can_run(mods: Mods, q, v) -> str | None:
+    """Why the Mosaic GPU tangent cannot run this call, or None if it can."""
+    if why := mosaic_can_run(mods, q, v):
+        return why
+    d, dv = (swizzled_width(x.shape[-1]) for x in (q, v))
+    size = config.mosaic_tangent_smem(config.MOSAIC_BWD_BLOCK, config.MOSAIC_BWD_STAGES, d, dv, q.dtype.itemsize)
+    if d + dv > config.MOSAIC_BWD_MAX_HEAD_DIMS or size > config.MOSAIC_SMEM_BYTES:
+        return f"its accumulators and shared memory take head dims {d} + {dv} (padded) up to {config.MOSAIC_BWD_MAX_HEAD_DIMS} with d <= 128"
+    return None
+
+
+def attention_tangent_mosaic(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
+):
+    if why := mosaic_tangent_can_run(mods, q, v):
+        raise ValueError(f"attention: the Mosaic GPU tangent cannot run this call: {why}")
+    if interpret and mosaic_interpret_params() is None:
+        raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
+    dq, dk, dv_in = operands[-3:]
+    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
+    block, stages = config.mosaic_tangent_tiles(d, dv, q.dtype.itemsize, implementation)
+    block_q = config.MOSAIC_BLOCK_Q
+    rows = CONSUMERS * block_q
+    sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
+    geo = Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.dtype(jnp.float32), None)
+    sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block
+    seq = pallas_triton._seq_major
+    qp, dqp, outp = seq(q, sq_pad, d), seq(dq, sq_pad, d), seq(out, sq_pad, dv)
+    kp, dkp, vp, dvp = seq(k, skv_pad, d), seq(dk, skv_pad, d), seq(v, skv_pad, dv), seq(dv_in, skv_pad, dv)
+    lse2 = xla.seq_last(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * _LOG2E, sq_pad)
+    offsets = global_offsets(batch_ids, head_offset)
+    bsz, dtype = qp.shape[0], q.dtype
+
+    def body(q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, offset_ref, dout_ref, dlse_ref, smem, ready, free):
+        q_smem, dq_smem, o_smem, row_smem, offset_smem, *ring_smem = smem
+        o_smem = q_smem if o_smem is None else o_smem  # equal head dims: O and then dO take Q's tile
+        own_ready, out_ready, ring_ready = ready
+        (ring_free,) = free
+        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
+        wg = lax.axis_index("warpgroup")
+        lo, hi, full_lo, full_hi = int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+
+        @pl.when(wg < CONSUMERS)
+        def _consume():
+            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            q_lo = i * rows + wg * block_q
+            own = (item, pl.ds(q_lo, block_q), h_local)
+            lse_rows = lse_ref.at[item, h_local, pl.ds(q_lo, block_q)]
+            copies = ((offset_ref.at[item], offset_smem), (q_ref.at[own], q_smem), (dq_ref.at[own], dq_smem))
+            load_own((*copies, (lse_rows, row_smem)), own_ready, wg)
+            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
+            lse_row = lax.broadcast_in_dim(load_in_layout(row_smem.at[wg], _WGMMA.reduce(1), interpret), (block_q, block), [0])
+
+            def step(t, carry, masked: bool):
+                r, acc = carry
+                slot = lax.rem(t - lo, jnp.int32(stages))
+                k_tile, v_tile, dk_tile, dv_tile = (x.at[slot] for x in ring_smem)
+                for n in range(4):
+                    plgpu.barrier_wait(ring_ready.at[slot * 4 + n])
+                shape = (block_q, block)
+
+                def scores(refs):  # Q Kᵀ, and dQ Kᵀ + Q dKᵀ in one accumulator
+                    raw_ref, draw_ref = refs
+                    plgpu.wgmma(raw_ref, q_smem.at[wg], k_tile.transpose((1, 0)))
+                    plgpu.wgmma(draw_ref, dq_smem.at[wg], k_tile.transpose((1, 0)))
+                    plgpu.wgmma(draw_ref, q_smem.at[wg], dk_tile.transpose((1, 0)))
+                    return raw_ref[...], draw_ref[...]
+
+                raw, draw = pl.run_scoped(scores, (plgpu.ACC(shape, jnp.float32),) * 2)
+                q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
+                kv_idx = t * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+                modify = lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, [])  # noqa: E731
+                s, ds = jax.jvp(modify, (raw * scale,), (draw * scale,))
+                p = jnp.exp2(s * _LOG2E - lse_row)
+                if masked:
+                    seen = visible(mods, geo, b, h, q_idx, kv_idx)
+                    p, ds = jnp.where(seen, p, 0.0), jnp.where(seen, ds, 0.0)
+                p_ds = p * ds
+                acc = accumulate(acc, p.astype(dtype), dv_tile, interpret)
+                acc = accumulate(acc, p_ds.astype(dtype), v_tile, interpret)
+                plgpu.barrier_arrive(ring_free.at[slot])
+                return r + p_ds.sum(axis=1), acc
+
+            carry = (
+                plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), _WGMMA.reduce(1)),
+                plgpu.layout_cast(jnp.zeros((block_q, dv), jnp.float32), _WGMMA),
+            )
+            r, acc = tile_loop((lo, hi), (full_lo, full_hi), step, carry)
+            plgpu.copy_gmem_to_smem(out_ref.at[own], o_smem.at[wg], out_ready.at[wg])
+            plgpu.barrier_wait(out_ready.at[wg])
+            out_tile = load_in_layout(o_smem.at[wg], _WGMMA, interpret).astype(jnp.float32)
+            o_smem.at[wg][...] = (acc - lax.broadcast_in_dim(r, acc.shape, [0]) * out_tile).astype(dtype)
+            row_smem.at[wg][...] = r
+            write_back((o_smem.at[wg], dout_ref.at[own]), (row_smem.at[wg], dlse_ref.at[item, h_local, pl.ds(q_lo, block_q)]))
+
+        @pl.when(wg == CONSUMERS)
+        def _produce():
+            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            h_kv = h_local // geo.group
+
+            def load(c, slot):
+                tile = (item, pl.ds((lo + c) * block, block), h_kv)
+                for n, (source, destination) in enumerate(zip((k_ref, v_ref, dk_ref, dv_ref), ring_smem)):
+                    plgpu.copy_gmem_to_smem(source.at[tile], destination.at[slot], ring_ready.at[slot * 4 + n])
+
+            ring(hi - lo, load, (ring_free,), stages)
+
+    def entry(*refs):
+        smem = (
+            swizzled_smem((CONSUMERS, block_q, d), dtype),
+            swizzled_smem((CONSUMERS, block_q, d), dtype),
+            None if dv == d else swizzled_smem((CONSUMERS, block_q, dv), dtype),
+            plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
+            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            *(swizzled_smem((stages, block, width), dtype) for width in (d, dv, d, dv)),
+        )
+        ready = (
+            plgpu.Barrier(num_barriers=CONSUMERS * 4),  # per consumer: offsets, Q, dQ, lse
+            plgpu.Barrier(num_barriers=CONSUMERS),  # O, after the loop
+            plgpu.Barrier(num_barriers=stages * 4),  # per slot: K, V, dK, dV
+        )
+        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
+        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+
+    mat = jax.typeof(kp).manual_axis_type
+    out_type = (
+        jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), out.dtype, manual_axis_type=mat),
+        jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
+    )
+    kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
+    dout, dlse = kernel(qp, dqp, outp, lse2, kp, vp, dkp, dvp, offsets)
+    batch = q.shape[:-3]
+    return pallas_triton._back(dout, batch, sq, v.shape[-1]), pallas_triton._rows_back(dlse, batch, sq).astype(lse.dtype)
