@@ -166,6 +166,25 @@ def test_mosaic_backward_matches_xla(mask, dims):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.max(jnp.abs(w))), rtol=0)
 
 
+def test_mosaic_forward_feeds_the_triton_tangent_and_backward_beyond_their_head_dims():
+    """MLA's 192/128 exceeds the Mosaic tangent's and backward's head dims: Triton's run them on the
+    (out, lse) of the Mosaic forward."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU forward is for sm90")
+    q, k, v = inputs(jnp.bfloat16, d=192, dv=128)
+    tangents = inputs(jnp.bfloat16, d=192, dv=128, seed=1)
+    att = lambda impl: lambda *p: jf.attention(*p, mask=jf.masks.causal(), implementation=impl)  # noqa: E731
+    jvp = lambda impl: jax.jit(lambda *a: jax.jvp(att(impl), a[:3], a[3:])[1])  # noqa: E731
+    grad = lambda impl: jax.jit(jax.grad(lambda *a: jnp.sum(att(impl)(*a).astype(jnp.float32) ** 2), (0, 1, 2)))  # noqa: E731
+    text = jvp("pallas_mosaic_gpu").lower(q, k, v, *tangents).as_text() + grad("pallas_mosaic_gpu").lower(q, k, v).as_text()
+    assert all(name in text for name in ("jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"))
+    f32 = lambda xs: [x.astype(jnp.float32) for x in xs]  # noqa: E731
+    got = (jvp("pallas_mosaic_gpu")(q, k, v, *tangents), *grad("pallas_mosaic_gpu")(q, k, v))
+    want = (jvp("xla")(*f32((q, k, v, *tangents))), *grad("xla")(*f32((q, k, v))))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(jnp.max(jnp.abs(w))), rtol=0)
+
+
 def test_mosaic_backward_of_fully_masked_rows_is_zero_and_nan_stays_in_its_item():
     if not _hopper():
         pytest.skip("the Mosaic GPU backward is for sm90")

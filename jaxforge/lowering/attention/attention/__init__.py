@@ -34,16 +34,6 @@ from jaxforge.primitives.attention.attention import (
 )
 
 
-def _mosaic_or_triton(prim, mosaic, triton):
-    """``prim``'s lowering by the Mosaic GPU kernel ``mosaic`` where it can run, else by Triton's."""
-
-    def lowering(*args, mods, interpret: bool, **params):
-        runs = not interpret and _mosaic_why_not(prim, mods, args, params) is None
-        return (mosaic if runs else triton)(*args, mods=mods, interpret=interpret, **params)
-
-    return lowering
-
-
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
 IMPLEMENTATIONS = {
     attention_fwd_p: {
@@ -54,16 +44,12 @@ IMPLEMENTATIONS = {
     attention_tangent_p: {
         "xla": xla.attention_tangent_xla,
         "pallas_triton": pallas_triton.attention_tangent_pallas,
-        "pallas_mosaic_gpu": _mosaic_or_triton(
-            attention_tangent_p, pallas_mosaic_gpu_tangent.attention_tangent_mosaic, pallas_triton.attention_tangent_pallas
-        ),
+        "pallas_mosaic_gpu": pallas_mosaic_gpu_tangent.attention_tangent_mosaic,
     },
     attention_bwd_p: {
         "xla": xla.attention_bwd_xla,
         "pallas_triton": pallas_triton.attention_bwd_pallas,
-        "pallas_mosaic_gpu": _mosaic_or_triton(
-            attention_bwd_p, pallas_mosaic_gpu_bwd.attention_bwd_mosaic, pallas_triton.attention_bwd_pallas
-        ),
+        "pallas_mosaic_gpu": pallas_mosaic_gpu_bwd.attention_bwd_mosaic,
     },
 }
 
@@ -74,7 +60,8 @@ _TRITON_CALL = {attention_fwd_p: "fwd", attention_tangent_p: "tangent", attentio
 def _dispatch(prim, platform: str | None):
     def lowering(*args, mods, implementation, shards, **params):
         name = implementation.name
-        mosaic_why_not = _mosaic_why_not(prim, mods, args, params)
+        asks_mosaic = name == "pallas_mosaic_gpu" or (platform == "cuda" and name is None)
+        mosaic_why_not = _mosaic_why_not(prim, mods, args, params) if asks_mosaic else "not asked for"
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
             triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
@@ -86,12 +73,15 @@ def _dispatch(prim, platform: str | None):
                 f"attention: implementation={name!r} cannot apply this mask/score_mod on GPU: it "
                 "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
             )
-        if name == "pallas_mosaic_gpu" and mosaic_why_not is not None and prim is attention_fwd_p:
-            raise ValueError(f"attention: implementation='pallas_mosaic_gpu' cannot run this call: {mosaic_why_not}")
-        if name == "pallas_mosaic_gpu" and platform != "cuda" and prim is attention_fwd_p:
-            # Mosaic GPU's interpreter runs through ordered io_callbacks, which a primitive's
-            # lowering cannot host; tests interpret pallas_mosaic_gpu.attention_fwd_mosaic directly.
-            raise ValueError("attention: implementation='pallas_mosaic_gpu' runs on a Hopper GPU only; use 'xla' or 'pallas_triton' here")
+        if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
+            if mosaic_why_not is not None:
+                raise ValueError(f"attention: implementation='pallas_mosaic_gpu' cannot run this call: {mosaic_why_not}")
+            if platform != "cuda":
+                # Mosaic GPU's interpreter runs through ordered io_callbacks, which a primitive's
+                # lowering cannot host; tests interpret the kernels (pallas_mosaic_gpu*.py) directly.
+                raise ValueError("attention: implementation='pallas_mosaic_gpu' runs on a Hopper GPU only; use 'xla' or 'pallas_triton' here")
+        elif name == "pallas_mosaic_gpu" and (mosaic_why_not is not None or platform != "cuda"):
+            name = "pallas_triton"  # the tangent and backward fall back to Triton's kernels
         name = name or "xla"
         if args[0].shape[-3] == 0 or args[1].shape[-3] == 0:
             return _empty_sequence(prim, args, mods, params)

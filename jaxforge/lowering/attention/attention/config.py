@@ -9,7 +9,19 @@ from __future__ import annotations
 
 from jaxforge.primitives.attention.attention import Implementation
 
-__all__ = ["mosaic_bwd_smem", "mosaic_bwd_tiles", "mosaic_smem", "mosaic_tangent_smem", "mosaic_tangent_tiles", "mosaic_tiles", "pow2_at_least", "tiles", "triton_compiler", "triton_smem", "triton_start"]
+__all__ = [
+    "mosaic_bwd_smem",
+    "mosaic_bwd_tiles",
+    "mosaic_smem",
+    "mosaic_tangent_smem",
+    "mosaic_tangent_tiles",
+    "mosaic_tiles",
+    "pow2_at_least",
+    "tiles",
+    "triton_compiler",
+    "triton_smem",
+    "triton_start",
+]
 
 
 def pow2_at_least(n: int) -> int:
@@ -134,12 +146,7 @@ def mosaic_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[
     block_kv, stages = impl.block_kv or MOSAIC_BLOCK_KV, impl.num_stages or MOSAIC_STAGES
     while mosaic_smem(block_kv, stages, d, dv, itemsize) > MOSAIC_SMEM_BYTES and block_kv > 64 and not impl.block_kv:
         block_kv //= 2
-    if (size := mosaic_smem(block_kv, stages, d, dv, itemsize)) > MOSAIC_SMEM_BYTES:
-        raise ValueError(
-            f"attention: the Mosaic GPU forward needs {size} bytes of shared memory for head dims {d}/{dv}, "
-            f"{block_kv} keys a tile and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or keys"
-        )
-    return block_kv, stages
+    return _fitting("forward", mosaic_smem(block_kv, stages, d, dv, itemsize), d, dv, block_kv, stages)
 
 
 def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int) -> int:
@@ -164,12 +171,8 @@ def mosaic_bwd_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tu
     """``(block, stages)`` of the Mosaic GPU backward for padded head dims ``d``, ``dv``: the
     Implementation's ``block_kv`` and ``num_stages``, else the defaults above; both kernels must fit."""
     block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
-    if (size := max(mosaic_bwd_smem(kernel, block, stages, d, dv, itemsize) for kernel in ("dq", "dkv"))) > MOSAIC_SMEM_BYTES:
-        raise ValueError(
-            f"attention: the Mosaic GPU backward needs {size} bytes of shared memory for head dims {d}/{dv}, "
-            f"{block}-row tiles and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or rows"
-        )
-    return block, stages
+    size = max(mosaic_bwd_smem(kernel, block, stages, d, dv, itemsize) for kernel in ("dq", "dkv"))
+    return _fitting("backward", size, d, dv, block, stages)
 
 
 def mosaic_bwd_smem(kernel: str, block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
@@ -186,12 +189,7 @@ def mosaic_tangent_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -
     """``(block, stages)`` of the Mosaic GPU tangent: the backward's defaults (or the
     Implementation's), its ring of K, V, dK and dV tiles fitting sm90's shared memory."""
     block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
-    if (size := mosaic_tangent_smem(block, stages, d, dv, itemsize)) > MOSAIC_SMEM_BYTES:
-        raise ValueError(
-            f"attention: the Mosaic GPU tangent needs {size} bytes of shared memory for head dims {d}/{dv}, "
-            f"{block}-row tiles and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or rows"
-        )
-    return block, stages
+    return _fitting("tangent", mosaic_tangent_smem(block, stages, d, dv, itemsize), d, dv, block, stages)
 
 
 def mosaic_tangent_smem(block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
@@ -200,6 +198,16 @@ def mosaic_tangent_smem(block: int, stages: int, d: int, dv: int, itemsize: int)
     tiles, and the margin."""
     own = itemsize * 2 * MOSAIC_BLOCK_Q * (2 * d + (dv if dv != d else 0)) + 2 * (4 * MOSAIC_BLOCK_Q + 128)
     return own + stages * itemsize * block * 2 * (d + dv) + MOSAIC_SMEM_MARGIN
+
+
+def _fitting(kernel: str, size: int, d: int, dv: int, block: int, stages: int) -> tuple[int, int]:
+    """``(block, stages)`` where a Mosaic GPU ``kernel`` of ``size`` bytes fits sm90's shared memory."""
+    if size > MOSAIC_SMEM_BYTES:
+        raise ValueError(
+            f"attention: the Mosaic GPU {kernel} needs {size} bytes of shared memory for head dims {d}/{dv}, "
+            f"{block}-row tiles and {stages} stages; sm90 has {MOSAIC_SMEM_BYTES}: ask for fewer stages or rows"
+        )
+    return block, stages
 
 
 def _round_up(n: int, m: int) -> int:

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxforge.lowering.attention.attention import config, pallas_triton
+from jaxforge.lowering.attention.attention import config, pallas_triton, xla
 from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
@@ -37,17 +37,20 @@ from jaxforge.primitives.attention.mods import Mods
 __all__ = [
     "CONSUMERS",
     "CONSUMER_REGISTERS",
+    "LOG2E",
     "PRODUCER_REGISTERS",
     "accumulate",
     "attention_fwd_mosaic",
     "global_offsets",
     "int32",
+    "load_in_layout",
     "load_own",
+    "log2_rows",
     "mosaic_can_run",
     "mosaic_interpret_params",
     "product",
-    "ring",
-    "load_in_layout",
+    "query_program",
+    "stream",
     "swizzled_smem",
     "swizzled_width",
     "visible",
@@ -56,7 +59,7 @@ __all__ = [
 ]
 
 CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 _LN2 = math.log(2)
 # Consumers need registers for their accumulators; the producer only issues copies.
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
@@ -112,6 +115,12 @@ def accumulate(acc, a, b_ref, interpret: bool):
     return pl.run_state(lambda acc_ref: plgpu.wgmma(acc_ref, a, b_ref))(plgpu.ACC.init(acc))  # in place, in registers
 
 
+def log2_rows(lse, padded: int):
+    """The forward's lse as ``(B, H, padded)`` rows in log2 units, 0 where infinite (rows that see
+    no key: their tiles are masked, so the 0 only keeps the exponents finite)."""
+    return xla.seq_last(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * LOG2E, padded)
+
+
 def global_offsets(batch_ids, head_offset):
     """Per local batch item its global index and that of the first local head, padded to 32 int32:
     a program copies its item's row (128 bytes, the smallest copy a warpgroup takes) to shared memory."""
@@ -139,23 +148,27 @@ def load_own(copies, ready, wg):
         plgpu.barrier_wait(ready.at[wg * n + c])
 
 
-def ring(total, load, free, stages: int):
-    """The producer's loop: ``load(c, slot)`` for c in ``[0, total)``, each slot's reuse waiting on
-    ``free(slot)`` (both consumers done), and the last waits drained (Pallas wants every phase seen)."""
+def stream(tiles, slots, ready, free, total, stages: int):
+    """The producer's ring: for c in ``[0, total)`` the source tiles ``tiles(c)`` copied into
+    ``slots[n].at[c % stages]``, each arriving on ``ready[slot * len(slots) + n]``; a slot is reused
+    once both consumers arrived on ``free[slot]``, and the last waits are drained (Pallas wants a
+    barrier's waiter to see every phase)."""
+    stages_ = jnp.int32(stages)
+
+    def load(c, slot):
+        for n, (source, slot_ref) in enumerate(zip(tiles(c), slots, strict=True)):
+            plgpu.copy_gmem_to_smem(source, slot_ref.at[slot], ready.at[slot * len(slots) + n])
+
     for first in range(stages):
         pl.when(first < total)(lambda first=first: load(jnp.int32(first), first))
 
-    @pl.loop(jnp.int32(stages), total)
+    @pl.loop(stages_, total)
     def _(c):
-        slot = lax.rem(c, jnp.int32(stages))
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[slot])
+        slot = lax.rem(c, stages_)
+        plgpu.barrier_wait(free.at[slot])
         load(c, slot)
 
-    @pl.loop(jnp.maximum(total - stages, 0), total)
-    def _(c):
-        for barrier in free:
-            plgpu.barrier_wait(barrier.at[lax.rem(c, jnp.int32(stages))])
+    pl.loop(jnp.maximum(total - stages, 0), total)(lambda c: plgpu.barrier_wait(free.at[lax.rem(c, stages_)]))
 
 
 def warpgroup_kernel(entry, out_type, grid, names, interpret: bool):
@@ -186,6 +199,14 @@ def visible(mods: Mods, geo: Geometry, b, h, q_idx, kv_idx):
     return inside if user is None else inside & user
 
 
+def query_program(geo: Geometry, mods: Mods):
+    """``(head, tile, item, warpgroup, (lo, hi, full_lo, full_hi))`` of a program over query tiles
+    (grid names heads, q_tiles, batch): the key tiles ``[lo, hi)`` it visits, among them the wholly
+    visible ``[full_lo, full_hi)``."""
+    h_local, i, item, wg = (lax.axis_index(name) for name in ("heads", "q_tiles", "batch", "warpgroup"))
+    return h_local, i, item, wg, int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+
+
 def attention_fwd_mosaic(
     q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
@@ -209,10 +230,7 @@ def attention_fwd_mosaic(
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: the output reuses q's tile
         q_ready, k_ready, v_ready, offset_ready = ready
         k_free, v_free = free
-        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
-        wg = lax.axis_index("warpgroup")
-        tiles, full_tiles = geo.kv_tiles(mods, i, ()), geo.full_kv_tiles(mods, i, ())
-        lo, hi = (jnp.asarray(x, jnp.int32) for x in tiles)
+        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -245,7 +263,7 @@ def attention_fwd_mosaic(
                 s = mods.modify(s * scale, b, h, q_idx, kv_idx, [])
                 if masked:
                     s = jnp.where(visible(mods, geo, b, h, q_idx, kv_idx), s, -jnp.inf)
-                s = s * _LOG2E  # base 2 from here: m and the exponents are in log2 units
+                s = s * LOG2E  # base 2 from here: m and the exponents are in log2 units
                 m_new = jnp.maximum(m, s.max(axis=1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: exp2 stays finite
                 alpha = jnp.exp2(m - shift)
@@ -266,7 +284,7 @@ def attention_fwd_mosaic(
                 plgpu.layout_cast(jnp.full((block_q, dv), 0.0, jnp.float32), wgmma_layout),
             )
             pl.when(wg == 1)(meet)  # consumer 1 runs half a step behind consumer 0 ...
-            m, l, acc = tile_loop((lo, hi), full_tiles, step, carry)
+            m, l, acc = tile_loop((lo, hi), (full_lo, full_hi), step, carry)
             pl.when(wg == 0)(meet)  # ... and consumer 0 makes up the meeting at the end
             seen = l > 0
             l_safe = jnp.where(seen, l, 1.0)

@@ -21,8 +21,6 @@ padding to multiples of 64: the dk and dv accumulators of 64 keys stay in regist
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -34,16 +32,19 @@ from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
 from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
     CONSUMER_REGISTERS,
     CONSUMERS,
+    LOG2E,
     PRODUCER_REGISTERS,
     accumulate,
     global_offsets,
     int32,
     load_in_layout,
     load_own,
+    log2_rows,
     mosaic_can_run,
     mosaic_interpret_params,
     product,
-    ring,
+    query_program,
+    stream,
     swizzled_smem,
     swizzled_width,
     visible,
@@ -55,7 +56,6 @@ from jaxforge.primitives.attention.mods import Mods
 
 __all__ = ["attention_bwd_mosaic", "mosaic_bwd_can_run"]
 
-_LOG2E = math.log2(math.e)
 _WGMMA = plgpu.Layout.WGMMA
 
 
@@ -81,7 +81,7 @@ def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo:
     lse, delta, dp = stats
     modify = lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, [])  # noqa: E731
     s, slope = jax.jvp(modify, (raw,), (jnp.ones_like(raw),))
-    p = jnp.exp2(s * _LOG2E - lse)
+    p = jnp.exp2(s * LOG2E - lse)
     g_raw = p * (dp - delta) * slope
     if not masked:
         return p, g_raw
@@ -92,22 +92,20 @@ def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo:
 def attention_bwd_mosaic(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
-    if why := mosaic_bwd_can_run(mods, q, v, const_grads):
-        raise ValueError(f"attention: the Mosaic GPU backward cannot run this call: {why}")
+    """The backward's ``(gq, gk, gv)`` where ``mosaic_bwd_can_run`` allows it (the dispatch checks)."""
     if interpret and mosaic_interpret_params() is None:
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     g_out, g_lse = operands[-2:]
-    block, stages = config.mosaic_bwd_tiles(swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1]), q.dtype.itemsize, implementation)
+    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
+    block, stages = config.mosaic_bwd_tiles(d, dv, q.dtype.itemsize, implementation)
     rows = CONSUMERS * config.MOSAIC_BLOCK_Q
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
     # One padding serves both kernels: whole 128-row programs, whole ``block`` tiles inside.
     sq_pad, skv_pad = (-(-n // rows) * rows for n in (sq, skv))
-    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
     qp, gp = pallas_triton._seq_major(q, sq_pad, d), pallas_triton._seq_major(g_out, sq_pad, dv)
     kp, vp = pallas_triton._seq_major(k, skv_pad, d), pallas_triton._seq_major(v, skv_pad, dv)
-    lse2 = jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * _LOG2E
     delta = xla.bwd_delta(out, g_out, g_lse, jnp.float32)
-    stats = jnp.stack([xla.seq_last(lse2, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
+    stats = jnp.stack([log2_rows(lse, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
     offsets = global_offsets(batch_ids, head_offset)
     common = dict(mods=mods, scale=scale, interpret=interpret, block=block, stages=stages)
     gq = _dq(qp, gp, stats, kp, vp, offsets, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
@@ -128,11 +126,9 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
 
     def body(q_ref, g_ref, stats_ref, k_ref, v_ref, offset_ref, gq_ref, smem, ready, free):
         q_smem, g_smem, stats_smem, offset_smem, k_smem, v_smem = smem
-        own_ready, k_ready, v_ready = ready
-        k_free, v_free = free
-        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
-        wg = lax.axis_index("warpgroup")
-        lo, hi, full_lo, full_hi = int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+        own_ready, ring_ready = ready
+        (ring_free,) = free
+        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -149,17 +145,16 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             def step(t, gq, masked: bool):
                 slot = lax.rem(t - lo, jnp.int32(stages))
                 shape = (block_q, block)
-                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(ring_ready.at[slot * 2])
                 raw = product(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), shape) * scale
-                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(ring_ready.at[slot * 2 + 1])
                 dp = product(g_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape)
-                plgpu.barrier_arrive(v_free.at[slot])
                 q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
                 kv_idx = t * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
                 row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
                 _, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, (row(lse), row(delta), dp), masked, geo)
                 gq = accumulate(gq, g_raw.astype(dtype), k_smem.at[slot], interpret)
-                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(ring_free.at[slot])
                 return gq
 
             gq = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), _WGMMA)
@@ -172,12 +167,11 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
 
-            def load(c, slot):
+            def tiles(c):
                 tile = (item, pl.ds((lo + c) * block, block), h_kv)
-                plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
+                return k_ref.at[tile], v_ref.at[tile]
 
-            ring(hi - lo, load, (k_free, v_free), stages)
+            stream(tiles, (k_smem, v_smem), ring_ready, ring_free, hi - lo, stages)
 
     def entry(*refs):
         smem = (
@@ -190,10 +184,9 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
         )
         ready = (
             plgpu.Barrier(num_barriers=CONSUMERS * 4),  # per consumer: offsets, Q, dO, stats
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages * 2),  # per slot: K, V
         )
-        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
+        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
         pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
 
     mat = jax.typeof(kp).manual_axis_type
@@ -212,8 +205,8 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
 
     def body(k_ref, v_ref, q_ref, g_ref, stats_ref, offset_ref, gk_ref, gv_ref, smem, ready, free):
         k_smem, v_smem, offset_smem, q_smem, g_smem, stats_smem = smem
-        own_ready, q_ready, g_ready, stats_ready = ready
-        (free,) = free
+        own_ready, ring_ready = ready
+        (ring_free,) = free
         hk, j, item = lax.axis_index("heads"), lax.axis_index("kv_tiles"), lax.axis_index("batch")
         wg = lax.axis_index("warpgroup")
         lo, hi, full_lo, full_hi = int32(*geo.q_tiles(mods, j, ()), *geo.full_q_tiles(mods, j, ()))
@@ -232,11 +225,11 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
                 def step(i, carry, masked: bool):
                     gk, gv = carry
                     slot = lax.rem(g * tiles + i - lo, jnp.int32(stages))
-                    plgpu.barrier_wait(q_ready.at[slot])
+                    plgpu.barrier_wait(ring_ready.at[slot * 3])
                     raw = product(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape) * scale
-                    plgpu.barrier_wait(g_ready.at[slot])
+                    plgpu.barrier_wait(ring_ready.at[slot * 3 + 1])
                     dp = product(v_smem.at[wg], g_smem.at[slot].transpose((1, 0)), shape)
-                    plgpu.barrier_wait(stats_ready.at[slot])
+                    plgpu.barrier_wait(ring_ready.at[slot * 3 + 2])
                     lse, delta = (load_in_layout(stats_smem.at[slot, n], col_layout, interpret) for n in range(2))
                     col = lambda x: lax.broadcast_in_dim(x, shape, [1])  # noqa: E731
                     kv_idx = kv_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
@@ -244,7 +237,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
                     p, g_raw = _pulled_back(mods, raw, b, h_first + g, q_idx, kv_idx, (col(lse), col(delta), dp), masked, geo)
                     gv = accumulate(gv, p.astype(dtype), g_smem.at[slot], interpret)
                     gk = accumulate(gk, g_raw.astype(dtype), q_smem.at[slot], interpret)
-                    plgpu.barrier_arrive(free.at[slot])
+                    plgpu.barrier_arrive(ring_free.at[slot])
                     return gk, gv
 
                 return tile_loop((lo, hi), (full_lo, full_hi), step, carry)
@@ -259,14 +252,12 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
 
-            def load(c, slot):
+            def query_tiles(c):  # the c-th tile of the loop over (head of the group, query tile)
                 g, i = lax.div(c, tiles), lo + lax.rem(c, tiles)
                 rows, h_local = pl.ds(i * block, block), hk * geo.group + g
-                plgpu.copy_gmem_to_smem(q_ref.at[item, rows, h_local], q_smem.at[slot], q_ready.at[slot])
-                plgpu.copy_gmem_to_smem(g_ref.at[item, rows, h_local], g_smem.at[slot], g_ready.at[slot])
-                plgpu.copy_gmem_to_smem(stats_ref.at[item, h_local, :, rows], stats_smem.at[slot], stats_ready.at[slot])
+                return q_ref.at[item, rows, h_local], g_ref.at[item, rows, h_local], stats_ref.at[item, h_local, :, rows]
 
-            ring(geo.group * tiles, load, (free,), stages)
+            stream(query_tiles, (q_smem, g_smem, stats_smem), ring_ready, ring_free, geo.group * tiles, stages)
 
     def entry(*refs):
         smem = (
@@ -279,9 +270,7 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
         )
         ready = (
             plgpu.Barrier(num_barriers=CONSUMERS * 3),  # per consumer: offsets, K, V
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
+            plgpu.Barrier(num_barriers=stages * 3),  # per slot: Q, dO, their (lse, Δ) rows
         )
         free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
         pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")

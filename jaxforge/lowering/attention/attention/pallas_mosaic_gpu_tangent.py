@@ -17,28 +17,28 @@ and a ring of four tiles a stage fill sm90's shared memory.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxforge.lowering.attention.attention import config, pallas_triton, xla
+from jaxforge.lowering.attention.attention import config, pallas_triton
 from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
 from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
     CONSUMER_REGISTERS,
     CONSUMERS,
+    LOG2E,
     PRODUCER_REGISTERS,
     accumulate,
     global_offsets,
-    int32,
     load_in_layout,
     load_own,
+    log2_rows,
     mosaic_can_run,
     mosaic_interpret_params,
-    ring,
+    query_program,
+    stream,
     swizzled_smem,
     swizzled_width,
     visible,
@@ -50,7 +50,6 @@ from jaxforge.primitives.attention.mods import Mods
 
 __all__ = ["attention_tangent_mosaic", "mosaic_tangent_can_run"]
 
-_LOG2E = math.log2(math.e)
 _WGMMA = plgpu.Layout.WGMMA
 
 
@@ -68,8 +67,7 @@ def mosaic_tangent_can_run(mods: Mods, q, v) -> str | None:
 def attention_tangent_mosaic(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
-    if why := mosaic_tangent_can_run(mods, q, v):
-        raise ValueError(f"attention: the Mosaic GPU tangent cannot run this call: {why}")
+    """The tangent's ``(dout, dlse)`` where ``mosaic_tangent_can_run`` allows it (the dispatch checks)."""
     if interpret and mosaic_interpret_params() is None:
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     dq, dk, dv_in = operands[-3:]
@@ -83,7 +81,7 @@ def attention_tangent_mosaic(
     seq = pallas_triton._seq_major
     qp, dqp, outp = seq(q, sq_pad, d), seq(dq, sq_pad, d), seq(out, sq_pad, dv)
     kp, dkp, vp, dvp = seq(k, skv_pad, d), seq(dk, skv_pad, d), seq(v, skv_pad, dv), seq(dv_in, skv_pad, dv)
-    lse2 = xla.seq_last(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * _LOG2E, sq_pad)
+    lse2 = log2_rows(lse, sq_pad)
     offsets = global_offsets(batch_ids, head_offset)
     bsz, dtype = qp.shape[0], q.dtype
 
@@ -92,9 +90,7 @@ def attention_tangent_mosaic(
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: O and then dO take Q's tile
         own_ready, out_ready, ring_ready = ready
         (ring_free,) = free
-        h_local, i, item = lax.axis_index("heads"), lax.axis_index("q_tiles"), lax.axis_index("batch")
-        wg = lax.axis_index("warpgroup")
-        lo, hi, full_lo, full_hi = int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -127,7 +123,7 @@ def attention_tangent_mosaic(
                 kv_idx = t * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
                 modify = lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, [])  # noqa: E731
                 s, ds = jax.jvp(modify, (raw * scale,), (draw * scale,))
-                p = jnp.exp2(s * _LOG2E - lse_row)
+                p = jnp.exp2(s * LOG2E - lse_row)
                 if masked:
                     seen = visible(mods, geo, b, h, q_idx, kv_idx)
                     p, ds = jnp.where(seen, p, 0.0), jnp.where(seen, ds, 0.0)
@@ -154,12 +150,11 @@ def attention_tangent_mosaic(
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
 
-            def load(c, slot):
+            def tiles(c):
                 tile = (item, pl.ds((lo + c) * block, block), h_kv)
-                for n, (source, destination) in enumerate(zip((k_ref, v_ref, dk_ref, dv_ref), ring_smem)):
-                    plgpu.copy_gmem_to_smem(source.at[tile], destination.at[slot], ring_ready.at[slot * 4 + n])
+                return tuple(x.at[tile] for x in (k_ref, v_ref, dk_ref, dv_ref))
 
-            ring(hi - lo, load, (ring_free,), stages)
+            stream(tiles, ring_smem, ring_ready, ring_free, hi - lo, stages)
 
     def entry(*refs):
         smem = (
