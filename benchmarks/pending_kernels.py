@@ -70,26 +70,29 @@ PENDING = (
     ),
     Pending(  # the gpu tests of the Mosaic forward (those of test_attention_mosaic_gpu.py run on CPU)
         "jaxforge.lowering.attention.attention.config:MOSAIC_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_forward",),
+        (ATTENTION + "test_attention_gpu.py::test_mosaic_forward", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
         (
             Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "fwd"),
             Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
+            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
         ),
     ),
     Pending(  # jaxforge-mgpu's jvp is the Mosaic forward and tangent
         "jaxforge.lowering.attention.attention.config:MOSAIC_TANGENT_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_tangent",),
+        (ATTENTION + "test_attention_gpu.py::test_mosaic_tangent", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
         (
             Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "jvp"),
             Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "jvp"),
+            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "jvp"),
         ),
     ),
     Pending(  # jaxforge-mgpu's fwd+bwd is the Mosaic forward and backward
         "jaxforge.lowering.attention.attention.config:MOSAIC_BWD_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_backward",),
+        (ATTENTION + "test_attention_gpu.py::test_mosaic_backward", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
         (
             Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
             Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
+            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
         ),
     ),
 )

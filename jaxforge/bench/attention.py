@@ -566,8 +566,6 @@ def _jf_mosaic(case: Case) -> Callable | str:
     dims fit (``d + dv <= 256``; Triton's beyond)."""
     if why := _hopper():
         return why
-    if case.mask == "document_causal":
-        return "the Mosaic GPU forward applies elementwise masks only (no segment ids)"
     return _jf_forward("pallas_mosaic_gpu")(case)
 
 

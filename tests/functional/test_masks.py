@@ -51,7 +51,15 @@ def test_positional_form_equals_the_mask(name):
 
 
 def test_document_masks_hand_their_ids_over_as_positional_arrays():
-    fn, rows, cols = (jf.masks.document(Q_IDS, KV_IDS) & jf.masks.causal()).bind_positional((B,), SQ, SKV)
+    """int32 ids go over as they are; 64-bit ones (jax_enable_x64, as here) as their int32 ranks,
+    which are equal exactly where the ids are."""
+    q32, kv32 = Q_IDS.astype(jnp.int32), KV_IDS.astype(jnp.int32)
+    fn, rows, cols = (jf.masks.document(q32, kv32) & jf.masks.causal()).bind_positional((B,), SQ, SKV)
     np.testing.assert_array_equal(rows[0], Q_IDS)
     np.testing.assert_array_equal(cols[0], KV_IDS)
     assert bool(fn(0, 0, 3, 2, 5, 5)) and not bool(fn(0, 0, 3, 2, 5, 6)) and not bool(fn(0, 0, 2, 3, 5, 5))
+    big = 2**40 if jnp.asarray(Q_IDS).dtype == jnp.int64 else 0  # beyond int32, where x64 allows it
+    _, rows, cols = jf.masks.document(Q_IDS * 3 + big, KV_IDS * 3 + big).bind_positional((B,), SQ, SKV)
+    assert rows[0].dtype == cols[0].dtype == jnp.int32
+    same = lambda a, b: np.asarray(a)[:, :, None] == np.asarray(b)[:, None, :]  # noqa: E731
+    np.testing.assert_array_equal(same(rows[0], cols[0]), same(Q_IDS, KV_IDS))

@@ -33,6 +33,14 @@ def mosaic_kernels(text: str) -> int:
     return len(re.findall(r"custom_call @mosaic_gpu", text))
 
 
+def _documents(*lengths_and_ids):
+    """Segment ids of contiguous documents, one row per batch item: ``[(length, id), ...]``."""
+    return np.stack([np.concatenate([np.full(n, i, np.int32) for n, i in item]) for item in lengths_and_ids])
+
+
+_DOCS = _documents([(70, 0), (130, 1), (100, 2)], [(150, 5), (10, 7), (140, 6)])
+_Q_DOCS, _KV_DOCS = _documents([(90, 1), (110, 2)], [(200, 4)]), _documents([(60, 2), (200, 1)], [(130, 4), (130, 3)])
+
 CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
     "d64_window_alibi": ((2, 300, 257, 4, 2, 64, 64), dict(
         mask=jf.masks.causal() & jf.masks.sliding_window(100), score_mod=lambda s, b, h, i, j: s - 0.1 * (h + 1) * (i - j))),
@@ -41,7 +49,16 @@ CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
     "d256_gqa_causal": ((1, 256, 256, 4, 1, 256, 256), dict(mask=jf.masks.causal())),
     "odd_dims_chunked_or_prefix": ((2, 37, 53, 2, 1, 80, 72), dict(mask=jf.masks.chunked(16) | jf.masks.prefix_lm(5))),
     "fully_masked_rows": ((1, 200, 200, 2, 2, 64, 64), dict(mask=jf.masks.causal(-70))),  # rows < 70 see no key
+    # Runtime data: segment ids (positional values at the queries and at the keys) and per-item
+    # prefix lengths; tiles are skipped by the span's arrays (program_table).
+    "document_causal_gqa": ((2, 300, 300, 4, 2, 64, 64), dict(mask=jf.masks.causal() & jf.masks.document(_DOCS))),
+    "document_cross_or_prefix": ((2, 200, 260, 2, 1, 128, 128), dict(
+        mask=jf.masks.document(_Q_DOCS, _KV_DOCS) | jf.masks.prefix_lm(np.array([3, 40], np.int32)))),
 }
+
+
+_DOCUMENT_256 = jf.masks.document(np.repeat(np.arange(4, dtype=np.int32), 64)[None])
+_MASKS = {"no_mask": None, "document": _DOCUMENT_256}
 
 
 def _shapes(case):
@@ -86,18 +103,22 @@ def test_backward_head_dims_are_capped_with_the_reason():
     assert "cotangent" in pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, arg(64), arg(64), (True,))
 
 
+@pytest.mark.parametrize("mask", ["no_mask", "document"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (256, 128)], ids=str)
-def test_shared_memory_model_bounds_what_mosaic_allocates(dims, monkeypatch):
+def test_shared_memory_model_bounds_what_mosaic_allocates(dims, mask, monkeypatch):
     """With the model's limit lifted, a ring too large for sm90 reaches Mosaic's own check, whose
     count the model must bound from above by at most its margin."""
     d, dv = dims
-    stages = next(s for s in range(2, 16) if config.mosaic_smem(128, s, d, dv, 2) > config.MOSAIC_SMEM_BYTES)
+    values = (0, 0) if _MASKS[mask] is None else (1, 1)
+    model = lambda s: config.mosaic_smem(128, s, d, dv, 2, values)  # noqa: E731
+    stages = next(s for s in range(2, 16) if model(s) > config.MOSAIC_SMEM_BYTES)
     monkeypatch.setattr(config, "MOSAIC_SMEM_BYTES", 1 << 30)
-    att = lambda q, k, v: jf.attention(q, k, v, implementation=Implementation(MOSAIC, block_kv=128, num_stages=stages))  # noqa: E731
+    impl = Implementation(MOSAIC, block_kv=128, num_stages=stages)
+    att = lambda q, k, v: jf.attention(q, k, v, mask=_MASKS[mask], implementation=impl)  # noqa: E731
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        lowered(att, (1, 128, 1, d), (1, 256, 1, d), (1, 256, 1, dv))
+        lowered(att, (1, 256, 1, d), (1, 256, 1, d), (1, 256, 1, dv))
     allocated = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
-    assert allocated <= config.mosaic_smem(128, stages, d, dv, 2) <= allocated + config.MOSAIC_SMEM_MARGIN
+    assert allocated <= model(stages) <= allocated + config.MOSAIC_SMEM_MARGIN
 
 
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128), (256, 256), (256, 128)], ids=str)
@@ -108,34 +129,39 @@ def test_default_tiles_are_the_largest_that_fit(dims):
     assert block_kv == (128 if fits(128) else 64)
 
 
-def _lowered_bwd_kernel(kernel: str, d: int, dv: int, block: int, stages: int):
+def _lowered_bwd_kernel(kernel: str, d: int, dv: int, block: int, stages: int, mask=None):
     """One backward kernel alone (pallas_mosaic_gpu_bwd._dq or _dkv) lowered for cuda, s = 256."""
     s = 256
-    mods, _ = attention_mods(None, None, None, (1,), s, s, jnp.float32)
+    mods, consts = attention_mods(mask, None, None, (1,), s, s, jnp.float32)
     rows = (128, block) if kernel == "dq" else (block, 128)
     geo = Geometry(s, s, *rows, 1, 1.0, jnp.dtype(jnp.float32), None)
+    batch_ids = jnp.zeros((1,), jnp.int32)
+    arrays = pallas_mosaic_gpu.mask_arrays(mods, consts, batch_ids, s, s)
     run = getattr(pallas_mosaic_gpu_bwd, f"_{kernel}")
-    f = functools.partial(run, geo=geo, mods=mods, scale=1.0, interpret=False, block=block, stages=stages)
+    f = functools.partial(run, geo=geo, mods=mods, scale=1.0, interpret=False, block=block, stages=stages, arrays=arrays, ids=(batch_ids, 0))
     seq = lambda width: jax.ShapeDtypeStruct((1, s, 1, width), jnp.bfloat16)  # noqa: E731
-    stats, offsets = jax.ShapeDtypeStruct((1, 1, 2, s), jnp.float32), jax.ShapeDtypeStruct((1, 32), jnp.int32)
-    args = (seq(d), seq(dv), stats, seq(d), seq(dv), offsets) if kernel == "dq" else (seq(d), seq(dv), seq(d), seq(dv), stats, offsets)
+    stats = jax.ShapeDtypeStruct((1, 1, 2, s), jnp.float32)
+    args = (seq(d), seq(dv), stats, seq(d), seq(dv)) if kernel == "dq" else (seq(d), seq(dv), seq(d), seq(dv), stats)
     return jax.export.export(jax.jit(f), platforms=("cuda",))(*args).mlir_module()
 
 
+@pytest.mark.parametrize("mask", sorted(_MASKS))
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (64, 192)], ids=str)
 @pytest.mark.parametrize("kernel", ["dq", "dkv"])
-def test_backward_shared_memory_model_bounds_what_mosaic_allocates(kernel, dims):
+def test_backward_shared_memory_model_bounds_what_mosaic_allocates(kernel, dims, mask):
     """Each backward kernel at its default tiles lowers; with a ring too large for sm90 Mosaic's own
-    check fails, and its count must be bounded from above by the model, by at most its margin."""
+    check fails, and its count must be bounded from above by the model, by at most its margin
+    (with a document mask's positional values too)."""
     d, dv = dims
-    block, stages = config.mosaic_bwd_tiles(d, dv, 2, Implementation(MOSAIC))
-    assert mosaic_kernels(_lowered_bwd_kernel(kernel, d, dv, block, stages)) == 1
-    too_many = lambda s: config.mosaic_bwd_smem(kernel, 128, s, d, dv, 2) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES  # noqa: E731
-    stages = next(s for s in range(2, 32) if too_many(s))
+    values = (0, 0) if _MASKS[mask] is None else (1, 1)
+    block, stages = config.mosaic_bwd_tiles(d, dv, 2, Implementation(MOSAIC), values)
+    assert mosaic_kernels(_lowered_bwd_kernel(kernel, d, dv, block, stages, _MASKS[mask])) == 1
+    model = lambda s: config.mosaic_bwd_smem(kernel, 128, s, d, dv, 2, values)  # noqa: E731
+    stages = next(s for s in range(2, 32) if model(s) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES)
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        _lowered_bwd_kernel(kernel, d, dv, 128, stages)
+        _lowered_bwd_kernel(kernel, d, dv, 128, stages, _MASKS[mask])
     allocated = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
-    assert allocated <= config.mosaic_bwd_smem(kernel, 128, stages, d, dv, 2) <= allocated + config.MOSAIC_SMEM_MARGIN
+    assert allocated <= model(stages) <= allocated + config.MOSAIC_SMEM_MARGIN
 
 
 def test_backward_tiles_that_do_not_fit_are_refused():
@@ -143,24 +169,26 @@ def test_backward_tiles_that_do_not_fit_are_refused():
         config.mosaic_bwd_tiles(128, 128, 2, Implementation(MOSAIC, block_kv=128, num_stages=4))
 
 
+@pytest.mark.parametrize("mask", ["no_mask", "document"])
 @pytest.mark.parametrize("dims", [(64, 64), (128, 128), (64, 192)], ids=str)
-def test_tangent_shared_memory_model_bounds_what_mosaic_allocates(dims, monkeypatch):
+def test_tangent_shared_memory_model_bounds_what_mosaic_allocates(dims, mask, monkeypatch):
     d, dv = dims
-    too_many = lambda s: config.mosaic_tangent_smem(128, s, d, dv, 2) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES  # noqa: E731
-    stages = next(s for s in range(2, 32) if too_many(s))
+    values = (0, 0) if _MASKS[mask] is None else (1, 1)
+    model = lambda s: config.mosaic_tangent_smem(128, s, d, dv, 2, values)  # noqa: E731
+    stages = next(s for s in range(2, 32) if model(s) - config.MOSAIC_SMEM_MARGIN > config.MOSAIC_SMEM_BYTES)
     monkeypatch.setattr(config, "MOSAIC_SMEM_BYTES", 1 << 30)
-    mods, _ = attention_mods(None, None, None, (1,), 128, 256, jnp.float32)
+    mods, consts = attention_mods(_MASKS[mask], None, None, (1,), 256, 256, jnp.float32)
     impl = Implementation(MOSAIC, block_kv=128, num_stages=stages)
     tangent = functools.partial(
         pallas_mosaic_gpu_tangent.attention_tangent_mosaic, mods=mods, scale=1.0, implementation=impl,
         interpret=False, batch_ids=jnp.zeros((1,), jnp.int32), head_offset=0,
     )  # fmt: skip
-    seq = lambda s, width: jax.ShapeDtypeStruct((1, s, 1, width), jnp.bfloat16)  # noqa: E731
-    args = (seq(128, d), seq(256, d), seq(256, dv), seq(128, dv), jax.ShapeDtypeStruct((1, 128, 1), jnp.float32))
+    seq = lambda width: jax.ShapeDtypeStruct((1, 256, 1, width), jnp.bfloat16)  # noqa: E731
+    args = (seq(d), seq(d), seq(dv), seq(dv), jax.ShapeDtypeStruct((1, 256, 1), jnp.float32))
     with pytest.raises(ValueError, match="exceeds available shared memory") as error:
-        jax.export.export(jax.jit(tangent), platforms=("cuda",))(*args, seq(128, d), seq(256, d), seq(256, dv))
+        jax.export.export(jax.jit(lambda *a: tangent(*a[:5], *consts, *a[5:])), platforms=("cuda",))(*args, seq(d), seq(d), seq(dv))
     allocated = int(re.search(r"smem_bytes=(\d+)", str(error.value)).group(1))
-    assert allocated <= config.mosaic_tangent_smem(128, stages, d, dv, 2) <= allocated + config.MOSAIC_SMEM_MARGIN
+    assert allocated <= model(stages) <= allocated + config.MOSAIC_SMEM_MARGIN
 
 
 def test_default_tangent_and_backward_tiles_fit_every_head_dims_they_take():
@@ -175,15 +203,33 @@ def test_default_tangent_and_backward_tiles_fit_every_head_dims_they_take():
 
 def test_calls_it_cannot_run_are_refused_with_the_reason():
     shapes = ((1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64))
-    seg = jnp.zeros((1, 128), jnp.int32)
-    document = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.document(seg), implementation=MOSAIC)  # noqa: E731
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*elementwise functions of the indices"):
-        lowered(document, *shapes)
+    factor = jnp.asarray(0.5)
+    scaled = lambda q, k, v: jf.attention(q, k, v, score_mod=lambda s, *_: s * factor, implementation=MOSAIC)  # noqa: E731
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*reads a captured array"):
+        lowered(scaled, *shapes)
+    mods, consts = attention_mods(_DOCUMENT_256, None, None, (1,), 256, 256, jnp.float32)
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+    floats = [c.astype(jnp.float32) for c in consts]
+    assert "positional arrays must be integers of up to 32 bits, got float32" in pallas_mosaic_gpu.mosaic_can_run(mods, q, q, floats)
     f32 = lambda q, k, v: jf.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation=MOSAIC)  # noqa: E731
     with pytest.raises(ValueError, match="bfloat16 or float16.*float32"):
         lowered(f32, *shapes)
     with pytest.raises(ValueError, match="block_kv None, 64 or 128"):
         jf.attention(*(jnp.zeros(s, jnp.bfloat16) for s in shapes), implementation=Implementation(MOSAIC, block_kv=32))
+
+
+@pytest.mark.parametrize("dtype", [np.int64, np.uint32, np.int8])
+def test_document_ids_of_any_integer_type_reach_the_kernels_as_int32(dtype):
+    """64-bit ids (jax_enable_x64) and uint32 become their ranks, the rest stay: Mosaic takes them."""
+    ids = np.array([[3, 3, 2**31 + 5, 2**31 + 5, 7, 7, 7, 3]], np.int64).astype(dtype)
+    kv_ids = np.array([[7, 2**31 + 5, 3, 9]], np.int64).astype(dtype)
+    mask = jf.masks.document(ids, kv_ids)
+    mods, consts = attention_mods(mask, None, None, (1,), 8, 4, jnp.float32)
+    q_seg, kv_seg = consts[: mods.mask_rows + mods.mask_cols]
+    assert jnp.dtype(q_seg.dtype).itemsize <= 4 and jnp.issubdtype(q_seg.dtype, jnp.integer) and q_seg.dtype != jnp.uint32
+    np.testing.assert_array_equal(q_seg[0][:, None] == kv_seg[0][None, :], ids[0][:, None] == kv_ids[0][None, :])
+    att = lambda q, k, v: jf.attention(q, k, v, mask=mask, implementation=MOSAIC)  # noqa: E731
+    assert mosaic_kernels(lowered(att, (1, 8, 1, 64), (1, 4, 1, 64), (1, 4, 1, 64))) == 1
 
 
 def test_cpu_calls_are_a_clear_error():

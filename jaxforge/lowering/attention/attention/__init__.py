@@ -96,11 +96,14 @@ def _dispatch(prim, platform: str | None):
 
 def _mosaic_why_not(prim, mods, args, params) -> str | None:
     """Why ``prim`` has no Mosaic GPU kernel for this call, or None where it has one."""
+    q, v = args[0], args[2]
+    first = 3 if prim is attention_fwd_p else 5
+    mask_consts = args[first : first + mods.num_mask_consts]
     if prim is attention_fwd_p:
-        return pallas_mosaic_gpu.mosaic_can_run(mods, args[0], args[2])
+        return pallas_mosaic_gpu.mosaic_can_run(mods, q, v, mask_consts)
     if prim is attention_bwd_p:
-        return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, args[0], args[2], params["const_grads"])
-    return pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, args[0], args[2])
+        return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, params["const_grads"], mask_consts)
+    return pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, q, v, mask_consts)
 
 
 def _mosaic_by_default(prim) -> bool:

@@ -130,31 +130,44 @@ def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, items
 
 
 # Mosaic GPU (pallas_mosaic_gpu.py): each consumer warpgroup owns 64 query rows (one wgmma M);
-# the key/value ring fits sm90's 227 KiB. Mosaic reserves a few KiB beside the buffers (3552
-# bytes at every shape tried); the margin covers it.
+# the key/value ring fits sm90's 227 KiB. Mosaic places each shared-memory buffer at a multiple
+# of 1 KiB and reserves a little beside them (barriers: 2.4 KiB at the shapes tried); the
+# margin covers that.
 MOSAIC_VALIDATED = False  # True once the gpu tests pass on an H200: then the sm90 default forward
 MOSAIC_BLOCK_Q = 64
 MOSAIC_SMEM_BYTES = 227 * 1024
 MOSAIC_SMEM_MARGIN = 4096
 MOSAIC_BLOCK_KV = 128
 MOSAIC_STAGES = 2
+_OWN = 2 * MOSAIC_BLOCK_Q  # rows the two consumers of a program own
 
 
-def mosaic_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
-    """``(block_kv, stages)`` of the Mosaic GPU forward for padded head dims ``d``, ``dv``: the
+def mosaic_tiles(d: int, dv: int, itemsize: int, impl: Implementation, values=(0, 0)) -> tuple[int, int]:
+    """``(block_kv, stages)`` of the Mosaic GPU forward for padded head dims ``d``, ``dv`` and
+    ``values``, the mask's positional arrays at the queries and at the keys: the
     Implementation's, else 128 keys a tile halved (to 64 at least) until the ring fits."""
     block_kv, stages = impl.block_kv or MOSAIC_BLOCK_KV, impl.num_stages or MOSAIC_STAGES
-    while mosaic_smem(block_kv, stages, d, dv, itemsize) > MOSAIC_SMEM_BYTES and block_kv > 64 and not impl.block_kv:
+    size = lambda block_kv: mosaic_smem(block_kv, stages, d, dv, itemsize, values)  # noqa: E731
+    while size(block_kv) > MOSAIC_SMEM_BYTES and block_kv > 64 and not impl.block_kv:
         block_kv //= 2
-    return _fitting("forward", mosaic_smem(block_kv, stages, d, dv, itemsize), d, dv, block_kv, stages)
+    return _fitting("forward", size(block_kv), d, dv, block_kv, stages)
 
 
-def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+def mosaic_smem(block_kv: int, stages: int, d: int, dv: int, itemsize: int, values=(0, 0)) -> int:
     """Shared memory of one Mosaic GPU forward program: the two consumers' query and output
-    tiles (one tile when ``d == dv``), ``stages`` key/value tiles, their lse rows and offsets
-    (128 bytes) and the margin."""
-    own = 2 * MOSAIC_BLOCK_Q * (d if d == dv else d + dv)
-    return itemsize * (own + stages * block_kv * (d + dv)) + 2 * (4 * MOSAIC_BLOCK_Q + 128) + MOSAIC_SMEM_MARGIN
+    tiles (one tile when ``d == dv``), ``stages`` key/value tiles, the lse rows, the program's
+    table rows, the positional mask values, and the margin."""
+    tiles = [_OWN * d, 0 if d == dv else _OWN * dv, stages * block_kv * d, stages * block_kv * dv]
+    return _smem([itemsize * n for n in tiles] + [_OWN * 4], values, stages, block_kv)
+
+
+def _smem(buffers, values, stages: int, block: int) -> int:
+    """The bytes of ``buffers``, of the program's table rows and of its positional mask values,
+    ``values = (own, streamed)`` arrays at the consumers' own rows and at ``stages`` streamed
+    tiles of ``block`` (int32), each placed at a multiple of 1 KiB; and the margin."""
+    own, streamed = values
+    buffers = [*buffers, 3 * 32 * 4, 4 * own * _OWN, 4 * streamed * stages * block]
+    return sum(-(-n // 1024) * 1024 for n in buffers) + MOSAIC_SMEM_MARGIN
 
 
 # The Mosaic GPU backward (pallas_mosaic_gpu_bwd.py): its dq and dkv programs own 2 x 64 rows and
@@ -167,37 +180,39 @@ MOSAIC_BWD_STAGES = 2
 MOSAIC_BWD_MAX_HEAD_DIMS = 256
 
 
-def mosaic_bwd_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
-    """``(block, stages)`` of the Mosaic GPU backward for padded head dims ``d``, ``dv``: the
-    Implementation's ``block_kv`` and ``num_stages``, else the defaults above; both kernels must fit."""
+def mosaic_bwd_tiles(d: int, dv: int, itemsize: int, impl: Implementation, values=(0, 0)) -> tuple[int, int]:
+    """``(block, stages)`` of the Mosaic GPU backward for padded head dims ``d``, ``dv`` and
+    positional mask arrays ``values`` (at the queries, at the keys): the Implementation's
+    ``block_kv`` and ``num_stages``, else the defaults above; both kernels must fit."""
     block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
-    size = max(mosaic_bwd_smem(kernel, block, stages, d, dv, itemsize) for kernel in ("dq", "dkv"))
+    size = max(mosaic_bwd_smem(kernel, block, stages, d, dv, itemsize, values) for kernel in ("dq", "dkv"))
     return _fitting("backward", size, d, dv, block, stages)
 
 
-def mosaic_bwd_smem(kernel: str, block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+def mosaic_bwd_smem(kernel: str, block: int, stages: int, d: int, dv: int, itemsize: int, values=(0, 0)) -> int:
     """Shared memory of one program of the backward's ``kernel`` ("dq" or "dkv"): the two consumers'
-    own tiles (Q and dO, or K and V) and offsets, ``stages`` streamed tiles (K and V, or Q, dO and
-    their lse and Δ rows), and the margin."""
-    own = itemsize * 2 * MOSAIC_BLOCK_Q * (d + dv) + 2 * 128
+    own tiles (Q and dO, or K and V), ``stages`` streamed tiles (K and V, or Q, dO and their lse
+    and Δ rows), the lse and Δ rows of its own queries (dq), the table rows, the positional mask
+    values (``values`` at the queries, at the keys: a dkv program owns keys), and the margin."""
+    tiles = [itemsize * n for n in (_OWN * d, _OWN * dv, stages * block * d, stages * block * dv)]
     if kernel == "dq":
-        return own + 2 * 2 * MOSAIC_BLOCK_Q * 4 + stages * itemsize * block * (d + dv) + MOSAIC_SMEM_MARGIN
-    return own + stages * (itemsize * block * (d + dv) + 2 * block * 4) + MOSAIC_SMEM_MARGIN
+        return _smem([*tiles, 2 * _OWN * 4], values, stages, block)
+    return _smem([*tiles, stages * 2 * block * 4], values[::-1], stages, block)
 
 
-def mosaic_tangent_tiles(d: int, dv: int, itemsize: int, impl: Implementation) -> tuple[int, int]:
+def mosaic_tangent_tiles(d: int, dv: int, itemsize: int, impl: Implementation, values=(0, 0)) -> tuple[int, int]:
     """``(block, stages)`` of the Mosaic GPU tangent: the backward's defaults (or the
     Implementation's), its ring of K, V, dK and dV tiles fitting sm90's shared memory."""
     block, stages = impl.block_kv or MOSAIC_BWD_BLOCK, impl.num_stages or MOSAIC_BWD_STAGES
-    return _fitting("tangent", mosaic_tangent_smem(block, stages, d, dv, itemsize), d, dv, block, stages)
+    return _fitting("tangent", mosaic_tangent_smem(block, stages, d, dv, itemsize, values), d, dv, block, stages)
 
 
-def mosaic_tangent_smem(block: int, stages: int, d: int, dv: int, itemsize: int) -> int:
+def mosaic_tangent_smem(block: int, stages: int, d: int, dv: int, itemsize: int, values=(0, 0)) -> int:
     """Shared memory of one Mosaic GPU tangent program: the two consumers' Q, dQ and (when its
-    head dim differs from Q's) O tiles, their lse rows and offsets, ``stages`` of K, V, dK, dV
-    tiles, and the margin."""
-    own = itemsize * 2 * MOSAIC_BLOCK_Q * (2 * d + (dv if dv != d else 0)) + 2 * (4 * MOSAIC_BLOCK_Q + 128)
-    return own + stages * itemsize * block * 2 * (d + dv) + MOSAIC_SMEM_MARGIN
+    head dim differs from Q's) O tiles, their lse rows, ``stages`` of K, V, dK, dV tiles, the
+    table rows, the positional mask values, and the margin."""
+    tiles = [_OWN * d, _OWN * d, 0 if d == dv else _OWN * dv, *(stages * block * n for n in (d, dv, d, dv))]
+    return _smem([itemsize * n for n in tiles] + [_OWN * 4], values, stages, block)
 
 
 def _fitting(kernel: str, size: int, d: int, dv: int, block: int, stages: int) -> tuple[int, int]:

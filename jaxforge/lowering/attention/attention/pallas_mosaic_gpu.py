@@ -15,12 +15,21 @@ the producer's ring is consumed in lockstep; the tiles wholly visible to all 128
 mask arithmetic. Sequences are zero-padded to whole tiles and padded keys are masked; head dims
 are padded to multiples of 64 (the 128-byte swizzle of bf16 rows), so MLA's 192 stays 192.
 
+A mask's runtime data (document segment ids, per-item prefix lengths) reaches the kernels in two
+forms. Its *positional* values (``Mods.mask_rows``/``mask_cols``: one int32 per query or key) are
+copied per tile like the operands: a consumer's own 64 rows once, the streamed tiles' in the
+producer's ring beside their K (or Q) tile, each loaded into registers as a row or a column of
+the score tile. The tiles a program visits, which then depend on the data (``SegmentSpan``), are
+computed before the call for every program (``program_table``) and read from its table row;
+for static spans each warpgroup computes them itself, so the producer starts copying at once.
+
 The tangent's and the backward's kernels (pallas_mosaic_gpu_tangent.py, pallas_mosaic_gpu_bwd.py)
 share this module's pieces and read the ``(out, lse)`` this kernel writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -38,46 +47,73 @@ __all__ = [
     "CONSUMERS",
     "CONSUMER_REGISTERS",
     "LOG2E",
+    "MaskArrays",
     "PRODUCER_REGISTERS",
     "accumulate",
     "attention_fwd_mosaic",
-    "global_offsets",
     "int32",
+    "kv_bounds",
     "load_in_layout",
     "load_own",
     "log2_rows",
+    "mask_arrays",
     "mosaic_can_run",
     "mosaic_interpret_params",
+    "own_values",
+    "positional_counts",
+    "producer_bounds",
     "product",
-    "query_program",
+    "program_ids",
+    "program_table",
+    "q_bounds",
+    "start_consumer",
     "stream",
+    "streamed_values",
     "swizzled_smem",
     "swizzled_width",
+    "table_smem",
+    "tile_bounds",
+    "values_smem",
     "visible",
     "warpgroup_kernel",
+    "with_absent",
     "write_back",
 ]
 
 CONSUMERS = 2  # warpgroups computing, each owning config.MOSAIC_BLOCK_Q query rows
 LOG2E = math.log2(math.e)
 _LN2 = math.log(2)
+_ROWS, _COLS = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)  # a value per row / column of a tile
 # Consumers need registers for their accumulators; the producer only issues copies.
 CONSUMER_REGISTERS, PRODUCER_REGISTERS = 232, 40
 
 
-def mosaic_can_run(mods: Mods, q, v) -> str | None:
+def mosaic_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
     """Why the Mosaic GPU forward cannot run this call, or None if it can.
 
-    The mask and score_mod must be elementwise arithmetic on the indices (no captured arrays, no
-    per-item data such as document segments); bf16/f16 operands; head dims up to 256.
+    The mask and score_mod must be elementwise arithmetic on the indices and on the mask's
+    positional arrays (integers of up to 32 bits, as jf.masks hands over document segment ids and
+    per-item prefix lengths), with no other captured array; bf16/f16 operands; head dims up to 256.
     """
-    if not pallas_triton.triton_can_run(mods) or mods.num_mask_consts or mods.num_score_consts:
-        return "its mask or score_mod reads arrays (the Mosaic GPU forward applies elementwise functions of the indices only)"
+    if not pallas_triton.triton_can_run(mods):  # which also refuses captured arrays
+        return (
+            "its mask or score_mod reads captured arrays (the Mosaic GPU kernels apply elementwise functions "
+            "of the indices and of positional arrays such as document segment ids)"
+        )
+    for x in mask_consts[: mods.mask_rows + mods.mask_cols]:  # the function itself has no arrays
+        if not _widens_to_int32(x.dtype):
+            return f"its mask's positional arrays must be integers of up to 32 bits, got {x.dtype}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it takes bfloat16 or float16 operands, got {q.dtype}"
     if max(q.shape[-1], v.shape[-1]) > 256:
         return f"it takes head dims up to 256, got {q.shape[-1]} and {v.shape[-1]}"
     return None
+
+
+def _widens_to_int32(dtype) -> bool:
+    """Integers whose int32 values are their own (and so compare as they do)."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.integer) and (dtype.itemsize < 4 or dtype == jnp.int32)
 
 
 def mosaic_interpret_params():
@@ -121,10 +157,112 @@ def log2_rows(lse, padded: int):
     return xla.seq_last(jnp.where(jnp.isfinite(lse), lse, 0.0).astype(jnp.float32) * LOG2E, padded)
 
 
-def global_offsets(batch_ids, head_offset):
-    """Per local batch item its global index and that of the first local head, padded to 32 int32:
-    a program copies its item's row (128 bytes, the smallest copy a warpgroup takes) to shared memory."""
-    return jnp.zeros((batch_ids.shape[0], 32), jnp.int32).at[:, 0].set(batch_ids).at[:, 1].set(head_offset)
+@dataclasses.dataclass(frozen=True)
+class MaskArrays:
+    """A mask's runtime arrays as the Mosaic GPU kernels read them, one leading row per local batch
+    item: its positional values at the queries (``rows``, ``(B, R, Sq_pad)``) and at the keys
+    (``cols``, ``(B, C, Skv_pad)``), int32, None where it has none; and its span's arrays."""
+
+    rows: jax.Array | None
+    cols: jax.Array | None
+    span: tuple
+
+
+def positional_counts(mods: Mods) -> tuple[int, int]:
+    """How many positional arrays the mask has at the queries and at the keys (shared memory)."""
+    return mods.mask_rows, mods.mask_cols
+
+
+def mask_arrays(mods: Mods, mask_consts, batch_ids, sq_pad: int, skv_pad: int) -> MaskArrays:
+    """The mask's arrays of each local batch item (``batch_ids``: their global indices), the
+    positional ones zero-padded to whole programs (padding is masked by the bounds anyway)."""
+    if mods.mask is None:
+        return MaskArrays(None, None, ())
+
+    def per_item(b):
+        item = mods.item_mask(b, mask_consts)
+        return item.rows, item.cols, item.span
+
+    rows, cols, span = jax.vmap(per_item)(batch_ids)
+    stacked = lambda xs, size: jnp.stack([pallas_triton._pad_last(x.astype(jnp.int32), size) for x in xs], 1) if xs else None  # noqa: E731
+    return MaskArrays(stacked(rows, sq_pad), stacked(cols, skv_pad), tuple(span))
+
+
+def kv_bounds(geo: Geometry, mods: Mods):
+    """``bounds(i, span=()) -> (lo, hi, full_lo, full_hi)``: the key tiles query program ``i``
+    visits, and among them the wholly visible ones."""
+    return lambda i, span=(): (*geo.kv_tiles(mods, i, span), *geo.full_kv_tiles(mods, i, span))
+
+
+def q_bounds(geo: Geometry, mods: Mods):
+    """``bounds(j, span=())``: the query tiles key program ``j`` visits, as :func:`kv_bounds`."""
+    return lambda j, span=(): (*geo.q_tiles(mods, j, span), *geo.full_q_tiles(mods, j, span))
+
+
+def program_table(bounds, num_programs: int, arrays: MaskArrays, batch_ids, head_offset):
+    """``(B, T, 32)`` int32, a row per local batch item and program: the item's global index, that
+    of its first local head, then ``bounds(t, span)`` (:func:`kv_bounds`, :func:`q_bounds`) for
+    the item's span. A program copies its row (128 bytes, the smallest copy a warpgroup takes)."""
+    tiles = jnp.arange(num_programs, dtype=jnp.int32)
+    per_item = lambda span: jax.vmap(lambda t: jnp.stack(int32(*bounds(t, span))))(tiles)  # noqa: E731
+    table = jax.vmap(per_item, axis_size=batch_ids.shape[0])(arrays.span)
+    ids = jnp.stack([batch_ids, jnp.full_like(batch_ids, head_offset)], axis=-1)
+    zeros = jnp.zeros((*table.shape[:2], 32), jnp.int32)
+    return zeros.at[..., :2].set(ids[:, None]).at[..., 2:6].set(table)
+
+
+def tile_bounds(mods: Mods, bounds, row):
+    """``(lo, hi, full_lo, full_hi)`` of this program: ``bounds()`` in the kernel where the span is
+    static (the producer can start at once), else from its table row ``row`` (shared memory)."""
+    if mods.span.num_arrays:
+        return int32(*(row[n] for n in range(2, 6)))
+    return int32(*bounds())
+
+
+def start_consumer(mods: Mods, bounds, table, copies, values, ready, wg, interpret: bool):
+    """A consumer's own operands in shared memory: its program's table row (``table``), the
+    ``copies`` and, where the mask has them, its positional values (``values``), each a
+    ``(source, destination)`` pair (:func:`load_own`; ``values`` may be None). Returns its item's
+    global index, its first head's, its tile bounds (:func:`tile_bounds`) and the values."""
+    load_own([table, *copies] + ([] if values is None else [values]), ready, wg)
+    row = table[1].at[wg]
+    own = [] if values is None else own_values(values[1].at[wg], interpret)
+    return row[0], row[1], tile_bounds(mods, bounds, row), own
+
+
+def producer_bounds(mods: Mods, bounds, table_ref, table_smem, ready):
+    """The producer's tile bounds: its own copy of the table row where the span reads arrays."""
+    if mods.span.num_arrays:
+        plgpu.copy_gmem_to_smem(table_ref, table_smem.at[CONSUMERS], ready)
+        plgpu.barrier_wait(ready)
+    return tile_bounds(mods, bounds, table_smem.at[CONSUMERS])
+
+
+def own_values(values_smem, interpret: bool) -> list:
+    """A consumer's positional values (``(count, rows)`` shared memory) along its tile's rows."""
+    return [load_in_layout(values_smem.at[n], _ROWS, interpret) for n in range(values_smem.shape[0])]
+
+
+def streamed_values(values_smem, interpret: bool) -> list:
+    """A streamed tile's positional values (``(count, cols)`` shared memory) along the columns."""
+    return [load_in_layout(values_smem.at[n], _COLS, interpret) for n in range(values_smem.shape[0])]
+
+
+def with_absent(refs, operands) -> list:
+    """A kernel's refs with None in place of the ``operands`` that are None (a mask without
+    positional arrays), then its outputs'."""
+    it = iter(refs)
+    return [*(None if x is None else next(it) for x in operands), *it]
+
+
+def table_smem():
+    """Each warpgroup's copy of its program's table row."""
+    return plgpu.SMEM((CONSUMERS + 1, 32), jnp.int32)
+
+
+def values_smem(values, count: int, size: int):
+    """Shared memory for ``count`` tiles of ``size`` positions of positional ``values``, or None."""
+    return None if values is None else plgpu.SMEM((count, values.shape[1], size), jnp.int32)
 
 
 def load_in_layout(ref, layout, interpret: bool):
@@ -192,19 +330,19 @@ def write_back(*copies):
     plgpu.wait_smem_to_gmem(0)
 
 
-def visible(mods: Mods, geo: Geometry, b, h, q_idx, kv_idx):
-    """Which scores of a tile count: inside both sequences (not padding) and allowed by the mask."""
+def visible(mods: Mods, geo: Geometry, b, h, q_idx, kv_idx, rows=(), cols=(), q_axis: int = 0):
+    """Which scores of a tile count: inside both sequences (not padding) and allowed by the mask;
+    ``rows`` / ``cols`` its positional values at the tile's queries / keys, vectors along the
+    tile's axis ``q_axis`` / the other."""
     inside = (kv_idx < geo.skv) & (q_idx < geo.sq)
-    user = mods.allowed(b, h, q_idx, kv_idx, [], [], [])
+    spread = lambda xs, axis: [lax.broadcast_in_dim(x, q_idx.shape, [axis]) for x in xs]  # noqa: E731
+    user = mods.allowed(b, h, q_idx, kv_idx, [], spread(rows, q_axis), spread(cols, 1 - q_axis))
     return inside if user is None else inside & user
 
 
-def query_program(geo: Geometry, mods: Mods):
-    """``(head, tile, item, warpgroup, (lo, hi, full_lo, full_hi))`` of a program over query tiles
-    (grid names heads, q_tiles, batch): the key tiles ``[lo, hi)`` it visits, among them the wholly
-    visible ``[full_lo, full_hi)``."""
-    h_local, i, item, wg = (lax.axis_index(name) for name in ("heads", "q_tiles", "batch", "warpgroup"))
-    return h_local, i, item, wg, int32(*geo.kv_tiles(mods, i, ()), *geo.full_kv_tiles(mods, i, ()))
+def program_ids(tiles: str):
+    """``(head, tile, item, warpgroup)`` of a program on a grid named (heads, ``tiles``, batch)."""
+    return tuple(lax.axis_index(name) for name in ("heads", tiles, "batch", "warpgroup"))
 
 
 def attention_fwd_mosaic(
@@ -215,32 +353,35 @@ def attention_fwd_mosaic(
     block_q = config.MOSAIC_BLOCK_Q
     rows = CONSUMERS * block_q
     d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
-    block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation)
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
+    block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation, values=positional_counts(mods))
     geo = Geometry(sq, skv, rows, block_kv, hq // hkv, scale, jnp.dtype(jnp.float32), None)
     batch, bsz = q.shape[:-3], math.prod(q.shape[:-3])
     sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block_kv
+    arrays = mask_arrays(mods, consts, batch_ids, sq_pad, skv_pad)
     qp, kp, vp = (pallas_triton._seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
-    offsets = global_offsets(batch_ids, head_offset)
+    bounds = kv_bounds(geo, mods)
+    table = program_table(bounds, geo.num_q_tiles, arrays, batch_ids, head_offset)
     wgmma_layout = plgpu.Layout.WGMMA
-    row_layout = wgmma_layout.reduce(1)
 
-    def body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, smem, ready, free, turn):
-        q_smem, o_smem, k_smem, v_smem, lse_smem, offset_smem = smem
+    def body(q_ref, k_ref, v_ref, table_ref, rows_ref, cols_ref, out_ref, lse_ref, smem, ready, free, turn):
+        q_smem, o_smem, k_smem, v_smem, lse_smem, program_smem, q_values_smem, kv_values_smem = smem
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: the output reuses q's tile
-        q_ready, k_ready, v_ready, offset_ready = ready
+        own_ready, k_ready, v_ready, cols_ready = ready
         k_free, v_free = free
-        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
+        h_local, i, item, wg = program_ids("q_tiles")
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             q_lo = i * rows + wg * block_q
-            plgpu.copy_gmem_to_smem(offset_ref.at[item], offset_smem.at[wg], offset_ready.at[wg])
-            plgpu.copy_gmem_to_smem(q_ref.at[item, pl.ds(q_lo, block_q), h_local], q_smem.at[wg], q_ready.at[wg])
-            plgpu.barrier_wait(offset_ready.at[wg])
-            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
-            plgpu.barrier_wait(q_ready.at[wg])
+            own = (item, pl.ds(q_lo, block_q))
+            q_values = None if rows_ref is None else (rows_ref.at[item, :, own[1]], q_values_smem)
+            b, h, (lo, hi, full_lo, full_hi), q_values = start_consumer(
+                mods, lambda: bounds(i), (table_ref.at[item, i], program_smem), [(q_ref.at[(*own, h_local)], q_smem)],
+                q_values, own_ready, wg, interpret,
+            )  # fmt: skip
+            h = h + h_local
 
             def meet():  # both consumers arrive, then go on together
                 plgpu.barrier_arrive(turn)
@@ -257,12 +398,15 @@ def attention_fwd_mosaic(
                     return acc_ref[...]
 
                 s = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                if cols_ref is not None:  # every phase is waited for; the values read where masked
+                    plgpu.barrier_wait(cols_ready.at[slot])
+                kv_values = streamed_values(kv_values_smem.at[slot], interpret) if masked and cols_ref is not None else []
                 plgpu.barrier_arrive(k_free.at[slot])
                 q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=wgmma_layout)
                 kv_idx = t * block_kv + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
                 s = mods.modify(s * scale, b, h, q_idx, kv_idx, [])
                 if masked:
-                    s = jnp.where(visible(mods, geo, b, h, q_idx, kv_idx), s, -jnp.inf)
+                    s = jnp.where(visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values), s, -jnp.inf)
                 s = s * LOG2E  # base 2 from here: m and the exponents are in log2 units
                 m_new = jnp.maximum(m, s.max(axis=1))
                 shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # all masked so far: exp2 stays finite
@@ -279,8 +423,8 @@ def attention_fwd_mosaic(
                 return m_new, l, acc
 
             carry = (
-                plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), row_layout),
-                plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), row_layout),
+                plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32), _ROWS),
+                plgpu.layout_cast(jnp.full((block_q,), 0.0, jnp.float32), _ROWS),
                 plgpu.layout_cast(jnp.full((block_q, dv), 0.0, jnp.float32), wgmma_layout),
             )
             pl.when(wg == 1)(meet)  # consumer 1 runs half a step behind consumer 0 ...
@@ -291,13 +435,13 @@ def attention_fwd_mosaic(
             o_smem.at[wg][...] = (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(o_smem.dtype)
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             lse_smem.at[wg][...] = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * _LN2, -jnp.inf)
-            own_rows = pl.ds(q_lo, block_q)
-            write_back((o_smem.at[wg], out_ref.at[item, own_rows, h_local]), (lse_smem.at[wg], lse_ref.at[item, h_local, own_rows]))
+            write_back((o_smem.at[wg], out_ref.at[(*own, h_local)]), (lse_smem.at[wg], lse_ref.at[item, h_local, own[1]]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
+            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(i), table_ref.at[item, i], program_smem, own_ready.at[CONSUMERS * n_own])
 
             def load(t, wait: bool):
                 slot = lax.rem(t - lo, jnp.int32(stages))
@@ -305,6 +449,8 @@ def attention_fwd_mosaic(
                 if wait:  # both consumers are done with the slot's previous tile
                     plgpu.barrier_wait(k_free.at[slot])
                 plgpu.copy_gmem_to_smem(k_ref.at[tile], k_smem.at[slot], k_ready.at[slot])
+                if cols_ref is not None:  # the keys' positional values travel (and are freed) with K
+                    plgpu.copy_gmem_to_smem(cols_ref.at[item, :, tile[1]], kv_values_smem.at[slot], cols_ready.at[slot])
                 if wait:
                     plgpu.barrier_wait(v_free.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[tile], v_smem.at[slot], v_ready.at[slot])
@@ -319,7 +465,10 @@ def attention_fwd_mosaic(
             pl.loop(lo + stages, hi)(lambda t: load(t, wait=True))
             pl.loop(jnp.maximum(lo, hi - stages), hi)(drain)
 
-    def entry(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref):
+    operands = (qp, kp, vp, table, arrays.rows, arrays.cols)
+    n_own = 2 + (arrays.rows is not None)  # per consumer: table row, Q, the queries' positional values
+
+    def entry(*refs):
         swizzled = lambda shape: swizzled_smem(shape, q.dtype)  # noqa: E731
         smem = (
             swizzled((CONSUMERS, block_q, d)),
@@ -327,17 +476,19 @@ def attention_fwd_mosaic(
             swizzled((stages, block_kv, d)),
             swizzled((stages, block_kv, dv)),
             plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
-            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            table_smem(),
+            values_smem(arrays.rows, CONSUMERS, block_q),
+            values_smem(arrays.cols, stages, block_kv),
         )
         ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=stages),
-            plgpu.Barrier(num_barriers=CONSUMERS),
+            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
+            plgpu.Barrier(num_barriers=stages),  # K
+            plgpu.Barrier(num_barriers=stages),  # V
+            plgpu.Barrier(num_barriers=stages),  # the keys' positional values
         )
         free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
         pl.run_scoped(
-            lambda *scratch: body(q_ref, k_ref, v_ref, offset_ref, out_ref, lse_ref, *scratch),
+            lambda *scratch: body(*with_absent(refs, operands), *scratch),
             smem,
             ready,
             free,
@@ -351,6 +502,6 @@ def attention_fwd_mosaic(
         jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype, manual_axis_type=mat),
         jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
     )
-    out, lse = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(qp, kp, vp, offsets)
+    kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
+    out, lse = kernel(*(x for x in operands if x is not None))
     return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)
-

@@ -34,21 +34,31 @@ from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
     CONSUMERS,
     LOG2E,
     PRODUCER_REGISTERS,
+    MaskArrays,
     accumulate,
-    global_offsets,
     int32,
+    kv_bounds,
     load_in_layout,
-    load_own,
     log2_rows,
+    mask_arrays,
     mosaic_can_run,
     mosaic_interpret_params,
+    positional_counts,
+    producer_bounds,
     product,
-    query_program,
+    program_ids,
+    program_table,
+    q_bounds,
+    start_consumer,
     stream,
+    streamed_values,
     swizzled_smem,
     swizzled_width,
+    table_smem,
+    values_smem,
     visible,
     warpgroup_kernel,
+    with_absent,
     write_back,
 )
 from jaxforge.primitives.attention.attention import Implementation
@@ -59,11 +69,11 @@ __all__ = ["attention_bwd_mosaic", "mosaic_bwd_can_run"]
 _WGMMA = plgpu.Layout.WGMMA
 
 
-def mosaic_bwd_can_run(mods: Mods, q, v, const_grads) -> str | None:
+def mosaic_bwd_can_run(mods: Mods, q, v, const_grads, mask_consts=()) -> str | None:
     """Why the Mosaic GPU backward cannot run this call, or None if it can."""
     if any(const_grads):
         return "a captured array wants its cotangent (a reduction over every program)"
-    if why := mosaic_can_run(mods, q, v):
+    if why := mosaic_can_run(mods, q, v, mask_consts):
         return why
     d, dv = (swizzled_width(x.shape[-1]) for x in (q, v))
     if d + dv > config.MOSAIC_BWD_MAX_HEAD_DIMS:
@@ -71,9 +81,10 @@ def mosaic_bwd_can_run(mods: Mods, q, v, const_grads) -> str | None:
     return None
 
 
-def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo: Geometry):
+def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, seen):
     """``(P, dS)`` of one tile from the raw scores, given ``stats = (lse, Δ, dP)`` broadcast to
-    the tile (``lse`` in log2 units, 0 where infinite): ``dS`` pulled back through score_mod.
+    the tile (``lse`` in log2 units, 0 where infinite): ``dS`` pulled back through score_mod;
+    ``seen()`` the tile's visible scores, None for a wholly visible tile.
 
     The mods are elementwise, so the pullback is a product with their derivative, which a JVP
     gives (a VJP would emit ``add_any``, which Mosaic GPU does not lower).
@@ -83,9 +94,9 @@ def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, masked: bool, geo:
     s, slope = jax.jvp(modify, (raw,), (jnp.ones_like(raw),))
     p = jnp.exp2(s * LOG2E - lse)
     g_raw = p * (dp - delta) * slope
-    if not masked:
+    if seen is None:
         return p, g_raw
-    seen = visible(mods, geo, b, h, q_idx, kv_idx)
+    seen = seen()
     return jnp.where(seen, p, 0.0), jnp.where(seen, g_raw, 0.0)  # exactly 0, even at infinite Δ
 
 
@@ -97,7 +108,7 @@ def attention_bwd_mosaic(
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     g_out, g_lse = operands[-2:]
     d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
-    block, stages = config.mosaic_bwd_tiles(d, dv, q.dtype.itemsize, implementation)
+    block, stages = config.mosaic_bwd_tiles(d, dv, q.dtype.itemsize, implementation, values=positional_counts(mods))
     rows = CONSUMERS * config.MOSAIC_BLOCK_Q
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
     # One padding serves both kernels: whole 128-row programs, whole ``block`` tiles inside.
@@ -106,10 +117,10 @@ def attention_bwd_mosaic(
     kp, vp = pallas_triton._seq_major(k, skv_pad, d), pallas_triton._seq_major(v, skv_pad, dv)
     delta = xla.bwd_delta(out, g_out, g_lse, jnp.float32)
     stats = jnp.stack([log2_rows(lse, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
-    offsets = global_offsets(batch_ids, head_offset)
-    common = dict(mods=mods, scale=scale, interpret=interpret, block=block, stages=stages)
-    gq = _dq(qp, gp, stats, kp, vp, offsets, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
-    gk, gv = _dkv(kp, vp, qp, gp, stats, offsets, Geometry(sq, skv, block, rows, hq // hkv, scale, jnp.float32, None), **common)
+    arrays = mask_arrays(mods, operands[: mods.num_mask_consts], batch_ids, sq_pad, skv_pad)
+    common = dict(mods=mods, scale=scale, interpret=interpret, block=block, stages=stages, arrays=arrays, ids=(batch_ids, head_offset))
+    gq = _dq(qp, gp, stats, kp, vp, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
+    gk, gv = _dkv(kp, vp, qp, gp, stats, Geometry(sq, skv, block, rows, hq // hkv, scale, jnp.float32, None), **common)
     batch = q.shape[:-3]
     return (
         pallas_triton._back(gq, batch, sq, q.shape[-1]),
@@ -118,17 +129,22 @@ def attention_bwd_mosaic(
     )
 
 
-def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret, block, stages):
+def _dq(qp, gp, stats, kp, vp, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: MaskArrays, ids):
     """``dQ`` (B, Sq_pad, Hq, d): programs of 128 query rows over the key tiles they may see."""
     bsz, _, hq, d = qp.shape
     dv, block_q = vp.shape[-1], config.MOSAIC_BLOCK_Q
     dtype = qp.dtype
+    bounds = kv_bounds(geo, mods)
+    operands = (qp, gp, stats, kp, vp, program_table(bounds, geo.num_q_tiles, arrays, *ids), arrays.rows, arrays.cols)
+    n_own = 4 + (arrays.rows is not None)  # per consumer: table row, Q, dO, stats, the queries' positional values
+    n_ring = 2 + (arrays.cols is not None)  # per slot: K, V, the keys' positional values
 
-    def body(q_ref, g_ref, stats_ref, k_ref, v_ref, offset_ref, gq_ref, smem, ready, free):
-        q_smem, g_smem, stats_smem, offset_smem, k_smem, v_smem = smem
+    def body(q_ref, g_ref, stats_ref, k_ref, v_ref, table_ref, rows_ref, cols_ref, gq_ref, smem, ready, free):
+        q_smem, g_smem, stats_smem, program_smem, q_values_smem, *ring_smem = smem
+        ring_smem = [x for x in ring_smem if x is not None]
         own_ready, ring_ready = ready
         (ring_free,) = free
-        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
+        h_local, i, item, wg = program_ids("q_tiles")
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -136,24 +152,36 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
             q_lo = i * geo.block_q + wg * block_q
             own = (item, pl.ds(q_lo, block_q), h_local)
             stats_rows = stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)]
-            copies = ((offset_ref.at[item], offset_smem), (q_ref.at[own], q_smem), (g_ref.at[own], g_smem), (stats_rows, stats_smem))
-            load_own(copies, own_ready, wg)
-            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
+            q_values = None if rows_ref is None else (rows_ref.at[item, :, pl.ds(q_lo, block_q)], q_values_smem)
+            copies = [(q_ref.at[own], q_smem), (g_ref.at[own], g_smem), (stats_rows, stats_smem)]
+            b, h, (lo, hi, full_lo, full_hi), q_values = start_consumer(
+                mods, lambda: bounds(i), (table_ref.at[item, i], program_smem), copies, q_values, own_ready, wg, interpret
+            )
+            h = h + h_local
             row_layout = _WGMMA.reduce(1)
             lse, delta = (load_in_layout(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
 
             def step(t, gq, masked: bool):
                 slot = lax.rem(t - lo, jnp.int32(stages))
+                k_tile, v_tile, *values_tile = (x.at[slot] for x in ring_smem)
                 shape = (block_q, block)
-                plgpu.barrier_wait(ring_ready.at[slot * 2])
-                raw = product(q_smem.at[wg], k_smem.at[slot].transpose((1, 0)), shape) * scale
-                plgpu.barrier_wait(ring_ready.at[slot * 2 + 1])
-                dp = product(g_smem.at[wg], v_smem.at[slot].transpose((1, 0)), shape)
+                plgpu.barrier_wait(ring_ready.at[slot * n_ring])
+                raw = product(q_smem.at[wg], k_tile.transpose((1, 0)), shape) * scale
+                plgpu.barrier_wait(ring_ready.at[slot * n_ring + 1])
+                dp = product(g_smem.at[wg], v_tile.transpose((1, 0)), shape)
+                if values_tile:
+                    plgpu.barrier_wait(ring_ready.at[slot * n_ring + 2])
                 q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
                 kv_idx = t * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
                 row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
-                _, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, (row(lse), row(delta), dp), masked, geo)
-                gq = accumulate(gq, g_raw.astype(dtype), k_smem.at[slot], interpret)
+
+                def seen():
+                    kv_values = [x for tile in values_tile for x in streamed_values(tile, interpret)]
+                    return visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values)
+
+                stats = (row(lse), row(delta), dp)
+                _, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, stats, seen if masked else None)
+                gq = accumulate(gq, g_raw.astype(dtype), k_tile, interpret)
                 plgpu.barrier_arrive(ring_free.at[slot])
                 return gq
 
@@ -166,77 +194,95 @@ def _dq(qp, gp, stats, kp, vp, offsets, geo: Geometry, *, mods, scale, interpret
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
+            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(i), table_ref.at[item, i], program_smem, own_ready.at[CONSUMERS * n_own])
 
             def tiles(c):
-                tile = (item, pl.ds((lo + c) * block, block), h_kv)
-                return k_ref.at[tile], v_ref.at[tile]
+                keys = pl.ds((lo + c) * block, block)
+                tile = (k_ref.at[item, keys, h_kv], v_ref.at[item, keys, h_kv])
+                return tile if cols_ref is None else (*tile, cols_ref.at[item, :, keys])
 
-            stream(tiles, (k_smem, v_smem), ring_ready, ring_free, hi - lo, stages)
+            stream(tiles, ring_smem, ring_ready, ring_free, hi - lo, stages)
 
     def entry(*refs):
         smem = (
             swizzled_smem((CONSUMERS, block_q, d), dtype),
             swizzled_smem((CONSUMERS, block_q, dv), dtype),
             plgpu.SMEM((CONSUMERS, 2, block_q), jnp.float32),
-            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            table_smem(),
+            values_smem(arrays.rows, CONSUMERS, block_q),
             swizzled_smem((stages, block, d), dtype),
             swizzled_smem((stages, block, dv), dtype),
+            values_smem(arrays.cols, stages, block),
         )
         ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * 4),  # per consumer: offsets, Q, dO, stats
-            plgpu.Barrier(num_barriers=stages * 2),  # per slot: K, V
+            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
+            plgpu.Barrier(num_barriers=stages * n_ring),
         )
         free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
-        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+        pl.run_scoped(lambda *scratch: body(*with_absent(refs, operands), *scratch), smem, ready, free, collective_axes="warpgroup")
 
     mat = jax.typeof(kp).manual_axis_type
     out_type = jax.ShapeDtypeStruct(qp.shape, dtype, manual_axis_type=mat)
-    return warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)(
-        qp, gp, stats, kp, vp, offsets
-    )
+    kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
+    return kernel(*(x for x in operands if x is not None))
 
 
-def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpret, block, stages):
+def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: MaskArrays, ids):
     """``(dK, dV)`` (B, Skv_pad, Hkv, d / dv): programs of 128 keys over the query tiles of each
     query head of their group that may see them."""
     bsz, _, hkv, d = kp.shape
     dv, block_kv = vp.shape[-1], config.MOSAIC_BLOCK_Q
     dtype = kp.dtype
+    bounds = q_bounds(geo, mods)
+    operands = (kp, vp, qp, gp, stats, program_table(bounds, geo.num_kv_tiles, arrays, *ids), arrays.cols, arrays.rows)
+    n_own = 3 + (arrays.cols is not None)  # per consumer: table row, K, V, the keys' positional values
+    n_ring = 3 + (arrays.rows is not None)  # per slot: Q, dO, their (lse, Δ) rows, the queries' positional values
 
-    def body(k_ref, v_ref, q_ref, g_ref, stats_ref, offset_ref, gk_ref, gv_ref, smem, ready, free):
-        k_smem, v_smem, offset_smem, q_smem, g_smem, stats_smem = smem
+    def body(k_ref, v_ref, q_ref, g_ref, stats_ref, table_ref, cols_ref, rows_ref, gk_ref, gv_ref, smem, ready, free):
+        k_smem, v_smem, program_smem, kv_values_smem, *ring_smem = smem
+        ring_smem = [x for x in ring_smem if x is not None]
         own_ready, ring_ready = ready
         (ring_free,) = free
-        hk, j, item = lax.axis_index("heads"), lax.axis_index("kv_tiles"), lax.axis_index("batch")
-        wg = lax.axis_index("warpgroup")
-        lo, hi, full_lo, full_hi = int32(*geo.q_tiles(mods, j, ()), *geo.full_q_tiles(mods, j, ()))
-        tiles = hi - lo  # per query head
+        hk, j, item, wg = program_ids("kv_tiles")
 
         @pl.when(wg < CONSUMERS)
         def _consume():
             plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
             kv_lo = j * geo.block_kv + wg * block_kv
             own = (item, pl.ds(kv_lo, block_kv), hk)
-            load_own(((offset_ref.at[item], offset_smem), (k_ref.at[own], k_smem), (v_ref.at[own], v_smem)), own_ready, wg)
-            b, h_first = offset_smem[wg, 0], offset_smem[wg, 1] + hk * geo.group
+            kv_values = None if cols_ref is None else (cols_ref.at[item, :, pl.ds(kv_lo, block_kv)], kv_values_smem)
+            copies = [(k_ref.at[own], k_smem), (v_ref.at[own], v_smem)]
+            b, h_first, (lo, hi, full_lo, full_hi), kv_values = start_consumer(
+                mods, lambda: bounds(j), (table_ref.at[item, j], program_smem), copies, kv_values, own_ready, wg, interpret
+            )
+            h_first = h_first + hk * geo.group
             shape, col_layout = (block_kv, block), _WGMMA.reduce(0)
 
             def head(g, carry):
                 def step(i, carry, masked: bool):
                     gk, gv = carry
-                    slot = lax.rem(g * tiles + i - lo, jnp.int32(stages))
-                    plgpu.barrier_wait(ring_ready.at[slot * 3])
-                    raw = product(k_smem.at[wg], q_smem.at[slot].transpose((1, 0)), shape) * scale
-                    plgpu.barrier_wait(ring_ready.at[slot * 3 + 1])
-                    dp = product(v_smem.at[wg], g_smem.at[slot].transpose((1, 0)), shape)
-                    plgpu.barrier_wait(ring_ready.at[slot * 3 + 2])
-                    lse, delta = (load_in_layout(stats_smem.at[slot, n], col_layout, interpret) for n in range(2))
+                    slot = lax.rem(g * (hi - lo) + i - lo, jnp.int32(stages))
+                    q_tile, g_tile, stats_tile, *values_tile = (x.at[slot] for x in ring_smem)
+                    plgpu.barrier_wait(ring_ready.at[slot * n_ring])
+                    raw = product(k_smem.at[wg], q_tile.transpose((1, 0)), shape) * scale
+                    plgpu.barrier_wait(ring_ready.at[slot * n_ring + 1])
+                    dp = product(v_smem.at[wg], g_tile.transpose((1, 0)), shape)
+                    for n in range(2, n_ring):
+                        plgpu.barrier_wait(ring_ready.at[slot * n_ring + n])
+                    lse, delta = (load_in_layout(stats_tile.at[n], col_layout, interpret) for n in range(2))
                     col = lambda x: lax.broadcast_in_dim(x, shape, [1])  # noqa: E731
                     kv_idx = kv_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
                     q_idx = i * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
-                    p, g_raw = _pulled_back(mods, raw, b, h_first + g, q_idx, kv_idx, (col(lse), col(delta), dp), masked, geo)
-                    gv = accumulate(gv, p.astype(dtype), g_smem.at[slot], interpret)
-                    gk = accumulate(gk, g_raw.astype(dtype), q_smem.at[slot], interpret)
+                    h = h_first + g
+
+                    def seen():
+                        q_values = [x for tile in values_tile for x in streamed_values(tile, interpret)]
+                        return visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values, q_axis=1)
+
+                    stats = (col(lse), col(delta), dp)
+                    p, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, stats, seen if masked else None)
+                    gv = accumulate(gv, p.astype(dtype), g_tile, interpret)
+                    gk = accumulate(gk, g_raw.astype(dtype), q_tile, interpret)
                     plgpu.barrier_arrive(ring_free.at[slot])
                     return gk, gv
 
@@ -251,35 +297,38 @@ def _dkv(kp, vp, qp, gp, stats, offsets, geo: Geometry, *, mods, scale, interpre
         @pl.when(wg == CONSUMERS)
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(j), table_ref.at[item, j], program_smem, own_ready.at[CONSUMERS * n_own])
 
             def query_tiles(c):  # the c-th tile of the loop over (head of the group, query tile)
-                g, i = lax.div(c, tiles), lo + lax.rem(c, tiles)
-                rows, h_local = pl.ds(i * block, block), hk * geo.group + g
-                return q_ref.at[item, rows, h_local], g_ref.at[item, rows, h_local], stats_ref.at[item, h_local, :, rows]
+                g, i = lax.div(c, hi - lo), lo + lax.rem(c, hi - lo)
+                queries, h_local = pl.ds(i * block, block), hk * geo.group + g
+                tile = (q_ref.at[item, queries, h_local], g_ref.at[item, queries, h_local], stats_ref.at[item, h_local, :, queries])
+                return tile if rows_ref is None else (*tile, rows_ref.at[item, :, queries])
 
-            stream(query_tiles, (q_smem, g_smem, stats_smem), ring_ready, ring_free, geo.group * tiles, stages)
+            stream(query_tiles, ring_smem, ring_ready, ring_free, geo.group * (hi - lo), stages)
 
     def entry(*refs):
         smem = (
             swizzled_smem((CONSUMERS, block_kv, d), dtype),
             swizzled_smem((CONSUMERS, block_kv, dv), dtype),
-            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            table_smem(),
+            values_smem(arrays.cols, CONSUMERS, block_kv),
             swizzled_smem((stages, block, d), dtype),
             swizzled_smem((stages, block, dv), dtype),
             plgpu.SMEM((stages, 2, block), jnp.float32),
+            values_smem(arrays.rows, stages, block),
         )
         ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * 3),  # per consumer: offsets, K, V
-            plgpu.Barrier(num_barriers=stages * 3),  # per slot: Q, dO, their (lse, Δ) rows
+            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
+            plgpu.Barrier(num_barriers=stages * n_ring),
         )
         free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
-        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+        pl.run_scoped(lambda *scratch: body(*with_absent(refs, operands), *scratch), smem, ready, free, collective_axes="warpgroup")
 
     mat = jax.typeof(kp).manual_axis_type
     out_type = (
         jax.ShapeDtypeStruct(kp.shape, dtype, manual_axis_type=mat),
         jax.ShapeDtypeStruct(vp.shape, dtype, manual_axis_type=mat),
     )
-    return warpgroup_kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)(
-        kp, vp, qp, gp, stats, offsets
-    )
+    kernel = warpgroup_kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)
+    return kernel(*(x for x in operands if x is not None))

@@ -31,18 +31,26 @@ from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
     LOG2E,
     PRODUCER_REGISTERS,
     accumulate,
-    global_offsets,
+    kv_bounds,
     load_in_layout,
-    load_own,
     log2_rows,
+    mask_arrays,
     mosaic_can_run,
     mosaic_interpret_params,
-    query_program,
+    positional_counts,
+    producer_bounds,
+    program_ids,
+    program_table,
+    start_consumer,
     stream,
+    streamed_values,
     swizzled_smem,
     swizzled_width,
+    table_smem,
+    values_smem,
     visible,
     warpgroup_kernel,
+    with_absent,
     write_back,
 )
 from jaxforge.primitives.attention.attention import Implementation
@@ -53,12 +61,13 @@ __all__ = ["attention_tangent_mosaic", "mosaic_tangent_can_run"]
 _WGMMA = plgpu.Layout.WGMMA
 
 
-def mosaic_tangent_can_run(mods: Mods, q, v) -> str | None:
+def mosaic_tangent_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
     """Why the Mosaic GPU tangent cannot run this call, or None if it can."""
-    if why := mosaic_can_run(mods, q, v):
+    if why := mosaic_can_run(mods, q, v, mask_consts):
         return why
     d, dv = (swizzled_width(x.shape[-1]) for x in (q, v))
-    size = config.mosaic_tangent_smem(config.MOSAIC_BWD_BLOCK, config.MOSAIC_BWD_STAGES, d, dv, q.dtype.itemsize)
+    values = positional_counts(mods)
+    size = config.mosaic_tangent_smem(config.MOSAIC_BWD_BLOCK, config.MOSAIC_BWD_STAGES, d, dv, q.dtype.itemsize, values)
     if d + dv > config.MOSAIC_BWD_MAX_HEAD_DIMS or size > config.MOSAIC_SMEM_BYTES:
         return f"its accumulators and shared memory take head dims {d} + {dv} (padded) up to {config.MOSAIC_BWD_MAX_HEAD_DIMS} with d <= 128"
     return None
@@ -72,7 +81,7 @@ def attention_tangent_mosaic(
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     dq, dk, dv_in = operands[-3:]
     d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
-    block, stages = config.mosaic_tangent_tiles(d, dv, q.dtype.itemsize, implementation)
+    block, stages = config.mosaic_tangent_tiles(d, dv, q.dtype.itemsize, implementation, values=positional_counts(mods))
     block_q = config.MOSAIC_BLOCK_Q
     rows = CONSUMERS * block_q
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
@@ -82,15 +91,19 @@ def attention_tangent_mosaic(
     qp, dqp, outp = seq(q, sq_pad, d), seq(dq, sq_pad, d), seq(out, sq_pad, dv)
     kp, dkp, vp, dvp = seq(k, skv_pad, d), seq(dk, skv_pad, d), seq(v, skv_pad, dv), seq(dv_in, skv_pad, dv)
     lse2 = log2_rows(lse, sq_pad)
-    offsets = global_offsets(batch_ids, head_offset)
+    arrays = mask_arrays(mods, operands[: mods.num_mask_consts], batch_ids, sq_pad, skv_pad)
+    bounds = kv_bounds(geo, mods)
+    table = program_table(bounds, geo.num_q_tiles, arrays, batch_ids, head_offset)
     bsz, dtype = qp.shape[0], q.dtype
+    operands = (qp, dqp, outp, lse2, kp, vp, dkp, dvp, table, arrays.rows, arrays.cols)
 
-    def body(q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, offset_ref, dout_ref, dlse_ref, smem, ready, free):
-        q_smem, dq_smem, o_smem, row_smem, offset_smem, *ring_smem = smem
+    def body(q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, table_ref, rows_ref, cols_ref, dout_ref, dlse_ref, smem, ready, free):
+        q_smem, dq_smem, o_smem, lse_smem, program_smem, q_values_smem, *ring_smem = smem
+        ring_smem = [x for x in ring_smem if x is not None]  # K, V, dK, dV and the keys' positional values
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: O and then dO take Q's tile
         own_ready, out_ready, ring_ready = ready
         (ring_free,) = free
-        h_local, i, item, wg, (lo, hi, full_lo, full_hi) = query_program(geo, mods)
+        h_local, i, item, wg = program_ids("q_tiles")
 
         @pl.when(wg < CONSUMERS)
         def _consume():
@@ -98,17 +111,20 @@ def attention_tangent_mosaic(
             q_lo = i * rows + wg * block_q
             own = (item, pl.ds(q_lo, block_q), h_local)
             lse_rows = lse_ref.at[item, h_local, pl.ds(q_lo, block_q)]
-            copies = ((offset_ref.at[item], offset_smem), (q_ref.at[own], q_smem), (dq_ref.at[own], dq_smem))
-            load_own((*copies, (lse_rows, row_smem)), own_ready, wg)
-            b, h = offset_smem[wg, 0], offset_smem[wg, 1] + h_local
-            lse_row = lax.broadcast_in_dim(load_in_layout(row_smem.at[wg], _WGMMA.reduce(1), interpret), (block_q, block), [0])
+            q_values = None if rows_ref is None else (rows_ref.at[item, :, pl.ds(q_lo, block_q)], q_values_smem)
+            copies = [(q_ref.at[own], q_smem), (dq_ref.at[own], dq_smem), (lse_rows, lse_smem)]
+            b, h, (lo, hi, full_lo, full_hi), q_values = start_consumer(
+                mods, lambda: bounds(i), (table_ref.at[item, i], program_smem), copies, q_values, own_ready, wg, interpret
+            )
+            h = h + h_local
+            lse_row = lax.broadcast_in_dim(load_in_layout(lse_smem.at[wg], _WGMMA.reduce(1), interpret), (block_q, block), [0])
 
             def step(t, carry, masked: bool):
                 r, acc = carry
                 slot = lax.rem(t - lo, jnp.int32(stages))
-                k_tile, v_tile, dk_tile, dv_tile = (x.at[slot] for x in ring_smem)
-                for n in range(4):
-                    plgpu.barrier_wait(ring_ready.at[slot * 4 + n])
+                k_tile, v_tile, dk_tile, dv_tile, *values_tile = (x.at[slot] for x in ring_smem)
+                for n in range(len(ring_smem)):
+                    plgpu.barrier_wait(ring_ready.at[slot * len(ring_smem) + n])
                 shape = (block_q, block)
 
                 def scores(refs):  # Q Kᵀ, and dQ Kᵀ + Q dKᵀ in one accumulator
@@ -125,7 +141,8 @@ def attention_tangent_mosaic(
                 s, ds = jax.jvp(modify, (raw * scale,), (draw * scale,))
                 p = jnp.exp2(s * LOG2E - lse_row)
                 if masked:
-                    seen = visible(mods, geo, b, h, q_idx, kv_idx)
+                    kv_values = [x for tile in values_tile for x in streamed_values(tile, interpret)]
+                    seen = visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values)
                     p, ds = jnp.where(seen, p, 0.0), jnp.where(seen, ds, 0.0)
                 p_ds = p * ds
                 acc = accumulate(acc, p.astype(dtype), dv_tile, interpret)
@@ -142,19 +159,24 @@ def attention_tangent_mosaic(
             plgpu.barrier_wait(out_ready.at[wg])
             out_tile = load_in_layout(o_smem.at[wg], _WGMMA, interpret).astype(jnp.float32)
             o_smem.at[wg][...] = (acc - lax.broadcast_in_dim(r, acc.shape, [0]) * out_tile).astype(dtype)
-            row_smem.at[wg][...] = r
-            write_back((o_smem.at[wg], dout_ref.at[own]), (row_smem.at[wg], dlse_ref.at[item, h_local, pl.ds(q_lo, block_q)]))
+            lse_smem.at[wg][...] = r
+            write_back((o_smem.at[wg], dout_ref.at[own]), (lse_smem.at[wg], dlse_ref.at[item, h_local, pl.ds(q_lo, block_q)]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
             plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
+            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(i), table_ref.at[item, i], program_smem, own_ready.at[CONSUMERS * n_own])
 
             def tiles(c):
-                tile = (item, pl.ds((lo + c) * block, block), h_kv)
-                return tuple(x.at[tile] for x in (k_ref, v_ref, dk_ref, dv_ref))
+                keys = pl.ds((lo + c) * block, block)
+                tile = tuple(x.at[item, keys, h_kv] for x in (k_ref, v_ref, dk_ref, dv_ref))
+                return tile if cols_ref is None else (*tile, cols_ref.at[item, :, keys])
 
             stream(tiles, ring_smem, ring_ready, ring_free, hi - lo, stages)
+
+    n_own = 4 + (arrays.rows is not None)  # per consumer: table row, Q, dQ, lse, the queries' positional values
+    n_ring = 4 + (arrays.cols is not None)  # per slot: K, V, dK, dV, the keys' positional values
 
     def entry(*refs):
         smem = (
@@ -162,16 +184,18 @@ def attention_tangent_mosaic(
             swizzled_smem((CONSUMERS, block_q, d), dtype),
             None if dv == d else swizzled_smem((CONSUMERS, block_q, dv), dtype),
             plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
-            plgpu.SMEM((CONSUMERS, offsets.shape[1]), jnp.int32),
+            table_smem(),
+            values_smem(arrays.rows, CONSUMERS, block_q),
             *(swizzled_smem((stages, block, width), dtype) for width in (d, dv, d, dv)),
+            values_smem(arrays.cols, stages, block),
         )
         ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * 4),  # per consumer: offsets, Q, dQ, lse
+            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
             plgpu.Barrier(num_barriers=CONSUMERS),  # O, after the loop
-            plgpu.Barrier(num_barriers=stages * 4),  # per slot: K, V, dK, dV
+            plgpu.Barrier(num_barriers=stages * n_ring),
         )
         free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
-        pl.run_scoped(lambda *scratch: body(*refs, *scratch), smem, ready, free, collective_axes="warpgroup")
+        pl.run_scoped(lambda *scratch: body(*with_absent(refs, operands), *scratch), smem, ready, free, collective_axes="warpgroup")
 
     mat = jax.typeof(kp).manual_axis_type
     out_type = (
@@ -179,6 +203,6 @@ def attention_tangent_mosaic(
         jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
     )
     kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
-    dout, dlse = kernel(qp, dqp, outp, lse2, kp, vp, dkp, dvp, offsets)
+    dout, dlse = kernel(*(x for x in operands if x is not None))
     batch = q.shape[:-3]
     return pallas_triton._back(dout, batch, sq, v.shape[-1]), pallas_triton._rows_back(dlse, batch, sq).astype(lse.dtype)
