@@ -36,6 +36,7 @@ from jaxforge.primitives.attention.mods import (
     PrefixSpan,
     SegmentSpan,
     Span,
+    fits_int32,
     segment_ranges,
 )
 
@@ -152,7 +153,7 @@ class _PrefixLM(Mask):
         # One length per item, handed over as a row (its value at every query) so kernels slice it;
         # in int32, clipped: compared with int32 indices only, it answers as the original would.
         prefix = self._per_batch(batch_shape)
-        if not _fits_int32(prefix.dtype):
+        if not fits_int32(prefix.dtype):
             prefix = jnp.clip(prefix, 0, np.iinfo(np.int32).max).astype(jnp.int32)
         rows = jnp.broadcast_to(prefix[:, None], (math.prod(batch_shape), sq))
         return (lambda b, h, q_idx, kv_idx, prefix: (kv_idx < prefix) | (kv_idx <= q_idx)), [rows], []
@@ -310,16 +311,11 @@ def document(segment_ids, kv_segment_ids=None) -> Mask:
     return _Document(q_seg, kv_seg, _document_ranges(q_seg, kv_seg))
 
 
-def _fits_int32(dtype) -> bool:
-    dtype = jnp.dtype(dtype)
-    return dtype.itemsize < 4 or dtype == jnp.int32
-
-
 def _int32_ids(q_seg, kv_seg):
     """Segment ids as the kernels take them (integers of up to 32 bits): themselves where they
     are, else (64-bit ids under jax_enable_x64, uint32) their ranks among all the ids, which are
     equal exactly where the ids are."""
-    if _fits_int32(q_seg.dtype) and _fits_int32(kv_seg.dtype):
+    if fits_int32(q_seg.dtype) and fits_int32(kv_seg.dtype):
         return q_seg, kv_seg
     every = jnp.sort(jnp.concatenate([q_seg.ravel(), kv_seg.ravel()]))
     rank = lambda ids: jnp.searchsorted(every, ids).astype(jnp.int32)  # noqa: E731

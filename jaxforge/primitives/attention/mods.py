@@ -41,6 +41,7 @@ __all__ = [
     "SegmentSpan",
     "Span",
     "ItemMask",
+    "fits_int32",
     "segment_ranges",
 ]
 
@@ -220,6 +221,12 @@ def _intersection_over(ranges, lo, hi):
     first, _, sure_end = ranges
     inside = _rows(first.shape[0], lo, hi)
     return jnp.max(jnp.where(inside, first, 0)), jnp.min(jnp.where(inside, sure_end, jnp.iinfo(sure_end.dtype).max))
+
+
+def fits_int32(dtype) -> bool:
+    """Integers whose every value int32 holds: positional values the kernels may widen to int32."""
+    dtype = jnp.dtype(dtype)
+    return jnp.issubdtype(dtype, jnp.integer) and (dtype.itemsize < 4 or dtype == jnp.int32)
 
 
 def segment_ranges(ids, other):

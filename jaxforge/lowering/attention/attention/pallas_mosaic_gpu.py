@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jaxforge.lowering.attention.attention import config, pallas_triton, xla
 from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
 from jaxforge.primitives.attention.attention import Implementation
-from jaxforge.primitives.attention.mods import Mods
+from jaxforge.primitives.attention.mods import Mods, fits_int32
 
 __all__ = [
     "CONSUMERS",
@@ -52,15 +52,13 @@ __all__ = [
     "accumulate",
     "attention_fwd_mosaic",
     "int32",
+    "key_tiles",
     "kv_bounds",
     "load_in_layout",
-    "load_own",
     "log2_rows",
     "mask_arrays",
     "mosaic_can_run",
     "mosaic_interpret_params",
-    "own_values",
-    "positional_counts",
     "producer_bounds",
     "product",
     "program_ids",
@@ -72,11 +70,9 @@ __all__ = [
     "swizzled_smem",
     "swizzled_width",
     "table_smem",
-    "tile_bounds",
     "values_smem",
     "visible",
-    "warpgroup_kernel",
-    "with_absent",
+    "warpgroup_call",
     "write_back",
 ]
 
@@ -101,19 +97,13 @@ def mosaic_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
             "of the indices and of positional arrays such as document segment ids)"
         )
     for x in mask_consts[: mods.mask_rows + mods.mask_cols]:  # the function itself has no arrays
-        if not _widens_to_int32(x.dtype):
+        if not fits_int32(x.dtype):
             return f"its mask's positional arrays must be integers of up to 32 bits, got {x.dtype}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it takes bfloat16 or float16 operands, got {q.dtype}"
     if max(q.shape[-1], v.shape[-1]) > 256:
         return f"it takes head dims up to 256, got {q.shape[-1]} and {v.shape[-1]}"
     return None
-
-
-def _widens_to_int32(dtype) -> bool:
-    """Integers whose int32 values are their own (and so compare as they do)."""
-    dtype = jnp.dtype(dtype)
-    return jnp.issubdtype(dtype, jnp.integer) and (dtype.itemsize < 4 or dtype == jnp.int32)
 
 
 def mosaic_interpret_params():
@@ -168,11 +158,6 @@ class MaskArrays:
     span: tuple
 
 
-def positional_counts(mods: Mods) -> tuple[int, int]:
-    """How many positional arrays the mask has at the queries and at the keys (shared memory)."""
-    return mods.mask_rows, mods.mask_cols
-
-
 def mask_arrays(mods: Mods, mask_consts, batch_ids, sq_pad: int, skv_pad: int) -> MaskArrays:
     """The mask's arrays of each local batch item (``batch_ids``: their global indices), the
     positional ones zero-padded to whole programs (padding is masked by the bounds anyway)."""
@@ -199,19 +184,22 @@ def q_bounds(geo: Geometry, mods: Mods):
     return lambda j, span=(): (*geo.q_tiles(mods, j, span), *geo.full_q_tiles(mods, j, span))
 
 
-def program_table(bounds, num_programs: int, arrays: MaskArrays, batch_ids, head_offset):
+def program_table(mods: Mods, bounds, num_programs: int, arrays: MaskArrays, batch_ids, head_offset):
     """``(B, T, 32)`` int32, a row per local batch item and program: the item's global index, that
-    of its first local head, then ``bounds(t, span)`` (:func:`kv_bounds`, :func:`q_bounds`) for
-    the item's span. A program copies its row (128 bytes, the smallest copy a warpgroup takes)."""
+    of its first local head and, where the span reads arrays, ``bounds(t, span)`` (:func:`kv_bounds`,
+    :func:`q_bounds`) for the item's span (static spans are bounded in the kernel). A program
+    copies its row (128 bytes, the smallest copy a warpgroup takes)."""
+    bsz = batch_ids.shape[0]
+    table = jnp.zeros((bsz, num_programs, 32), jnp.int32)
+    table = table.at[..., 0].set(batch_ids[:, None]).at[..., 1].set(head_offset)
+    if not mods.span.num_arrays:
+        return table
     tiles = jnp.arange(num_programs, dtype=jnp.int32)
     per_item = lambda span: jax.vmap(lambda t: jnp.stack(int32(*bounds(t, span))))(tiles)  # noqa: E731
-    table = jax.vmap(per_item, axis_size=batch_ids.shape[0])(arrays.span)
-    ids = jnp.stack([batch_ids, jnp.full_like(batch_ids, head_offset)], axis=-1)
-    zeros = jnp.zeros((*table.shape[:2], 32), jnp.int32)
-    return zeros.at[..., :2].set(ids[:, None]).at[..., 2:6].set(table)
+    return table.at[..., 2:6].set(jax.vmap(per_item)(arrays.span))
 
 
-def tile_bounds(mods: Mods, bounds, row):
+def _tile_bounds(mods: Mods, bounds, row):
     """``(lo, hi, full_lo, full_hi)`` of this program: ``bounds()`` in the kernel where the span is
     static (the producer can start at once), else from its table row ``row`` (shared memory)."""
     if mods.span.num_arrays:
@@ -222,12 +210,12 @@ def tile_bounds(mods: Mods, bounds, row):
 def start_consumer(mods: Mods, bounds, table, copies, values, ready, wg, interpret: bool):
     """A consumer's own operands in shared memory: its program's table row (``table``), the
     ``copies`` and, where the mask has them, its positional values (``values``), each a
-    ``(source, destination)`` pair (:func:`load_own`; ``values`` may be None). Returns its item's
-    global index, its first head's, its tile bounds (:func:`tile_bounds`) and the values."""
-    load_own([table, *copies] + ([] if values is None else [values]), ready, wg)
+    ``(source, destination)`` pair (:func:`_load_own`; ``values`` may be None). Returns its item's
+    global index, its first head's, its tile bounds (:func:`_tile_bounds`) and the values."""
+    _load_own([table, *copies] + ([] if values is None else [values]), ready, wg)
     row = table[1].at[wg]
-    own = [] if values is None else own_values(values[1].at[wg], interpret)
-    return row[0], row[1], tile_bounds(mods, bounds, row), own
+    own = [] if values is None else _own_values(values[1].at[wg], interpret)
+    return row[0], row[1], _tile_bounds(mods, bounds, row), own
 
 
 def producer_bounds(mods: Mods, bounds, table_ref, table_smem, ready):
@@ -235,10 +223,10 @@ def producer_bounds(mods: Mods, bounds, table_ref, table_smem, ready):
     if mods.span.num_arrays:
         plgpu.copy_gmem_to_smem(table_ref, table_smem.at[CONSUMERS], ready)
         plgpu.barrier_wait(ready)
-    return tile_bounds(mods, bounds, table_smem.at[CONSUMERS])
+    return _tile_bounds(mods, bounds, table_smem.at[CONSUMERS])
 
 
-def own_values(values_smem, interpret: bool) -> list:
+def _own_values(values_smem, interpret: bool) -> list:
     """A consumer's positional values (``(count, rows)`` shared memory) along its tile's rows."""
     return [load_in_layout(values_smem.at[n], _ROWS, interpret) for n in range(values_smem.shape[0])]
 
@@ -246,13 +234,6 @@ def own_values(values_smem, interpret: bool) -> list:
 def streamed_values(values_smem, interpret: bool) -> list:
     """A streamed tile's positional values (``(count, cols)`` shared memory) along the columns."""
     return [load_in_layout(values_smem.at[n], _COLS, interpret) for n in range(values_smem.shape[0])]
-
-
-def with_absent(refs, operands) -> list:
-    """A kernel's refs with None in place of the ``operands`` that are None (a mask without
-    positional arrays), then its outputs'."""
-    it = iter(refs)
-    return [*(None if x is None else next(it) for x in operands), *it]
 
 
 def table_smem():
@@ -276,7 +257,7 @@ def int32(*xs):
     return tuple(jnp.asarray(x, jnp.int32) for x in xs)
 
 
-def load_own(copies, ready, wg):
+def _load_own(copies, ready, wg):
     """Consumer ``wg``'s own tiles: a TMA copy per ``(source, destination[wg])``, each on its own
     barrier of ``ready`` (``len(copies)`` per consumer), then the waits for all."""
     n = len(copies)
@@ -309,17 +290,45 @@ def stream(tiles, slots, ready, free, total, stages: int):
     pl.loop(jnp.maximum(total - stages, 0), total)(lambda c: plgpu.barrier_wait(free.at[lax.rem(c, stages_)]))
 
 
-def warpgroup_kernel(entry, out_type, grid, names, interpret: bool):
-    return plgpu.kernel(
+def key_tiles(refs, cols_ref, item, head, lo, block: int):
+    """``tiles(c)`` for :func:`stream` in a query program: key tile ``lo + c`` of each of ``refs``
+    (at ``item``, ``head``) and, where the mask has them, of the keys' positional values."""
+
+    def tiles(c):
+        keys = pl.ds((lo + c) * block, block)
+        tile = tuple(x.at[item, keys, head] for x in refs)
+        return tile if cols_ref is None else (*tile, cols_ref.at[item, :, keys])
+
+    return tiles
+
+
+def warpgroup_call(body, operands, outputs, scratch, grid, tiles: str, interpret: bool):
+    """Runs ``body(*operand refs, *output refs, *scratch refs)`` in three warpgroups (two consumers,
+    a producer) per program of ``grid``, named (heads, ``tiles``, batch). Operands that are None
+    (a mask without positional arrays) get a None ref; ``outputs`` are ``(shape, dtype)`` pairs;
+    the ``scratch`` buffers and barriers are allocated by all warpgroups together."""
+    # As in pallas_triton._call: inside shard_map the outputs take the operands' varying axes.
+    varying = jax.typeof(operands[0]).manual_axis_type
+    out_type = tuple(jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=varying) for shape, dtype in outputs)
+    given = [x for x in operands if x is not None]
+
+    def entry(*refs):
+        it = iter(refs[: len(given)])
+        in_refs = [None if x is None else next(it) for x in operands]
+        out_refs = refs[len(given) :]
+        pl.run_scoped(lambda *allocated: body(*in_refs, *out_refs, *allocated), *scratch, collective_axes="warpgroup")
+
+    kernel = plgpu.kernel(
         entry,
         out_type=out_type,
         grid=grid,
-        grid_names=names,
+        grid_names=("heads", tiles, "batch"),
         num_threads=CONSUMERS + 1,
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=mosaic_interpret_params() if interpret else None,
     )
+    return kernel(*given)
 
 
 def write_back(*copies):
@@ -354,14 +363,14 @@ def attention_fwd_mosaic(
     rows = CONSUMERS * block_q
     d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
-    block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation, values=positional_counts(mods))
+    block_kv, stages = config.mosaic_tiles(d, dv, q.dtype.itemsize, implementation, values=(mods.mask_rows, mods.mask_cols))
     geo = Geometry(sq, skv, rows, block_kv, hq // hkv, scale, jnp.dtype(jnp.float32), None)
     batch, bsz = q.shape[:-3], math.prod(q.shape[:-3])
     sq_pad, skv_pad = geo.num_q_tiles * rows, geo.num_kv_tiles * block_kv
     arrays = mask_arrays(mods, consts, batch_ids, sq_pad, skv_pad)
     qp, kp, vp = (pallas_triton._seq_major(x, s, w) for x, s, w in ((q, sq_pad, d), (k, skv_pad, d), (v, skv_pad, dv)))
     bounds = kv_bounds(geo, mods)
-    table = program_table(bounds, geo.num_q_tiles, arrays, batch_ids, head_offset)
+    table = program_table(mods, bounds, geo.num_q_tiles, arrays, batch_ids, head_offset)
     wgmma_layout = plgpu.Layout.WGMMA
 
     def body(q_ref, k_ref, v_ref, table_ref, rows_ref, cols_ref, out_ref, lse_ref, smem, ready, free, turn):
@@ -468,40 +477,25 @@ def attention_fwd_mosaic(
     operands = (qp, kp, vp, table, arrays.rows, arrays.cols)
     n_own = 2 + (arrays.rows is not None)  # per consumer: table row, Q, the queries' positional values
 
-    def entry(*refs):
-        swizzled = lambda shape: swizzled_smem(shape, q.dtype)  # noqa: E731
-        smem = (
-            swizzled((CONSUMERS, block_q, d)),
-            None if dv == d else swizzled((CONSUMERS, block_q, dv)),
-            swizzled((stages, block_kv, d)),
-            swizzled((stages, block_kv, dv)),
-            plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
-            table_smem(),
-            values_smem(arrays.rows, CONSUMERS, block_q),
-            values_smem(arrays.cols, stages, block_kv),
-        )
-        ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
-            plgpu.Barrier(num_barriers=stages),  # K
-            plgpu.Barrier(num_barriers=stages),  # V
-            plgpu.Barrier(num_barriers=stages),  # the keys' positional values
-        )
-        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
-        pl.run_scoped(
-            lambda *scratch: body(*with_absent(refs, operands), *scratch),
-            smem,
-            ready,
-            free,
-            plgpu.Barrier(num_arrivals=CONSUMERS),
-            collective_axes="warpgroup",
-        )
-
-    # As in pallas_triton._call: inside shard_map the outputs take the operands' varying axes.
-    mat = jax.typeof(k).manual_axis_type
-    out_type = (
-        jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype, manual_axis_type=mat),
-        jax.ShapeDtypeStruct((bsz, hq, sq_pad), jnp.float32, manual_axis_type=mat),
+    swizzled = lambda shape: swizzled_smem(shape, q.dtype)  # noqa: E731
+    smem = (
+        swizzled((CONSUMERS, block_q, d)),
+        None if dv == d else swizzled((CONSUMERS, block_q, dv)),
+        swizzled((stages, block_kv, d)),
+        swizzled((stages, block_kv, dv)),
+        plgpu.SMEM((CONSUMERS, block_q), jnp.float32),
+        table_smem(),
+        values_smem(arrays.rows, CONSUMERS, block_q),
+        values_smem(arrays.cols, stages, block_kv),
     )
-    kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
-    out, lse = kernel(*(x for x in operands if x is not None))
+    ready = (
+        plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
+        plgpu.Barrier(num_barriers=stages),  # K
+        plgpu.Barrier(num_barriers=stages),  # V
+        plgpu.Barrier(num_barriers=stages),  # the keys' positional values
+    )
+    free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
+    turn = plgpu.Barrier(num_arrivals=CONSUMERS)
+    outputs = (((bsz, sq_pad, hq, dv), q.dtype), ((bsz, hq, sq_pad), jnp.float32))
+    out, lse = warpgroup_call(body, operands, outputs, (smem, ready, free, turn), (hq, geo.num_q_tiles, bsz), "q_tiles", interpret)
     return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)

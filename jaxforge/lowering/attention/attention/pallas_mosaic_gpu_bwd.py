@@ -28,39 +28,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxforge.lowering.attention.attention import config, pallas_triton, xla
+from jaxforge.lowering.attention.attention import pallas_mosaic_gpu as mosaic
 from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
-from jaxforge.lowering.attention.attention.pallas_mosaic_gpu import (
-    CONSUMER_REGISTERS,
-    CONSUMERS,
-    LOG2E,
-    PRODUCER_REGISTERS,
-    MaskArrays,
-    accumulate,
-    int32,
-    kv_bounds,
-    load_in_layout,
-    log2_rows,
-    mask_arrays,
-    mosaic_can_run,
-    mosaic_interpret_params,
-    positional_counts,
-    producer_bounds,
-    product,
-    program_ids,
-    program_table,
-    q_bounds,
-    start_consumer,
-    stream,
-    streamed_values,
-    swizzled_smem,
-    swizzled_width,
-    table_smem,
-    values_smem,
-    visible,
-    warpgroup_kernel,
-    with_absent,
-    write_back,
-)
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
@@ -73,9 +42,9 @@ def mosaic_bwd_can_run(mods: Mods, q, v, const_grads, mask_consts=()) -> str | N
     """Why the Mosaic GPU backward cannot run this call, or None if it can."""
     if any(const_grads):
         return "a captured array wants its cotangent (a reduction over every program)"
-    if why := mosaic_can_run(mods, q, v, mask_consts):
+    if why := mosaic.mosaic_can_run(mods, q, v, mask_consts):
         return why
-    d, dv = (swizzled_width(x.shape[-1]) for x in (q, v))
+    d, dv = (mosaic.swizzled_width(x.shape[-1]) for x in (q, v))
     if d + dv > config.MOSAIC_BWD_MAX_HEAD_DIMS:
         return f"its backward keeps dk and dv in registers: head dims {d} + {dv} (padded) exceed {config.MOSAIC_BWD_MAX_HEAD_DIMS}"
     return None
@@ -92,7 +61,7 @@ def _pulled_back(mods: Mods, raw, b, h, q_idx, kv_idx, stats, seen):
     lse, delta, dp = stats
     modify = lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, [])  # noqa: E731
     s, slope = jax.jvp(modify, (raw,), (jnp.ones_like(raw),))
-    p = jnp.exp2(s * LOG2E - lse)
+    p = jnp.exp2(s * mosaic.LOG2E - lse)
     g_raw = p * (dp - delta) * slope
     if seen is None:
         return p, g_raw
@@ -104,22 +73,22 @@ def attention_bwd_mosaic(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
     """The backward's ``(gq, gk, gv)`` where ``mosaic_bwd_can_run`` allows it (the dispatch checks)."""
-    if interpret and mosaic_interpret_params() is None:
+    if interpret and mosaic.mosaic_interpret_params() is None:
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     g_out, g_lse = operands[-2:]
-    d, dv = swizzled_width(q.shape[-1]), swizzled_width(v.shape[-1])
-    block, stages = config.mosaic_bwd_tiles(d, dv, q.dtype.itemsize, implementation, values=positional_counts(mods))
-    rows = CONSUMERS * config.MOSAIC_BLOCK_Q
+    d, dv = mosaic.swizzled_width(q.shape[-1]), mosaic.swizzled_width(v.shape[-1])
+    block, stages = config.mosaic_bwd_tiles(d, dv, q.dtype.itemsize, implementation, values=(mods.mask_rows, mods.mask_cols))
+    rows = mosaic.CONSUMERS * config.MOSAIC_BLOCK_Q
     sq, hq, skv, hkv = *q.shape[-3:-1], *k.shape[-3:-1]
     # One padding serves both kernels: whole 128-row programs, whole ``block`` tiles inside.
     sq_pad, skv_pad = (-(-n // rows) * rows for n in (sq, skv))
     qp, gp = pallas_triton._seq_major(q, sq_pad, d), pallas_triton._seq_major(g_out, sq_pad, dv)
     kp, vp = pallas_triton._seq_major(k, skv_pad, d), pallas_triton._seq_major(v, skv_pad, dv)
     delta = xla.bwd_delta(out, g_out, g_lse, jnp.float32)
-    stats = jnp.stack([log2_rows(lse, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
-    arrays = mask_arrays(mods, operands[: mods.num_mask_consts], batch_ids, sq_pad, skv_pad)
+    stats = jnp.stack([mosaic.log2_rows(lse, sq_pad), xla.seq_last(delta, sq_pad)], axis=2)  # (B, Hq, 2, Sq)
+    arrays = mosaic.mask_arrays(mods, operands[: mods.num_mask_consts], batch_ids, sq_pad, skv_pad)
     common = dict(mods=mods, scale=scale, interpret=interpret, block=block, stages=stages, arrays=arrays, ids=(batch_ids, head_offset))
-    gq = _dq(qp, gp, stats, kp, vp, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
+    (gq,) = _dq(qp, gp, stats, kp, vp, Geometry(sq, skv, rows, block, hq // hkv, scale, jnp.float32, None), **common)
     gk, gv = _dkv(kp, vp, qp, gp, stats, Geometry(sq, skv, block, rows, hq // hkv, scale, jnp.float32, None), **common)
     batch = q.shape[:-3]
     return (
@@ -129,13 +98,13 @@ def attention_bwd_mosaic(
     )
 
 
-def _dq(qp, gp, stats, kp, vp, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: MaskArrays, ids):
+def _dq(qp, gp, stats, kp, vp, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: mosaic.MaskArrays, ids):
     """``dQ`` (B, Sq_pad, Hq, d): programs of 128 query rows over the key tiles they may see."""
     bsz, _, hq, d = qp.shape
     dv, block_q = vp.shape[-1], config.MOSAIC_BLOCK_Q
     dtype = qp.dtype
-    bounds = kv_bounds(geo, mods)
-    operands = (qp, gp, stats, kp, vp, program_table(bounds, geo.num_q_tiles, arrays, *ids), arrays.rows, arrays.cols)
+    bounds = mosaic.kv_bounds(geo, mods)
+    operands = (qp, gp, stats, kp, vp, mosaic.program_table(mods, bounds, geo.num_q_tiles, arrays, *ids), arrays.rows, arrays.cols)
     n_own = 4 + (arrays.rows is not None)  # per consumer: table row, Q, dO, stats, the queries' positional values
     n_ring = 2 + (arrays.cols is not None)  # per slot: K, V, the keys' positional values
 
@@ -144,31 +113,31 @@ def _dq(qp, gp, stats, kp, vp, geo: Geometry, *, mods, scale, interpret, block, 
         ring_smem = [x for x in ring_smem if x is not None]
         own_ready, ring_ready = ready
         (ring_free,) = free
-        h_local, i, item, wg = program_ids("q_tiles")
+        h_local, i, item, wg = mosaic.program_ids("q_tiles")
 
-        @pl.when(wg < CONSUMERS)
+        @pl.when(wg < mosaic.CONSUMERS)
         def _consume():
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(mosaic.CONSUMER_REGISTERS, action="increase")
             q_lo = i * geo.block_q + wg * block_q
             own = (item, pl.ds(q_lo, block_q), h_local)
             stats_rows = stats_ref.at[item, h_local, :, pl.ds(q_lo, block_q)]
             q_values = None if rows_ref is None else (rows_ref.at[item, :, pl.ds(q_lo, block_q)], q_values_smem)
             copies = [(q_ref.at[own], q_smem), (g_ref.at[own], g_smem), (stats_rows, stats_smem)]
-            b, h, (lo, hi, full_lo, full_hi), q_values = start_consumer(
+            b, h, (lo, hi, full_lo, full_hi), q_values = mosaic.start_consumer(
                 mods, lambda: bounds(i), (table_ref.at[item, i], program_smem), copies, q_values, own_ready, wg, interpret
             )
             h = h + h_local
             row_layout = _WGMMA.reduce(1)
-            lse, delta = (load_in_layout(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
+            lse, delta = (mosaic.load_in_layout(stats_smem.at[wg, n], row_layout, interpret) for n in range(2))
 
             def step(t, gq, masked: bool):
                 slot = lax.rem(t - lo, jnp.int32(stages))
                 k_tile, v_tile, *values_tile = (x.at[slot] for x in ring_smem)
                 shape = (block_q, block)
                 plgpu.barrier_wait(ring_ready.at[slot * n_ring])
-                raw = product(q_smem.at[wg], k_tile.transpose((1, 0)), shape) * scale
+                raw = mosaic.product(q_smem.at[wg], k_tile.transpose((1, 0)), shape) * scale
                 plgpu.barrier_wait(ring_ready.at[slot * n_ring + 1])
-                dp = product(g_smem.at[wg], v_tile.transpose((1, 0)), shape)
+                dp = mosaic.product(g_smem.at[wg], v_tile.transpose((1, 0)), shape)
                 if values_tile:
                     plgpu.barrier_wait(ring_ready.at[slot * n_ring + 2])
                 q_idx = q_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
@@ -176,65 +145,54 @@ def _dq(qp, gp, stats, kp, vp, geo: Geometry, *, mods, scale, interpret, block, 
                 row = lambda x: lax.broadcast_in_dim(x, shape, [0])  # noqa: E731
 
                 def seen():
-                    kv_values = [x for tile in values_tile for x in streamed_values(tile, interpret)]
-                    return visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values)
+                    kv_values = [x for tile in values_tile for x in mosaic.streamed_values(tile, interpret)]
+                    return mosaic.visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values)
 
                 stats = (row(lse), row(delta), dp)
                 _, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, stats, seen if masked else None)
-                gq = accumulate(gq, g_raw.astype(dtype), k_tile, interpret)
+                gq = mosaic.accumulate(gq, g_raw.astype(dtype), k_tile, interpret)
                 plgpu.barrier_arrive(ring_free.at[slot])
                 return gq
 
             gq = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), _WGMMA)
             gq = tile_loop((lo, hi), (full_lo, full_hi), step, gq)
             q_smem.at[wg][...] = (gq * scale).astype(dtype)  # Q is read: its tile carries dQ out
-            write_back((q_smem.at[wg], gq_ref.at[own]))
+            mosaic.write_back((q_smem.at[wg], gq_ref.at[own]))
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when(wg == mosaic.CONSUMERS)
         def _produce():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
+            plgpu.set_max_registers(mosaic.PRODUCER_REGISTERS, action="decrease")
             h_kv = h_local // geo.group
-            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(i), table_ref.at[item, i], program_smem, own_ready.at[CONSUMERS * n_own])
+            lo, hi, _, _ = mosaic.producer_bounds(mods, lambda: bounds(i), table_ref.at[item, i], program_smem, own_ready.at[mosaic.CONSUMERS * n_own])
+            tiles = mosaic.key_tiles((k_ref, v_ref), cols_ref, item, h_kv, lo, block)
+            mosaic.stream(tiles, ring_smem, ring_ready, ring_free, hi - lo, stages)
 
-            def tiles(c):
-                keys = pl.ds((lo + c) * block, block)
-                tile = (k_ref.at[item, keys, h_kv], v_ref.at[item, keys, h_kv])
-                return tile if cols_ref is None else (*tile, cols_ref.at[item, :, keys])
-
-            stream(tiles, ring_smem, ring_ready, ring_free, hi - lo, stages)
-
-    def entry(*refs):
-        smem = (
-            swizzled_smem((CONSUMERS, block_q, d), dtype),
-            swizzled_smem((CONSUMERS, block_q, dv), dtype),
-            plgpu.SMEM((CONSUMERS, 2, block_q), jnp.float32),
-            table_smem(),
-            values_smem(arrays.rows, CONSUMERS, block_q),
-            swizzled_smem((stages, block, d), dtype),
-            swizzled_smem((stages, block, dv), dtype),
-            values_smem(arrays.cols, stages, block),
-        )
-        ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
-            plgpu.Barrier(num_barriers=stages * n_ring),
-        )
-        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
-        pl.run_scoped(lambda *scratch: body(*with_absent(refs, operands), *scratch), smem, ready, free, collective_axes="warpgroup")
-
-    mat = jax.typeof(kp).manual_axis_type
-    out_type = jax.ShapeDtypeStruct(qp.shape, dtype, manual_axis_type=mat)
-    kernel = warpgroup_kernel(entry, out_type, (hq, geo.num_q_tiles, bsz), ("heads", "q_tiles", "batch"), interpret)
-    return kernel(*(x for x in operands if x is not None))
+    smem = (
+        mosaic.swizzled_smem((mosaic.CONSUMERS, block_q, d), dtype),
+        mosaic.swizzled_smem((mosaic.CONSUMERS, block_q, dv), dtype),
+        plgpu.SMEM((mosaic.CONSUMERS, 2, block_q), jnp.float32),
+        mosaic.table_smem(),
+        mosaic.values_smem(arrays.rows, mosaic.CONSUMERS, block_q),
+        mosaic.swizzled_smem((stages, block, d), dtype),
+        mosaic.swizzled_smem((stages, block, dv), dtype),
+        mosaic.values_smem(arrays.cols, stages, block),
+    )
+    ready = (
+        plgpu.Barrier(num_barriers=mosaic.CONSUMERS * n_own + 1),  # and the producer's table row
+        plgpu.Barrier(num_barriers=stages * n_ring),
+    )
+    free = (plgpu.Barrier(num_arrivals=mosaic.CONSUMERS, num_barriers=stages),)
+    return mosaic.warpgroup_call(body, operands, [(qp.shape, dtype)], (smem, ready, free), (hq, geo.num_q_tiles, bsz), "q_tiles", interpret)
 
 
-def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: MaskArrays, ids):
+def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block, stages, arrays: mosaic.MaskArrays, ids):
     """``(dK, dV)`` (B, Skv_pad, Hkv, d / dv): programs of 128 keys over the query tiles of each
     query head of their group that may see them."""
     bsz, _, hkv, d = kp.shape
     dv, block_kv = vp.shape[-1], config.MOSAIC_BLOCK_Q
     dtype = kp.dtype
-    bounds = q_bounds(geo, mods)
-    operands = (kp, vp, qp, gp, stats, program_table(bounds, geo.num_kv_tiles, arrays, *ids), arrays.cols, arrays.rows)
+    bounds = mosaic.q_bounds(geo, mods)
+    operands = (kp, vp, qp, gp, stats, mosaic.program_table(mods, bounds, geo.num_kv_tiles, arrays, *ids), arrays.cols, arrays.rows)
     n_own = 3 + (arrays.cols is not None)  # per consumer: table row, K, V, the keys' positional values
     n_ring = 3 + (arrays.rows is not None)  # per slot: Q, dO, their (lse, Δ) rows, the queries' positional values
 
@@ -243,16 +201,16 @@ def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block,
         ring_smem = [x for x in ring_smem if x is not None]
         own_ready, ring_ready = ready
         (ring_free,) = free
-        hk, j, item, wg = program_ids("kv_tiles")
+        hk, j, item, wg = mosaic.program_ids("kv_tiles")
 
-        @pl.when(wg < CONSUMERS)
+        @pl.when(wg < mosaic.CONSUMERS)
         def _consume():
-            plgpu.set_max_registers(CONSUMER_REGISTERS, action="increase")
+            plgpu.set_max_registers(mosaic.CONSUMER_REGISTERS, action="increase")
             kv_lo = j * geo.block_kv + wg * block_kv
             own = (item, pl.ds(kv_lo, block_kv), hk)
             kv_values = None if cols_ref is None else (cols_ref.at[item, :, pl.ds(kv_lo, block_kv)], kv_values_smem)
             copies = [(k_ref.at[own], k_smem), (v_ref.at[own], v_smem)]
-            b, h_first, (lo, hi, full_lo, full_hi), kv_values = start_consumer(
+            b, h_first, (lo, hi, full_lo, full_hi), kv_values = mosaic.start_consumer(
                 mods, lambda: bounds(j), (table_ref.at[item, j], program_smem), copies, kv_values, own_ready, wg, interpret
             )
             h_first = h_first + hk * geo.group
@@ -264,40 +222,40 @@ def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block,
                     slot = lax.rem(g * (hi - lo) + i - lo, jnp.int32(stages))
                     q_tile, g_tile, stats_tile, *values_tile = (x.at[slot] for x in ring_smem)
                     plgpu.barrier_wait(ring_ready.at[slot * n_ring])
-                    raw = product(k_smem.at[wg], q_tile.transpose((1, 0)), shape) * scale
+                    raw = mosaic.product(k_smem.at[wg], q_tile.transpose((1, 0)), shape) * scale
                     plgpu.barrier_wait(ring_ready.at[slot * n_ring + 1])
-                    dp = product(v_smem.at[wg], g_tile.transpose((1, 0)), shape)
+                    dp = mosaic.product(v_smem.at[wg], g_tile.transpose((1, 0)), shape)
                     for n in range(2, n_ring):
                         plgpu.barrier_wait(ring_ready.at[slot * n_ring + n])
-                    lse, delta = (load_in_layout(stats_tile.at[n], col_layout, interpret) for n in range(2))
+                    lse, delta = (mosaic.load_in_layout(stats_tile.at[n], col_layout, interpret) for n in range(2))
                     col = lambda x: lax.broadcast_in_dim(x, shape, [1])  # noqa: E731
                     kv_idx = kv_lo + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=_WGMMA)
                     q_idx = i * block + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
                     h = h_first + g
 
                     def seen():
-                        q_values = [x for tile in values_tile for x in streamed_values(tile, interpret)]
-                        return visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values, q_axis=1)
+                        q_values = [x for tile in values_tile for x in mosaic.streamed_values(tile, interpret)]
+                        return mosaic.visible(mods, geo, b, h, q_idx, kv_idx, q_values, kv_values, q_axis=1)
 
                     stats = (col(lse), col(delta), dp)
                     p, g_raw = _pulled_back(mods, raw, b, h, q_idx, kv_idx, stats, seen if masked else None)
-                    gv = accumulate(gv, p.astype(dtype), g_tile, interpret)
-                    gk = accumulate(gk, g_raw.astype(dtype), q_tile, interpret)
+                    gv = mosaic.accumulate(gv, p.astype(dtype), g_tile, interpret)
+                    gk = mosaic.accumulate(gk, g_raw.astype(dtype), q_tile, interpret)
                     plgpu.barrier_arrive(ring_free.at[slot])
                     return gk, gv
 
                 return tile_loop((lo, hi), (full_lo, full_hi), step, carry)
 
             zeros = lambda width: plgpu.layout_cast(jnp.zeros((block_kv, width), jnp.float32), _WGMMA)  # noqa: E731
-            gk, gv = lax.fori_loop(*int32(0, geo.group), head, (zeros(d), zeros(dv)))
+            gk, gv = lax.fori_loop(*mosaic.int32(0, geo.group), head, (zeros(d), zeros(dv)))
             k_smem.at[wg][...] = (gk * scale).astype(dtype)  # K and V are read: their tiles carry dK, dV out
             v_smem.at[wg][...] = gv.astype(dtype)
-            write_back((k_smem.at[wg], gk_ref.at[own]), (v_smem.at[wg], gv_ref.at[own]))
+            mosaic.write_back((k_smem.at[wg], gk_ref.at[own]), (v_smem.at[wg], gv_ref.at[own]))
 
-        @pl.when(wg == CONSUMERS)
+        @pl.when(wg == mosaic.CONSUMERS)
         def _produce():
-            plgpu.set_max_registers(PRODUCER_REGISTERS, action="decrease")
-            lo, hi, _, _ = producer_bounds(mods, lambda: bounds(j), table_ref.at[item, j], program_smem, own_ready.at[CONSUMERS * n_own])
+            plgpu.set_max_registers(mosaic.PRODUCER_REGISTERS, action="decrease")
+            lo, hi, _, _ = mosaic.producer_bounds(mods, lambda: bounds(j), table_ref.at[item, j], program_smem, own_ready.at[mosaic.CONSUMERS * n_own])
 
             def query_tiles(c):  # the c-th tile of the loop over (head of the group, query tile)
                 g, i = lax.div(c, hi - lo), lo + lax.rem(c, hi - lo)
@@ -305,30 +263,21 @@ def _dkv(kp, vp, qp, gp, stats, geo: Geometry, *, mods, scale, interpret, block,
                 tile = (q_ref.at[item, queries, h_local], g_ref.at[item, queries, h_local], stats_ref.at[item, h_local, :, queries])
                 return tile if rows_ref is None else (*tile, rows_ref.at[item, :, queries])
 
-            stream(query_tiles, ring_smem, ring_ready, ring_free, geo.group * (hi - lo), stages)
+            mosaic.stream(query_tiles, ring_smem, ring_ready, ring_free, geo.group * (hi - lo), stages)
 
-    def entry(*refs):
-        smem = (
-            swizzled_smem((CONSUMERS, block_kv, d), dtype),
-            swizzled_smem((CONSUMERS, block_kv, dv), dtype),
-            table_smem(),
-            values_smem(arrays.cols, CONSUMERS, block_kv),
-            swizzled_smem((stages, block, d), dtype),
-            swizzled_smem((stages, block, dv), dtype),
-            plgpu.SMEM((stages, 2, block), jnp.float32),
-            values_smem(arrays.rows, stages, block),
-        )
-        ready = (
-            plgpu.Barrier(num_barriers=CONSUMERS * n_own + 1),  # and the producer's table row
-            plgpu.Barrier(num_barriers=stages * n_ring),
-        )
-        free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),)
-        pl.run_scoped(lambda *scratch: body(*with_absent(refs, operands), *scratch), smem, ready, free, collective_axes="warpgroup")
-
-    mat = jax.typeof(kp).manual_axis_type
-    out_type = (
-        jax.ShapeDtypeStruct(kp.shape, dtype, manual_axis_type=mat),
-        jax.ShapeDtypeStruct(vp.shape, dtype, manual_axis_type=mat),
+    smem = (
+        mosaic.swizzled_smem((mosaic.CONSUMERS, block_kv, d), dtype),
+        mosaic.swizzled_smem((mosaic.CONSUMERS, block_kv, dv), dtype),
+        mosaic.table_smem(),
+        mosaic.values_smem(arrays.cols, mosaic.CONSUMERS, block_kv),
+        mosaic.swizzled_smem((stages, block, d), dtype),
+        mosaic.swizzled_smem((stages, block, dv), dtype),
+        plgpu.SMEM((stages, 2, block), jnp.float32),
+        mosaic.values_smem(arrays.rows, stages, block),
     )
-    kernel = warpgroup_kernel(entry, out_type, (hkv, geo.num_kv_tiles, bsz), ("heads", "kv_tiles", "batch"), interpret)
-    return kernel(*(x for x in operands if x is not None))
+    ready = (
+        plgpu.Barrier(num_barriers=mosaic.CONSUMERS * n_own + 1),  # and the producer's table row
+        plgpu.Barrier(num_barriers=stages * n_ring),
+    )
+    free = (plgpu.Barrier(num_arrivals=mosaic.CONSUMERS, num_barriers=stages),)
+    return mosaic.warpgroup_call(body, operands, [(kp.shape, dtype), (vp.shape, dtype)], (smem, ready, free), (hkv, geo.num_kv_tiles, bsz), "kv_tiles", interpret)
