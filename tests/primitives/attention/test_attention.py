@@ -290,6 +290,22 @@ def test_score_mods_match_dense(impl, name):
         assert np.abs(dense(q, k, v, mask_fn, score_fn)[0] - out_np).max() > 1e-2
 
 
+@over_impls
+def test_gradients_of_per_head_score_arrays_without_a_mask(impl):
+    """ALiBi slopes and a per-head shift, differentiated, with no mask: the key tiles hold padded
+    keys, which must not reach the arrays' cotangents. A shift of every score of a row changes
+    nothing: its gradient is zero."""
+    q, k, v = qkv(np.random.default_rng(15), (B,), SQ, SKV, HQ, HKV, D, DV)
+    w = np.random.default_rng(16).standard_normal((B, SQ, HQ, DV))
+    alibi = lambda slopes, shift: lambda s, b, h, i, j: s + slopes[h] * (j - i) + shift[h]
+    ours = lambda slopes, shift: jnp.sum(jf.attention(q, k, v, score_mod=alibi(slopes, shift), implementation=impl) * w)
+    theirs = lambda slopes, shift: jnp.sum(dense_jnp(q, k, v, None, alibi(slopes, shift))[0] * w)
+    args = (jnp.asarray(SLOPES), jnp.asarray(np.arange(HQ, dtype=np.float64)))
+    (g_slopes, g_shift), (want_slopes, _) = jax.grad(ours, (0, 1))(*args), jax.grad(theirs, (0, 1))(*args)
+    assert_close(g_slopes, want_slopes, **DTOL)
+    assert_close(g_shift, np.zeros(HQ), atol=1e-12, rtol=0)
+
+
 # --- shapes -------------------------------------------------------------------------------------
 
 # (batch, Sq, Skv, Hq, Hkv, D, Dv), causal (bottom-right aligned: every query sees a key)

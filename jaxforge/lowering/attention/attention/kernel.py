@@ -87,11 +87,14 @@ class Geometry:
         return (lo + self.block_kv - 1) // self.block_kv, hi // self.block_kv
 
     def full_q_tiles(self, mods: Mods, j, data):
-        """Query tiles that wholly see key tile ``j``."""
-        if mods.mask is None:
-            return 0, self.sq // self.block_q
+        """Query tiles that wholly see key tile ``j``: none if the tile holds padded keys, which only
+        the mask arithmetic hides (their scores would reach the score consts' cotangents)."""
         kv_lo = j * self.block_kv
-        lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
+        if mods.mask is None:
+            lo, hi = 0, self.sq
+        else:
+            lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
+        hi = jnp.where(kv_lo + self.block_kv <= self.skv, jnp.asarray(hi, jnp.int32), jnp.asarray(lo, jnp.int32))
         return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
 
     def row_tiles(self, mods: Mods, i, mask: MaskTiles):
