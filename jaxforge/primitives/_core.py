@@ -303,6 +303,11 @@ class StaticFunction:
     def __call__(self, *args):
         return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, []))(*args)
 
+    @property
+    def jaxpr(self):
+        """The program: the traced arguments, then the constants, as invars; no constvars."""
+        return self._jaxpr
+
     def primitive_names(self) -> frozenset[str]:
         """Names of every primitive the function applies, nested calls included."""
         names, stack = set(), [self._jaxpr]
@@ -320,6 +325,11 @@ class StaticFunction:
 
     def __repr__(self):
         return f"StaticFunction({self.num_consts} consts, {self.out_avals})"
+
+
+def literal_value(var):
+    """A jaxpr operand's constant value (a ``Literal``), or None for a variable."""
+    return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else None
 
 
 def trace_function(fn: Callable, *avals) -> tuple[StaticFunction, list]:

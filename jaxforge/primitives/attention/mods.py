@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxforge.primitives._core import StaticFunction
+from jaxforge.primitives.attention.points import evaluate, reads_refs
 
 __all__ = [
     "AllVisible",
@@ -423,10 +424,10 @@ class Mods:
             if not sliced:
                 positional = consts[n : n + r + self.mask_cols]
                 values = [x[b, q] for x in positional[:r]] + [x[b, kv] for x in positional[r:]]
-            return self.mask(b, h, q, kv, *values, *consts[:n])[0]
+            return _apply(self.mask, b, h, q, kv, *values, *consts[:n])
 
         values = [*rows, *cols] if sliced else []
-        return _elementwise(fn, *_indices(b, h, q_idx, kv_idx), *values)
+        return _elementwise(fn, *_indices(b, h, q_idx, kv_idx), *values, on_tiles=reads_refs(mask_consts))
 
     def modify(self, score, b, h, q_idx, kv_idx, score_consts):
         """Softcap, then ``score_mod``, elementwise on a tile of raw scores ``scale * q·k``."""
@@ -437,9 +438,9 @@ class Mods:
 
         def fn(s, b, h, q, kv):
             b, consts = self._unmap(b, score_consts, "score_flags")
-            return jnp.asarray(self.score(s, b, h, q, kv, *consts)[0], s.dtype)
+            return jnp.asarray(_apply(self.score, s, b, h, q, kv, *consts), s.dtype)
 
-        return _elementwise(fn, score, *_indices(b, h, q_idx, kv_idx))
+        return _elementwise(fn, score, *_indices(b, h, q_idx, kv_idx), on_tiles=reads_refs(score_consts))
 
     def _unmap(self, b, consts, which):
         """The batch index the user's function sees, and its consts indexed for that item."""
@@ -455,8 +456,19 @@ def _indices(*idx):
     return [jnp.asarray(i, jnp.int32) for i in idx]
 
 
-def _elementwise(fn, *args):
-    """Applies a scalar function to broadcast arrays, one vmap per axis (the flex semantics)."""
+def _apply(fn: StaticFunction, *args):
+    """``fn(*args)[0]``; a kernel's consts held as refs are read at points (points.evaluate)."""
+    return evaluate(fn, *args) if reads_refs(args) else fn(*args)[0]
+
+
+def _elementwise(fn, *args, on_tiles: bool = False):
+    """Applies a scalar function to broadcast arrays, one vmap per axis (the flex semantics).
+
+    ``on_tiles``: ``fn`` applies to the tiles as they are (points.evaluate broadcasts each step).
+    """
+    if on_tiles:
+        shape = jnp.broadcast_shapes(*(jnp.shape(a) for a in args))
+        return jnp.broadcast_to(fn(*args), shape)
     args = jnp.broadcast_arrays(*args)
     for _ in range(args[0].ndim):
         fn = jax.vmap(fn)

@@ -49,12 +49,63 @@ def test_runtime_data_masks_run_the_triton_kernels(mask_fn):
     assert triton_kernels(mask_fn) == KERNELS
 
 
-def test_masks_reading_a_table_at_traced_indices_fall_back_to_xla():
+def test_document_masks_hand_the_triton_kernels_tile_bounds_not_whole_span_arrays():
+    """The segment ids' per-position ranges (the span's arrays, O(S) each) are reduced to a row of
+    tile bounds per program before the call: a program reads four integers, not a sequence."""
+    q = jax.ShapeDtypeStruct((1, 3000, 2, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((1, 3000), jnp.int32)
+    f = lambda q, k, v, seg: jf.attention(q, k, v, mask=jf.masks.document(seg) & jf.masks.causal())
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, q, q, seg).mlir_module()
+    (operands,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\) \{.*?\} : \((.*?)\) ->", text)
+    from jaxforge.lowering.attention.attention.pallas_triton import _geometry
+
+    geo, _ = _geometry("fwd", q, q, q, 1.0, jf.functional.attention.Implementation())
+    padded = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    tables = [f"1x{geo.num_q_tiles}x4", f"1x{geo.num_kv_tiles}x4"]
+    assert re.findall(r"tensor<([\dx]+)xi32>", operands) == ["2", f"1x{padded[0]}", f"1x{padded[1]}", *tables]
+
+
+def test_masks_reading_captured_arrays_at_points_run_the_triton_kernels_once_validated(monkeypatch):
     table = jnp.asarray(np.random.default_rng(0).random((7, 5)) > 0.3)
-    gathering = lambda seg: jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.document(seg)
-    assert triton_kernels(gathering) == set()
+    reading = lambda seg: jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.document(seg)
+    assert triton_kernels(reading, implementation="pallas_triton") == KERNELS
+    assert triton_kernels(reading) == set()  # config.TRITON_POINT_READS_VALIDATED: XLA's tiles until then
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    assert triton_kernels(reading) == KERNELS
+
+
+def score_kernels(score_mod, argnums=(0, 1, 2), implementation=None):
+    """Kernels in the cuda lowering of forward, jvp and grad (by ``argnums`` of (q, k, v, bias))
+    of attention with ``score_mod(bias)``, the bias a (heads, 2 S) array."""
+
+    def f(q, k, v, bias):
+        att = lambda q, k, v, bias: jf.attention(q, k, v, score_mod=score_mod(bias), implementation=implementation)
+        _, tangent = jax.jvp(att, (q, k, v, bias), (q, k, v, bias))
+        return tangent, jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), argnums)(q, k, v, bias)
+
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
+    bias = jax.ShapeDtypeStruct((HQ, 2 * S), jnp.float32)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, bias)
+    return set(re.findall(r'name = "(jaxforge_attention_\w+)"', exported.mlir_module()))
+
+
+def test_a_captured_bias_read_at_points_and_its_gradient_run_the_triton_kernels():
+    alibi_and_bias = lambda bias: lambda s, b, h, i, j: s + bias[h, i - j + S] + bias[h, 0] * (j - i)
+    triton = dict(implementation="pallas_triton")
+    assert score_kernels(alibi_and_bias, **triton) == KERNELS
+    assert score_kernels(alibi_and_bias, argnums=(0, 1, 2, 3), **triton) == KERNELS  # the dq kernel sums the bias's
+    only_bias = score_kernels(alibi_and_bias, argnums=(3,), **triton)
+    assert only_bias == {"jaxforge_attention_fwd", "jaxforge_attention_tangent", "jaxforge_attention_bwd_dq"}
+
+
+def test_score_mods_gathering_from_captured_arrays_fall_back_to_xla():
+    fill = lambda bias: lambda s, b, h, i, j: s + jnp.take(bias[h], i - j, mode="fill", fill_value=0.0)
+    assert score_kernels(fill) == set()
     with pytest.raises(ValueError, match="pallas_triton"):
-        triton_kernels(gathering, implementation="pallas_triton")
+        score_kernels(fill, implementation="pallas_triton")
 
 
 def triton_compiler_params(implementation):

@@ -83,15 +83,44 @@ def test_document_masks_run_in_the_triton_kernels():
         np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_gathering_masks_run_xla_by_default_and_refuse_pallas():
+def test_captured_arrays_read_at_points_run_in_the_triton_kernels():
+    """ALiBi slopes, a relative-position bias (with its tangent) and a mask table, read by the
+    kernels an element at a time from global memory (clamped where indices leave the arrays):
+    forward, jvp and grad against XLA in float32, the bias's gradient (atomic adds) included."""
     q, k, v = inputs(jnp.bfloat16)
-    table = jnp.asarray(np.random.default_rng(0).random((7, 5)) > 0.3)
-    mask = jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.causal()
-    out = jax.jit(lambda *a: jf.attention(*a, mask=mask))(q, k, v)
-    ref, _ = reference(q, k, v, mask=mask)
+    r = np.random.default_rng(4)
+    slopes, bias = jnp.asarray(r.random(4), jnp.float32), jnp.asarray(r.standard_normal((4, 500)), jnp.float32)
+    table = jnp.asarray(r.random((7, 5)) > 0.2)
+    dbias = jnp.asarray(r.standard_normal(bias.shape), jnp.float32)
+
+    def run(impl, q, k, v, bias, dbias):
+        def f(q, k, v, bias):
+            score_mod = lambda s, b, h, i, j: s + slopes[h] * (j - i) / 64 + bias[h, i - j + 340]  # clamps where i - j + 340 >= 500
+            mask = lambda b, h, i, j: table[i % 7, j % 5] | (j <= i)
+            return jf.attention(q, k, v, mask=mask, score_mod=score_mod, implementation=impl)
+
+        _, dout = jax.jvp(f, (q, k, v, bias), (q, k, v, dbias))
+        loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+        return f(q, k, v, bias), dout, *jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias)
+
+    ours = jax.jit(lambda *a: run("pallas_triton", *a))
+    text = ours.lower(q, k, v, bias, dbias).as_text()
+    assert all(f"jaxforge_attention_{name}" in text for name in ("fwd", "tangent", "bwd_dq", "bwd_dkv"))
+    got = ours(q, k, v, bias, dbias)
+    want = jax.jit(lambda *a: run("xla", *a))(*(x.astype(jnp.float32) for x in (q, k, v)), bias, dbias)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(np.max(np.abs(w))), rtol=0)
+
+
+def test_score_mods_gathering_from_captured_arrays_run_xla_and_refuse_pallas():
+    q, k, v = inputs(jnp.bfloat16)
+    bias = jnp.asarray(np.random.default_rng(0).standard_normal((4, 333)), jnp.float32)
+    fill = lambda s, b, h, i, j: s + jnp.take(bias[h], i - j, mode="fill", fill_value=0.0)
+    out = jax.jit(lambda *a: jf.attention(*a, score_mod=fill))(q, k, v)
+    ref, _ = reference(q, k, v, score_mod=fill)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
     with pytest.raises(ValueError, match="pallas_triton"):
-        jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation="pallas_triton"))(q, k, v)
+        jax.jit(lambda *a: jf.attention(*a, score_mod=fill, implementation="pallas_triton"))(q, k, v)
 
 
 def _hopper():

@@ -205,7 +205,7 @@ def test_calls_it_cannot_run_are_refused_with_the_reason():
     shapes = ((1, 128, 2, 64), (1, 128, 2, 64), (1, 128, 2, 64))
     factor = jnp.asarray(0.5)
     scaled = lambda q, k, v: jf.attention(q, k, v, score_mod=lambda s, *_: s * factor, implementation=MOSAIC)  # noqa: E731
-    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*reads a captured array"):
+    with pytest.raises(ValueError, match="pallas_mosaic_gpu.*reads captured arrays"):
         lowered(scaled, *shapes)
     mods, consts = attention_mods(_DOCUMENT_256, None, None, (1,), 256, 256, jnp.float32)
     q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)

@@ -73,6 +73,85 @@ def test_against_the_dense_reference_with_a_captured_bias_and_its_gradient():
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 
+# Masks and score_mods reading captured arrays, which the kernels read an element at a time:
+# (arrays, mods(*arrays) -> attention keywords). Their tangents enter the tangent kernel.
+CAPTURED = {
+    "alibi_slopes": ((rng.random(HQ),), lambda slopes: dict(score_mod=lambda s, b, h, i, j: s + slopes[h] * (j - i))),
+    "relative_bias_causal": (
+        (rng.standard_normal((HQ, SQ + SKV)),),
+        lambda bias: dict(score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV], mask=jf.masks.causal(SKV - SQ)),
+    ),
+    "bias_hiding_scores_with_minus_inf": (  # whole rows hidden too: out 0, no NaN anywhere
+        (np.where(rng.random((HQ, SQ + SKV)) < 0.3, -np.inf, rng.standard_normal((HQ, SQ + SKV))),),
+        lambda bias: dict(score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV] + jnp.where(i == 4, -jnp.inf, 0.0)),
+    ),
+    "bias_table_read_out_of_range": (  # negative indices wrap, larger ones clamp, as jnp's do
+        (rng.standard_normal((B, HQ, 7, 5)),),
+        lambda table: dict(score_mod=lambda s, b, h, i, j: s * table[b, -h, i - 3, j]),
+    ),
+    "per_item_and_scalar_temperatures": (
+        (rng.random(B) + 0.5, np.asarray(1.5)),
+        lambda temps, t: dict(score_mod=lambda s, b, h, i, j: s * temps[b] / t, softcap=3.0),
+    ),
+    "mask_tables_and_lengths": (
+        (rng.random((7, 5)) > 0.3, np.asarray([13, 29])),
+        lambda table, lengths: dict(mask=lambda b, h, i, j: (table[i % 7, j % 5] | (i == j)) & (j < lengths[b])),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CAPTURED))
+def test_captured_arrays_read_at_points_match_xla(case):
+    """Forward, jvp and grad of the kernels reading captured arrays an element at a time, against
+    XLA's; the arrays' tangents and gradients (summed by the dq kernel) included."""
+    arrays, mods = CAPTURED[case]
+    arrays = tuple(jnp.asarray(a) for a in arrays)
+    floats = tuple(i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating))
+
+    def f(implementation):
+        def attend(q, k, v, *floats_given):
+            given = dict(zip(floats, floats_given))
+            return jf.attention(q, k, v, **mods(*(given.get(i, a) for i, a in enumerate(arrays))), implementation=implementation)
+
+        return attend
+
+    args = (*inputs(), *(arrays[i] for i in floats))
+    r = np.random.default_rng(5)
+    tangents = tuple(jnp.asarray(r.standard_normal(a.shape)) for a in args)
+    loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))
+    argnums = tuple(range(len(args)))
+    got, want = [
+        (f(impl)(*args), jax.jvp(f(impl), args, tangents)[1], *jax.grad(loss(impl), argnums)(*args)) for impl in (PALLAS, "xla")
+    ]
+    for n, (a, b) in enumerate(zip(got, want)):
+        assert np.isfinite(a).all()
+        np.testing.assert_allclose(a, b, atol=1e-12 if n == 0 else 1e-11)  # the output, then derivatives
+
+
+def test_vmapped_captured_arrays_are_read_and_summed_at_each_items_points():
+    """A bias with a vmapped axis: each program reads its own item's, and adds to its cotangent."""
+    q, k, v = inputs()
+    biases = jnp.asarray(np.random.default_rng(6).standard_normal((3, HQ, SQ + SKV)))
+    f = lambda bias, q, impl: jf.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV], implementation=impl)
+    loss = lambda impl: (lambda bias, q: jnp.sum(jnp.sin(f(bias, q, impl))))
+    got = jax.vmap(lambda bias, q: f(bias, q, PALLAS), in_axes=(0, None))(biases, q)
+    tangent = jax.vmap(lambda bias, db: jax.jvp(lambda x: f(x, q, PALLAS), (bias,), (db,))[1])(biases, 2 * biases)
+    grads = jax.vmap(jax.grad(loss(PALLAS)), in_axes=(0, None))(biases, q)
+    for i, bias in enumerate(biases):
+        np.testing.assert_allclose(got[i], f(bias, q, "xla"), atol=1e-12)
+        np.testing.assert_allclose(tangent[i], jax.jvp(lambda x: f(x, q, "xla"), (bias,), (2 * bias,))[1], atol=1e-11)
+        np.testing.assert_allclose(grads[i], jax.grad(loss("xla"))(bias, q), atol=1e-11)
+
+
+def test_functions_gathering_from_captured_arrays_are_refused():
+    q, k, v = inputs()
+    bias = jnp.asarray(np.random.default_rng(7).standard_normal((HQ, SKV)))
+    fill = lambda s, b, h, i, j: s + jnp.take(bias[h], i - j, mode="fill", fill_value=0.0)  # a row, then a gather
+    np.testing.assert_allclose(jf.attention(q, k, v, score_mod=fill), jf.attention(q, k, v, score_mod=fill, implementation="xla"))
+    with pytest.raises(ValueError, match="one element at a time"):
+        jf.attention(q, k, v, score_mod=fill, implementation=PALLAS)
+
+
 def test_vmap_folds_into_the_kernel_grid():
     q, k, v = inputs()
     scales = jnp.asarray([0.5, 1.0, 2.0])

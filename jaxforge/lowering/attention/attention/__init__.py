@@ -3,7 +3,8 @@
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
 platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
 CPU) or "pallas_mosaic_gpu" (Hopper kernels).
-``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory; else "xla") and
+``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory, and for masks
+or score_mods reading captured arrays once config.TRITON_POINT_READS_VALIDATED; else "xla") and
 "xla" elsewhere; on an sm90 GPU each Mosaic GPU kernel, once validated there
 (config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED, MOSAIC_BWD_VALIDATED), runs where it can.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
@@ -64,14 +65,20 @@ def _dispatch(prim, platform: str | None):
         mosaic_why_not = _mosaic_why_not(prim, mods, args, params) if asks_mosaic else "not asked for"
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
-            triton = pallas_triton.triton_can_run(mods) and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
+            triton = (
+                pallas_triton.triton_can_run(mods)
+                and (not pallas_triton.reads_captured_arrays(mods) or build.enabled(config.TRITON_POINT_READS_VALIDATED))
+                and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
+            )
             name = "pallas_triton" if triton else "xla"
             if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default(prim):
                 name = "pallas_mosaic_gpu"
-        elif platform == "cuda" and name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
+        elif name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
             raise ValueError(
-                f"attention: implementation={name!r} cannot apply this mask/score_mod on GPU: it "
-                "reads a captured array at traced indices (a gather); use implementation=None or 'xla'"
+                f"attention: implementation={name!r} cannot apply this mask/score_mod: the kernels apply "
+                "elementwise functions that read captured arrays one element at a time (bias[h, q_idx - kv_idx]); "
+                "this one gathers or reduces over an array, or applies a non-elementwise operation; use "
+                "implementation=None or 'xla'"
             )
         if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
             if mosaic_why_not is not None:

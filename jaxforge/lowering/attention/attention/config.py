@@ -129,6 +129,12 @@ def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, items
     return size
 
 
+# Masks and score_mods reading captured arrays (ALiBi slopes, a bias table) at points: the Triton
+# kernels load them at each score's address and the dq kernel sums their cotangents with atomic
+# adds (points.py). True once the gpu test test_captured_arrays_read_at_points_run_in_the_triton_kernels
+# passes on an H200: then the default runs them there (until then XLA's tiles, as before).
+TRITON_POINT_READS_VALIDATED = False
+
 # Mosaic GPU (pallas_mosaic_gpu.py): each consumer warpgroup owns 64 query rows (one wgmma M);
 # the key/value ring fits sm90's 227 KiB. Mosaic places each shared-memory buffer at a multiple
 # of 1 KiB and reserves a little beside them (barriers: 2.4 KiB at the shapes tried); the

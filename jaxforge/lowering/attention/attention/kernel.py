@@ -18,8 +18,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.primitives.attention.mods import Mods
+from jaxforge.primitives.attention.points import PointArray, Reads, reads_refs
 
-__all__ = ["Geometry", "MaskTiles", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows", "tile_loop"]
+__all__ = ["Geometry", "MaskTiles", "bounds_table", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows", "tile_loop"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +28,17 @@ class MaskTiles:
     """What the mask reads for one batch item, as a driver provides it: the mask function's own
     arrays (whole), the span's arrays, and ``rows(i)`` / ``cols(j)``, the positional values
     (``Mods.mask_rows``/``mask_cols``) at the queries of tile ``i`` / the keys of tile ``j``,
-    each ``(block_q,)`` / ``(block_kv,)``: slices, never gathers."""
+    each ``(block_q,)`` / ``(block_kv,)``: slices, never gathers.
+
+    ``row_bounds(i)`` / ``col_bounds(j)``: the tile bounds (:meth:`Geometry.row_bounds`) read from
+    a :func:`bounds_table` computed before the call, for a driver that passes no span arrays."""
 
     consts: Sequence
     span: tuple
     rows: Callable[[Any], Sequence]
     cols: Callable[[Any], Sequence]
+    row_bounds: Callable[[Any], tuple] | None = None
+    col_bounds: Callable[[Any], tuple] | None = None
 
     def rows_loaded(self, i) -> MaskTiles:
         """Query tile ``i``'s values read once, for a loop over key tiles that reuses them."""
@@ -97,13 +103,33 @@ class Geometry:
         hi = jnp.where(kv_lo + self.block_kv <= self.skv, jnp.asarray(hi, jnp.int32), jnp.asarray(lo, jnp.int32))
         return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
 
+    def row_bounds(self, mods: Mods, i, data=()):
+        """``(lo, hi, full_lo, full_hi)``: the key tiles query tile ``i`` visits, and among them the
+        wholly visible ones."""
+        return (*self.kv_tiles(mods, i, data), *self.full_kv_tiles(mods, i, data))
+
+    def col_bounds(self, mods: Mods, j, data=()):
+        """``(lo, hi, full_lo, full_hi)``: the query tiles key tile ``j`` visits, as :meth:`row_bounds`."""
+        return (*self.q_tiles(mods, j, data), *self.full_q_tiles(mods, j, data))
+
     def row_tiles(self, mods: Mods, i, mask: MaskTiles):
         """``(kv_tiles, full_kv_tiles)`` of query tile ``i``."""
-        return self.kv_tiles(mods, i, mask.span), self.full_kv_tiles(mods, i, mask.span)
+        lo, hi, full_lo, full_hi = mask.row_bounds(i) if mask.row_bounds else self.row_bounds(mods, i, mask.span)
+        return (lo, hi), (full_lo, full_hi)
 
     def col_tiles(self, mods: Mods, j, mask: MaskTiles):
         """``(q_tiles, full_q_tiles)`` of key tile ``j``."""
-        return self.q_tiles(mods, j, mask.span), self.full_q_tiles(mods, j, mask.span)
+        lo, hi, full_lo, full_hi = mask.col_bounds(j) if mask.col_bounds else self.col_bounds(mods, j, mask.span)
+        return (lo, hi), (full_lo, full_hi)
+
+
+def bounds_table(bounds, num_tiles: int, span_items) -> jax.Array:
+    """``(B, num_tiles, 4)`` int32: ``bounds(t, data)`` (:meth:`Geometry.row_bounds`,
+    :meth:`~Geometry.col_bounds`) of every tile for each batch item's span arrays (``span_items``,
+    stacked over items): computed once before a kernel, whose programs read one row each."""
+    tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    per_item = lambda data: jax.vmap(lambda t: jnp.stack([jnp.asarray(x, jnp.int32) for x in bounds(t, data)]))(tiles)  # noqa: E731
+    return jax.vmap(per_item)(span_items)
 
 
 def tile_loop(tiles, full_tiles, body, carry):
@@ -190,7 +216,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
 
 def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore):
     """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
-    floats, mask = _floats(score_c), mask.rows_loaded(i)
+    mask = mask.rows_loaded(i)
 
     def body(j, carry, masked):
         r, acc = carry
@@ -198,8 +224,7 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
         q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
         raw = _dot_t(geo, q, k) * geo.scale
         draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
-        modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
-        s, ds = jax.jvp(modify, (raw, floats), (draw, list(dscore)))
+        s, ds = _modify_jvp(mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore)
         p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
         p_ds = p * jnp.where(visible, ds, 0)
         return r + jnp.sum(p_ds, axis=1), acc + _dot(geo, p, dv) + _dot(geo, p_ds, v)
@@ -208,6 +233,21 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
     r, acc = tile_loop(*geo.row_tiles(mods, i, mask), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
+
+
+def _modify_jvp(mods: Mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore):
+    """The modified scores of a tile and their tangent, from those of the raw scores and of the
+    float score consts (``dscore``, whole arrays or, in a kernel, refs read where the consts are)."""
+    floats = _floats(score_c)
+    if reads_refs(floats):  # each read's tangent: the tangent array's read there, along ``direction``
+
+        def modify(raw, direction):
+            consts = _with_floats(score_c, [c.with_tangent(t, direction) for c, t in zip(floats, dscore)])
+            return mods.modify(raw, b, h, q_idx, kv_idx, consts)
+
+        return jax.jvp(modify, (raw, jnp.zeros((), raw.dtype)), (draw, jnp.ones((), raw.dtype)))
+    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+    return jax.jvp(modify, (raw, floats), (draw, list(dscore)))
 
 
 def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, wanted, masked):
@@ -220,7 +260,9 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     raw = _dot_t(geo, q, k) * geo.scale
     floats = _floats(score_c)
     modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
-    if any(wanted):
+    if any(c.cotangent is not None for c in floats if isinstance(c, PointArray)):
+        s, vjp = _vjp_adding_read_cotangents(modify, raw, floats)
+    elif any(wanted):
         s, vjp = jax.vjp(modify, raw, floats)
     else:
         s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
@@ -229,6 +271,29 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     # Masked entries get exactly 0, even where an infinite lse cotangent makes delta infinite.
     g_raw, g_floats = vjp(jnp.where(visible, p * (_dot_t(geo, g_out, v) - delta[:, None]), 0))
     return p, g_raw, [g for g, w in zip(g_floats, wanted) if w]
+
+
+def _vjp_adding_read_cotangents(modify, raw, floats):
+    """``jax.vjp`` of ``modify`` over ``raw``, for float consts a kernel reads at points: the pullback
+    adds each read's cotangent into its array's (``PointArray.cotangent``) and returns no others."""
+    reads = Reads()
+    recorded = [c.recorded(reads) for c in floats]
+    modify(raw, recorded)  # finds the reads; a second evaluation replays them
+
+    def replayed(raw, offsets):
+        reads.replay_with(offsets)
+        return modify(raw, recorded)
+
+    s, vjp = jax.vjp(replayed, raw, [jnp.zeros_like(value) for _, _, value in reads.sites])
+
+    def pullback(g):
+        g_raw, g_reads = vjp(g)
+        for (array, index, _), g_read in zip(reads.sites, g_reads):
+            if array.cotangent is not None:
+                array.cotangent.add(index, g_read)
+        return g_raw, []
+
+    return s, pullback
 
 
 def _wanted(score_c, const_grads):

@@ -30,6 +30,7 @@ share this module's pieces and read the ``(out, lse)`` this kernel writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -39,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxforge.lowering.attention.attention import config, pallas_triton, xla
-from jaxforge.lowering.attention.attention.kernel import Geometry, tile_loop
+from jaxforge.lowering.attention.attention.kernel import Geometry, bounds_table, tile_loop
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods, fits_int32
 
@@ -91,7 +92,7 @@ def mosaic_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
     positional arrays (integers of up to 32 bits, as jf.masks hands over document segment ids and
     per-item prefix lengths), with no other captured array; bf16/f16 operands; head dims up to 256.
     """
-    if not pallas_triton.triton_can_run(mods):  # which also refuses captured arrays
+    if pallas_triton.reads_captured_arrays(mods) or not pallas_triton.triton_can_run(mods):
         return (
             "its mask or score_mod reads captured arrays (the Mosaic GPU kernels apply elementwise functions "
             "of the indices and of positional arrays such as document segment ids)"
@@ -174,14 +175,13 @@ def mask_arrays(mods: Mods, mask_consts, batch_ids, sq_pad: int, skv_pad: int) -
 
 
 def kv_bounds(geo: Geometry, mods: Mods):
-    """``bounds(i, span=()) -> (lo, hi, full_lo, full_hi)``: the key tiles query program ``i``
-    visits, and among them the wholly visible ones."""
-    return lambda i, span=(): (*geo.kv_tiles(mods, i, span), *geo.full_kv_tiles(mods, i, span))
+    """``bounds(i, span=()) -> (lo, hi, full_lo, full_hi)`` of query program ``i`` (Geometry.row_bounds)."""
+    return functools.partial(geo.row_bounds, mods)
 
 
 def q_bounds(geo: Geometry, mods: Mods):
-    """``bounds(j, span=())``: the query tiles key program ``j`` visits, as :func:`kv_bounds`."""
-    return lambda j, span=(): (*geo.q_tiles(mods, j, span), *geo.full_q_tiles(mods, j, span))
+    """``bounds(j, span=())`` of key program ``j`` (Geometry.col_bounds)."""
+    return functools.partial(geo.col_bounds, mods)
 
 
 def program_table(mods: Mods, bounds, num_programs: int, arrays: MaskArrays, batch_ids, head_offset):
@@ -194,9 +194,7 @@ def program_table(mods: Mods, bounds, num_programs: int, arrays: MaskArrays, bat
     table = table.at[..., 0].set(batch_ids[:, None]).at[..., 1].set(head_offset)
     if not mods.span.num_arrays:
         return table
-    tiles = jnp.arange(num_programs, dtype=jnp.int32)
-    per_item = lambda span: jax.vmap(lambda t: jnp.stack(int32(*bounds(t, span))))(tiles)  # noqa: E731
-    return table.at[..., 2:6].set(jax.vmap(per_item)(arrays.span))
+    return table.at[..., 2:6].set(bounds_table(bounds, num_programs, arrays.span))
 
 
 def _tile_bounds(mods: Mods, bounds, row):

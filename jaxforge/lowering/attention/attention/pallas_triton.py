@@ -3,18 +3,22 @@
 One program per (batch item, head, tile); its body is kernel.py's tile algorithm, with ``load``
 slicing the key/value (or query) refs. Forward and tangent programs own a query tile and loop over
 key tiles; the backward runs two kernels, dq over query tiles and (dk, dv) over key tiles (looping
-over the query heads of its GQA group), so no program needs atomics. Head dims are padded to a
-power of two of at least 16, the MMA shapes Triton wants.
+over the query heads of its GQA group), so gq, gk and gv need no atomics. Head dims are padded
+to a power of two of at least 16, the MMA shapes Triton wants.
 
-Arrays a mask or score_mod closes over are handed to every program whole. Their cotangents need a
-reduction over all programs, so a backward that wants them runs the XLA lowering instead. A mask's
+Arrays a mask or score_mod closes over (a bias table, ALiBi slopes) are handed to every program
+whole, as refs the functions read an element at a time (points.PointArray). Their cotangents sum
+over every program: the dq kernel adds each read's cotangent atomically at its address. A mask's
 positional arrays (document segment ids) and span arrays are gathered per batch item before the
 call; a program slices one tile of them at a time, so document masks run in the Triton kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +30,13 @@ from jaxforge.lowering.attention.attention import config, xla
 from jaxforge.lowering.attention.attention.kernel import (
     Geometry,
     MaskTiles,
+    bounds_table,
     bwd_dkv_cols,
     bwd_dq_rows,
     fwd_rows,
     tangent_rows,
 )
+from jaxforge.primitives.attention import points
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
@@ -39,24 +45,20 @@ __all__ = [
     "attention_bwd_pallas",
     "attention_fwd_pallas",
     "attention_tangent_pallas",
+    "reads_captured_arrays",
     "triton_can_run",
     "triton_fits",
 ]
 
-# What a mask or score_mod may apply to run inside a Triton kernel: elementwise arithmetic. Reading
-# a captured array at a traced index (document segment ids, a bias table) is a gather, which the
-# Triton backend cannot lower; such calls run the XLA lowering on GPU.
-TRITON_ELEMENTWISE = frozenset(
-    "abs add and ceil clamp convert_element_type cos div eq exp exp2 floor ge gt integer_pow jit le log "
-    "log1p logistic lt max min mul ne neg not or pjit pow rem round rsqrt select_n sign sin sqrt square "
-    "sub tanh xor".split()
-)
+def reads_captured_arrays(mods: Mods) -> bool:
+    """Whether the mask or score_mod closes over arrays (beyond a mask's positional ones)."""
+    return any(f.num_consts for f in (mods.mask, mods.score) if f is not None)
 
 
 def triton_can_run(mods: Mods) -> bool:
-    """Whether the mask and score_mod are elementwise, so the Triton kernels can apply them."""
-    fns = [f for f in (mods.mask, mods.score) if f is not None]
-    return all(f.num_consts == 0 and f.primitive_names() <= TRITON_ELEMENTWISE for f in fns)
+    """Whether the mask and score_mod are elementwise and read their captured arrays at points
+    (points.reads_points), so the Triton kernels can apply them: Triton lowers no gather."""
+    return all(points.reads_points(f) for f in (mods.mask, mods.score) if f is not None)
 
 
 # The kernels of each call, which share its tiles.
@@ -113,11 +115,15 @@ def _row_block(geo: Geometry):  # lse/delta rows (B, Hq, S) of one query tile
     return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, i: (b, h, i))
 
 
+def _item_block(x):  # one local batch item's row of (B, ...), whole
+    return pl.BlockSpec((_SQ, *x.shape[1:]), lambda b, *_: (b,) + (0,) * (x.ndim - 1))
+
+
 def _whole(x):
     return pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, compiler: tuple[int, int]):
+def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, compiler: tuple[int, int], aliases=None):
     # Inside shard_map (check_vma) pallas_call wants each output's varying mesh axes. The lowering
     # traces on untyped avals (primitives._core), so the outputs take the operands' (empty) ones.
     mat = jax.typeof(args[1]).manual_axis_type
@@ -131,6 +137,7 @@ def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, n
         out_specs=out_specs,
         interpret=interpret,
         name=name,
+        input_output_aliases=aliases or {},
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=warps, num_stages=stages),
     )(*args)
 
@@ -158,8 +165,9 @@ def _rows_back(x, batch, s):
 def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
     """``(operands, specs, tiles)``: the mask's operands of every program and ``tiles(refs)``, the
     :class:`MaskTiles` a program builds from its refs of them. The function's own arrays go whole;
-    positional and span arrays one row per local batch item, padded to whole tiles (span arrays,
-    loaded whole, to a power of two; per-item scalars as ``(B, 1)``)."""
+    positional arrays one row per local batch item, padded to whole tiles. A span that reads
+    arrays (document masks) is bounded before the call instead: a row of tile bounds per item and
+    tile (kernel.bounds_table), so no program loads a whole sequence of span data."""
     n_fn = mods.mask.num_consts if mods.mask is not None else 0
 
     def per_item(b):
@@ -168,21 +176,25 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
 
     rows, cols, span = jax.vmap(per_item)(batch_ids)
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    scalar = [x.ndim == 1 for x in span]
     rows = [_pad_last(r, sq_pad) for r in rows]
     cols = [_pad_last(c, skv_pad) for c in cols]
-    span = [x.reshape(-1, 1) if one else _pad_last(x, config.pow2_at_least(x.shape[1])) for x, one in zip(span, scalar)]
-    blocks = [*rows, *cols, *span]
-    specs = [_whole(c) for c in mask_c[:n_fn]] + [pl.BlockSpec((_SQ, x.shape[1]), lambda b, *_: (b, 0)) for x in blocks]
+    bounds = []
+    if mods.span.num_arrays:
+        bound = lambda method, num_tiles: bounds_table(functools.partial(method, mods), num_tiles, tuple(span))  # noqa: E731
+        bounds = [bound(geo.row_bounds, geo.num_q_tiles), bound(geo.col_bounds, geo.num_kv_tiles)]
+    blocks = [*rows, *cols, *bounds]
+    specs = [_whole(c) for c in mask_c[:n_fn]] + [_item_block(x) for x in blocks]
     ends = [n_fn, n_fn + len(rows), n_fn + len(rows) + len(cols)]
 
     def tiles(refs):
-        fn_refs, row_refs, col_refs, span_refs = refs[: ends[0]], refs[ends[0] : ends[1]], refs[ends[1] : ends[2]], refs[ends[2] :]
+        fn_refs, row_refs, col_refs, bound_refs = refs[: ends[0]], refs[ends[0] : ends[1]], refs[ends[1] : ends[2]], refs[ends[2] :]
+        read = lambda table: (lambda t: tuple(table[t, n] for n in range(4)))  # noqa: E731
         return MaskTiles(
-            [r[...] for r in fn_refs],
-            tuple(r[0] if one else r[...] for r, one in zip(span_refs, scalar)),
+            [points.PointArray(r) for r in fn_refs],
+            (),
             lambda i: [r[pl.ds(i * geo.block_q, geo.block_q)] for r in row_refs],
             lambda j: [r[pl.ds(j * geo.block_kv, geo.block_kv)] for r in col_refs],
+            *(read(r) for r in bound_refs),
         )
 
     return [*mask_c[:n_fn], *blocks], specs, tiles
@@ -201,7 +213,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
 
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         *in_refs, out_ref, lse_ref = refs
-        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
+        mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score)
@@ -240,7 +252,7 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
 
     def kernel(offset_ref, q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
         *in_refs, dout_ref, dlse_ref = refs
-        mask, values = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
+        mask, values = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
         dout, dlse = tangent_rows(
@@ -270,11 +282,6 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
 def attention_bwd_pallas(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
-    if any(const_grads):  # cotangents of captured arrays reduce over every program: XLA does it
-        return xla.attention_bwd_xla(
-            q, k, v, out, lse, *operands, mods=mods, scale=scale, const_grads=const_grads,
-            implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
-        )  # fmt: skip
     geo, compiler = _geometry("bwd", q, k, v, scale, implementation)
     offset = _global_offsets(batch_ids, head_offset)
     *consts, g_out, g_lse = operands
@@ -288,33 +295,39 @@ def attention_bwd_pallas(
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m = consts[n_mask:], len(mask_ops)
+    wanted = _wanted_consts(score_c, const_grads)
+    sums = [jnp.zeros(score_c[c].shape, _sum_dtype(score_c[c].dtype)) for c in wanted]
+    n_in = 7 + n_m + len(score_c)
 
     def dq_kernel(offset_ref, q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
-        *in_refs, gq_ref = refs
-        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
+        in_refs, (gq_ref, *sum_refs) = refs[: n_in - 7], refs[n_in - 7 + len(sums) :]
+        sum_of = dict(zip(wanted, (_Sum(r, interpret) for r in sum_refs)))
+        mask = mask_tiles(in_refs[:n_m])
+        score = [points.PointArray(r, cotangent=sum_of.get(c)) for c, r in enumerate(in_refs[n_m:])]
         b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
         gq = bwd_dq_rows(geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score)
         gq_ref[...] = gq.astype(gq_ref.dtype)
 
-    gq = _call(
+    gq, *g_consts = _call(
         dq_kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles),
         [_whole(offset), _q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
         + [_kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
         + mask_specs
-        + [_whole(c) for c in score_c],
-        _q_block(geo, d),
-        jax.ShapeDtypeStruct(qp.shape, q.dtype),
-        (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c),
+        + [_whole(c) for c in (*score_c, *sums)],
+        [_q_block(geo, d), *(_whole(x) for x in sums)],
+        [jax.ShapeDtypeStruct(qp.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sums)],
+        (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c, *sums),
         "jaxforge_attention_bwd_dq",
         compiler,
+        aliases={n_in + s: 1 + s for s in range(len(sums))},
     )
 
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
         *in_refs, gk_ref, gv_ref = refs
-        mask, score = mask_tiles(in_refs[:n_m]), [r[...] for r in in_refs[n_m:]]
+        mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         b, hk, j = offset_ref[pl.program_id(0)], offset_ref[bsz] // geo.group + pl.program_id(1), pl.program_id(2)
 
         def load_q(g, i):
@@ -345,4 +358,32 @@ def attention_bwd_pallas(
         _back(gq, batch, geo.sq, q.shape[-1]),
         _back(gk, batch, geo.skv, k.shape[-1]),
         _back(gv, batch, geo.skv, v.shape[-1]),
+        *(g.astype(score_c[c].dtype) for c, g in zip(wanted, g_consts)),
     )
+
+
+def _wanted_consts(score_c, const_grads) -> list[int]:
+    """Positions in ``score_c`` of the float consts whose cotangents ``const_grads`` asks for."""
+    floats = [c for c, x in enumerate(score_c) if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return [c for c, wanted in zip(floats, const_grads) if wanted]
+
+
+def _sum_dtype(dtype):
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sum:
+    """A captured array's cotangent, summed over every program of the dq kernel: atomic adds of
+    each read's cotangent at its address (in any order: the last bits vary from run to run)."""
+
+    ref: Any
+    interpret: bool
+
+    def add(self, index, values):
+        values = values.astype(self.ref.dtype)
+        if self.interpret:  # there, atomic_add keeps one of the values sent to one address; programs run in turn
+            total = self.ref[...]
+            self.ref[...] = total.at[index].add(values) if index else total + values
+        else:
+            plgpu.atomic_add(self.ref, index, values)
