@@ -61,6 +61,7 @@ SEED = 0
 QUICK_SHAPES = {
     "quick_causal": ((1, 128, 128, 2, 2, 32, 32), "causal", ("quick",)),
     "quick_gqa_document": ((1, 128, 128, 4, 2, 32, 16), "document_causal", ("quick",)),
+    "quick_alibi": ((1, 128, 128, 4, 4, 32, 32), "alibi_causal", ("quick",)),
 }
 
 # Timed calls after the first (compiling) one and `warmups` more: at least `min_repeats`, then
@@ -85,7 +86,7 @@ _NO_TORCH_JVP = "torch has no forward-mode AD for SDPA or flex_attention (pytorc
 class Case:
     name: str
     dims: tuple[int, int, int, int, int, int, int]  # (batch, Sq, Skv, Hq, Hkv, D, Dv)
-    mask: str | None  # None, "causal", "sliding_window_causal" or "document_causal"
+    mask: str | None  # None, "causal", "sliding_window_causal", "document_causal" or "alibi_causal"
     dtype: type
 
     batch = property(lambda self: self.dims[0])
@@ -297,11 +298,23 @@ def _segment_ids(case: Case) -> np.ndarray | None:
     return np.stack(rows).astype(np.int32)
 
 
+def alibi_slopes(heads: int) -> np.ndarray:
+    """ALiBi's per-head slopes ``2^(-8 (h + 1) / heads)``: "alibi_causal" adds ``slope_h (kv - q)``
+    to the causal scores, read by jf.attention's score_mod from a captured array."""
+    return (2.0 ** (-8.0 * (np.arange(heads) + 1) / heads)).astype(np.float32)
+
+
+def _alibi_bias(slopes, sq: int, skv: int):
+    """The dense ``(1, H, Sq, Skv)`` float32 bias of ALiBi, as jax.nn takes it."""
+    distance = jnp.arange(skv)[None, :] - jnp.arange(sq)[:, None]
+    return (jnp.asarray(slopes)[:, None, None] * distance)[None]
+
+
 def _visible_fraction(case: Case, seg) -> float:
     """The fraction of the score matrix a forward computes: 1/2 for causal (ANCHORS.md), else counted."""
     if case.mask is None:
         return 1.0
-    if case.mask == "causal":
+    if case.mask in ("causal", "alibi_causal"):
         return 0.5
     q = np.arange(case.sq)
     if case.mask == "sliding_window_causal":  # keys max(0, q - WINDOW + 1) ..= min(q, Skv - 1)
@@ -390,8 +403,8 @@ def _reference_fn(case: Case):
         return jnp.swapaxes(x.reshape(bsz, hkv, s, h, d), 1, 2).reshape(bsz, s, hkv * h, d)
 
     def one(item):
-        q, k, v, seg, do, dq, dk, dv = item
-        fn = lambda q, k, v: attend(q, k, v, seg)  # noqa: E731
+        q, k, v, seg, slopes, do, dq, dk, dv = item
+        fn = lambda q, k, v: attend(q, k, v, seg, slopes)  # noqa: E731
         out, vjp = jax.vjp(fn, q, k, v)
         _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
         return out, vjp(do), dout
@@ -399,7 +412,8 @@ def _reference_fn(case: Case):
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):
         seg_items = None if seg is None else jnp.repeat(seg, hkv, axis=0)[:, None, :]
-        items = (split(q), split(k), split(v), seg_items, split(do), split(dq), split(dk), split(dv))
+        slopes = jnp.tile(jnp.asarray(alibi_slopes(case.hq)).reshape(hkv, -1), (bsz, 1))  # each item's heads
+        items = (split(q), split(k), split(v), seg_items, slopes, split(do), split(dq), split(dk), split(dv))
         out, grads, dout = lax.map(one, items)
         return merge(out), tuple(merge(g) for g in grads), merge(dout)
 
@@ -412,7 +426,7 @@ def _reference_fn(case: Case):
 def _jf_mask(mask: str | None, seg):
     if mask is None:
         return None
-    if mask == "causal":
+    if mask in ("causal", "alibi_causal"):
         return jf.masks.causal()
     if mask == "sliding_window_causal":
         return jf.masks.causal() & jf.masks.sliding_window(WINDOW)
@@ -479,8 +493,11 @@ def parse_variant(text: str):
 
 def _jf_forward(implementation):
     def forward(case: Case):
+        slopes = jnp.asarray(alibi_slopes(case.hq))
+        score_mod = (lambda s, b, h, i, j: s + slopes[h] * (j - i)) if case.mask == "alibi_causal" else None
+
         def attend(q, k, v, seg):
-            return jf.attention(q, k, v, mask=_jf_mask(case.mask, seg), implementation=implementation)
+            return jf.attention(q, k, v, mask=_jf_mask(case.mask, seg), score_mod=score_mod, implementation=implementation)
 
         return attend
 
@@ -520,9 +537,10 @@ def _jnn_forward(case: Case, implementation: str) -> Callable | str:
     def pad(x):
         return x if x.shape[-1] == width else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
-    def attend(q, k, v, seg):
+    def attend(q, k, v, seg, slopes=alibi_slopes(case.hq)):  # the reference hands each item's heads' slopes
         mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
-        out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), mask=mask, **kwargs)
+        bias = _alibi_bias(slopes, case.sq, case.skv).astype(q.dtype) if case.mask == "alibi_causal" else None
+        out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), bias=bias, mask=mask, **kwargs)
         return out[..., : case.dv]
 
     return attend
@@ -539,8 +557,8 @@ def _pallas_forward(case: Case) -> Callable | str:
         from jax.experimental.pallas.ops.gpu.attention import mha
     except Exception as e:
         return f"jax.experimental.pallas.ops.gpu.attention is not importable ({type(e).__name__}: {e})"
-    if case.mask == "sliding_window_causal":
-        return "mha has no sliding-window mask (causal and segment ids only)"
+    if case.mask in ("sliding_window_causal", "alibi_causal"):
+        return "mha has no sliding-window mask or bias (causal and segment ids only)"
     if case.hq != case.hkv:
         return "mha needs as many key/value heads as query heads (no GQA)"
     if case.d != case.dv:
@@ -566,7 +584,17 @@ def _jf_mosaic(case: Case) -> Callable | str:
     dims fit (``d + dv <= 256``; Triton's beyond)."""
     if why := _hopper():
         return why
+    if case.mask == "alibi_causal":
+        return "the Mosaic GPU kernels read no captured arrays (ALiBi's slopes): the default runs Triton's"
     return _jf_forward("pallas_mosaic_gpu")(case)
+
+
+def _jf_triton(case: Case) -> Callable | str:
+    """``jf.attention`` on the Triton kernels by name where the default may not run them: a
+    score_mod reading captured arrays (config.TRITON_POINT_READS_VALIDATED)."""
+    if case.mask != "alibi_causal":
+        return "the default runs the Triton kernels on this case"
+    return _jf_forward("pallas_triton")(case)
 
 
 def _mgpu_forward(case: Case) -> Callable | str:
@@ -695,7 +723,8 @@ def _flex_contender(torch) -> Contender:
         if mode == "jvp":
             return _NO_TORCH_JVP
         batch = None
-        if case.mask == "causal":
+        score_mod = None
+        if case.mask in ("causal", "alibi_causal"):
             mask_mod = lambda b, h, q, kv: q >= kv  # noqa: E731
         elif case.mask == "sliding_window_causal":
             mask_mod = lambda b, h, q, kv: (q >= kv) & (q - kv < WINDOW)  # noqa: E731
@@ -704,13 +733,16 @@ def _flex_contender(torch) -> Contender:
             mask_mod = lambda b, h, q, kv: (q >= kv) & (seg[b, q] == seg[b, kv])  # noqa: E731
         else:
             return f"no flex mask_mod for {case.mask!r}"
+        if case.mask == "alibi_causal":
+            slopes = torch.as_tensor(alibi_slopes(case.hq), device="cuda")
+            score_mod = lambda score, b, h, q, kv: score + slopes[h] * (kv - q)  # noqa: E731
         block_mask = create_block_mask(mask_mod, B=batch, H=None, Q_LEN=case.sq, KV_LEN=case.skv, device="cuda")
-        kwargs = dict(block_mask=block_mask, scale=case.scale)
+        kwargs = dict(block_mask=block_mask, score_mod=score_mod, scale=case.scale)
         if case.hq != case.hkv:
             kwargs["enable_gqa"] = True
         return _torch_modes(torch, lambda q, k, v: compiled(q, k, v, **kwargs), mode, case, x)
 
-    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal")  # noqa: E731
+    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal", "alibi_causal")  # noqa: E731
     return Contender(name, prepare, to_jax=_torch_to_jax, essential=essential)
 
 
@@ -725,6 +757,7 @@ def _contenders(backend: str) -> list[Contender]:
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
         _jax_contender("jaxforge-mgpu", _jf_mosaic, essential=everywhere),
+        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(
             "jax.nn-cudnn",

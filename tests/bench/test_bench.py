@@ -124,7 +124,7 @@ def test_attention_budget_measures_the_essential_contenders_of_every_case_first(
     # soft limit 0: the optional contenders (everything but jaxforge on CPU) are skipped, on every
     # case, while jaxforge is measured on both cases; the records keep the case/mode/contender order
     records = run("attention", quick=True, budget_s=(0.0, float("inf")))
-    cases = ["quick_causal", "quick_gqa_document"]
+    cases = ["quick_causal", "quick_gqa_document", "quick_alibi"]
     assert list(dict.fromkeys(r["shape_name"] for r in records)) == cases
     for case in cases:
         rows = [r for r in records if r["shape_name"] == case]
@@ -132,6 +132,7 @@ def test_attention_budget_measures_the_essential_contenders_of_every_case_first(
         for r in rows:
             if r["implementation"] == "jaxforge":
                 assert r["status"] == "ok" and r["ratio"] == 1.0, r
+                assert all(0 <= e < 1e-4 for e in r["accuracy"].values()), r  # ALiBi's bias in the reference too
             else:
                 assert r["status"] == "skipped" and "soft limit" in r["reason"], r
     hard = run("attention", quick=True, shapes=["quick_causal"], budget_s=(0.0, 0.0))

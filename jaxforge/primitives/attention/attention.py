@@ -99,6 +99,7 @@ SHAPES = {
     "window_causal": ((2, 8192, 8192, 16, 16, 128, 128), "sliding_window_causal", ("bench_gpu", "anchor")),
     "document_causal": ((2, 8192, 8192, 16, 16, 128, 128), "document_causal", ("bench_gpu",)),
     "gqa_8to1": ((2, 4096, 4096, 32, 4, 128, 128), "causal", ("bench_gpu",)),
+    "alibi_causal": ((2, 4096, 4096, 16, 16, 128, 128), "alibi_causal", ("bench_gpu",)),
     "mla_192_128": ((2, 4096, 4096, 16, 16, 192, 128), "causal", ("bench_gpu",)),
     "d256_causal": ((2, 4096, 4096, 16, 16, 256, 256), "causal", ("bench_gpu",)),
     "odd_cross": ((2, 1000, 1531, 8, 2, 64, 64), None, ("bench_gpu",)),
