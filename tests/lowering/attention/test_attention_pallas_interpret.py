@@ -211,3 +211,29 @@ def test_kernels_run_inside_shard_map(mask):
     np.testing.assert_allclose(dout, jax.jvp(ref, (q, k, v), tangents)[1], atol=1e-11)
     for a, b in zip(grads, jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(a, b, atol=1e-11)
+
+
+def test_a_captured_bias_and_its_gradient_inside_shard_map():
+    """The bias replicated, q, k, v split along the batch: each device's dq kernel sums its share
+    of the bias's cotangent, and the shares meet in one sum; forward, jvp and grad against XLA."""
+    q, k, v = inputs()
+    bias = jnp.asarray(np.random.default_rng(8).standard_normal((HQ, SQ + SKV)))
+
+    def attend(implementation):
+        score_mod = lambda bias: lambda s, b, h, i, j: s + bias[h, i - j + SKV]  # noqa: E731
+        return lambda q, k, v, bias: jf.attention(
+            q, k, v, mask=jf.masks.causal(SKV - SQ), score_mod=score_mod(bias), implementation=implementation
+        )
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    split, whole = jax.sharding.PartitionSpec("data"), jax.sharding.PartitionSpec()
+    ours = jf.shard(attend(PALLAS), mesh=mesh, in_specs=(split, split, split, whole), out_specs=split)
+    ref = attend("xla")
+    args, tangents = (q, k, v, bias), (*inputs(seed=2), 2 * bias)
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    with jax.set_mesh(mesh):
+        got = jax.jit(lambda *a: (ours(*a[:4]), jax.jvp(ours, a[:4], a[4:])[1], *jax.grad(loss(ours), (0, 1, 2, 3))(*a[:4])))
+        got = got(*args, *tangents)
+    want = (ref(*args), jax.jvp(ref, args, tangents)[1], *jax.grad(loss(ref), (0, 1, 2, 3))(*args))
+    for n, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=1e-12 if n == 0 else 1e-11)
