@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import core
-from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun, subjaxprs
+from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
 
@@ -307,15 +307,6 @@ class StaticFunction:
     def jaxpr(self):
         """The program: the traced arguments, then the constants, as invars; no constvars."""
         return self._jaxpr
-
-    def primitive_names(self) -> frozenset[str]:
-        """Names of every primitive the function applies, nested calls included."""
-        names, stack = set(), [self._jaxpr]
-        while stack:
-            jaxpr = stack.pop()
-            names.update(eqn.primitive.name for eqn in jaxpr.eqns)
-            stack.extend(subjaxprs(jaxpr))
-        return frozenset(names)
 
     def __eq__(self, other):
         return isinstance(other, StaticFunction) and self._key == other._key

@@ -9,8 +9,9 @@ to a power of two of at least 16, the MMA shapes Triton wants.
 Arrays a mask or score_mod closes over (a bias table, ALiBi slopes) are handed to every program
 whole, as refs the functions read an element at a time (points.PointArray). Their cotangents sum
 over every program: the dq kernel adds each read's cotangent atomically at its address. A mask's
-positional arrays (document segment ids) and span arrays are gathered per batch item before the
-call; a program slices one tile of them at a time, so document masks run in the Triton kernels.
+positional arrays (document segment ids) are gathered per batch item before the call and a program
+slices one tile of them at a time; the tile bounds its span gives them are computed before the
+call too. So document masks run in the Triton kernels.
 """
 
 from __future__ import annotations
@@ -162,12 +163,13 @@ def _rows_back(x, batch, s):
     return jnp.swapaxes(x[:, :, :s], 1, 2).reshape(*batch, s, x.shape[1])
 
 
-def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
+def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: bool = False):
     """``(operands, specs, tiles)``: the mask's operands of every program and ``tiles(refs)``, the
     :class:`MaskTiles` a program builds from its refs of them. The function's own arrays go whole;
     positional arrays one row per local batch item, padded to whole tiles. A span that reads
     arrays (document masks) is bounded before the call instead: a row of tile bounds per item and
-    tile (kernel.bounds_table), so no program loads a whole sequence of span data."""
+    query tile, and with ``key_programs`` (the backward's dkv kernel) per key tile too
+    (kernel.bounds_table), so no program loads a whole sequence of span data."""
     n_fn = mods.mask.num_consts if mods.mask is not None else 0
 
     def per_item(b):
@@ -181,7 +183,8 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids):
     bounds = []
     if mods.span.num_arrays:
         bound = lambda method, num_tiles: bounds_table(functools.partial(method, mods), num_tiles, tuple(span))  # noqa: E731
-        bounds = [bound(geo.row_bounds, geo.num_q_tiles), bound(geo.col_bounds, geo.num_kv_tiles)]
+        bounds = [bound(geo.row_bounds, geo.num_q_tiles)]
+        bounds += [bound(geo.col_bounds, geo.num_kv_tiles)] if key_programs else []
     blocks = [*rows, *cols, *bounds]
     specs = [_whole(c) for c in mask_c[:n_fn]] + [_item_block(x) for x in blocks]
     ends = [n_fn, n_fn + len(rows), n_fn + len(rows) + len(cols)]
@@ -293,7 +296,7 @@ def attention_bwd_pallas(
     kp, vp = _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
-    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
+    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids, key_programs=True)
     score_c, n_m = consts[n_mask:], len(mask_ops)
     wanted = _wanted_consts(score_c, const_grads)
     sums = [jnp.zeros(score_c[c].shape, _sum_dtype(score_c[c].dtype)) for c in wanted]
