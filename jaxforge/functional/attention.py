@@ -48,7 +48,7 @@ def attention(
         query head.
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on scalars (ALiBi, relative
         bias, ...). Arrays it closes over get gradients and tangents like any input; read an
-        element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``) they stay in the GPU
+        element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``, ``bias[h][q_idx - kv_idx]``) they stay in the GPU
         kernels, other reads (a gather with ``mode="fill"``, a row's sum) run the XLA lowering.
       scale: multiplies ``q·k``; default ``1/sqrt(D)``.
       softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.

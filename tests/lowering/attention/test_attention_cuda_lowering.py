@@ -93,7 +93,7 @@ def score_kernels(score_mod, argnums=(0, 1, 2), implementation=None):
 
 
 def test_a_captured_bias_read_at_points_and_its_gradient_run_the_triton_kernels():
-    alibi_and_bias = lambda bias: lambda s, b, h, i, j: s + bias[h, i - j + S] + bias[h, 0] * (j - i)
+    alibi_and_bias = lambda bias: lambda s, b, h, i, j: s + bias[h][i - j + S] + bias[h, 0] * (j - i)  # a row, a point
     triton = dict(implementation="pallas_triton")
     assert score_kernels(alibi_and_bias, **triton) == KERNELS
     assert score_kernels(alibi_and_bias, argnums=(0, 1, 2, 3), **triton) == KERNELS  # the dq kernel sums the bias's

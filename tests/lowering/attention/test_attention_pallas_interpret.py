@@ -81,6 +81,10 @@ CAPTURED = {
         (rng.standard_normal((HQ, SQ + SKV)),),
         lambda bias: dict(score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV], mask=jf.masks.causal(SKV - SQ)),
     ),
+    "rows_and_columns_of_tables": (  # bias[h] is a row, read later at one element
+        (rng.standard_normal((HQ, SQ + SKV)), rng.standard_normal((7, 5))),
+        lambda bias, table: dict(score_mod=lambda s, b, h, i, j: s + bias[h][i - j + SKV] * table[:, j % 5][i % 7]),
+    ),
     "bias_hiding_scores_with_minus_inf": (  # whole rows hidden too: out 0, no NaN anywhere
         (np.where(rng.random((HQ, SQ + SKV)) < 0.3, -np.inf, rng.standard_normal((HQ, SQ + SKV))),),
         lambda bias: dict(score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV] + jnp.where(i == 4, -jnp.inf, 0.0)),

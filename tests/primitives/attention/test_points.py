@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ BIAS = jnp.asarray(rng.standard_normal((3, 11)))
 TABLE = jnp.asarray(rng.random((2, 3, 5, 4)) > 0.5)
 LENGTHS = jnp.asarray([7, 2])
 SCALAR = jnp.asarray(0.25)
+UNIT_AXIS = BIAS[:, None, :]
 
 
 class StrictRef:
@@ -37,6 +39,12 @@ READING = {
     "table_mask_and_lengths": lambda s, b, h, i, j: jnp.where(TABLE[b, h, i % 5, j % 4] & (j < LENGTHS[b]), s, -s),
     "scalar_and_clip": lambda s, b, h, i, j: s * SCALAR + BIAS[h, jnp.clip(i - j, 0, 10)],
     "index_read_from_an_array": lambda s, b, h, i, j: s + BIAS[h, LENGTHS[(i + j) % 2]],
+    "row_then_element": lambda s, b, h, i, j: s + BIAS[h][i - j + 3],
+    "column_then_element": lambda s, b, h, i, j: s + BIAS[:, j][-h],
+    "views_of_a_table": lambda s, b, h, i, j: jnp.where(TABLE[b][h % 3][:, j % 4][i], s, BIAS[h][:][2 * j]),
+    "slice_of_an_unsqueezed_row": lambda s, b, h, i, j: s
+    + lax.dynamic_slice(lax.dynamic_slice(BIAS, (h, 0 * h), (1, 11)), (0 * h, i - j + 3), (1, 1))[0, 0],
+    "unit_axis_squeezed": lambda s, b, h, i, j: s * jnp.squeeze(UNIT_AXIS[h])[i] + UNIT_AXIS[h][0][j],
 }
 SCALAR_ARGS = (jax.ShapeDtypeStruct((), jnp.float64), *(jax.ShapeDtypeStruct((), jnp.int32),) * 4)
 
@@ -57,8 +65,15 @@ def test_points_match_the_vmapped_function_and_stay_inside_the_arrays(name):
     np.testing.assert_array_equal(jnp.broadcast_to(got, want.shape), want)
 
 
-def test_a_read_tangent_is_the_tangent_array_read_at_the_same_point():
-    fn, (bias,) = trace_function(lambda s, b, h, i, j: s * BIAS[h, i - j + 3] ** 2, *SCALAR_ARGS)
+TANGENT_READS = {
+    "point": lambda s, b, h, i, j: s * BIAS[h, i - j + 3] ** 2,
+    "row_then_element": lambda s, b, h, i, j: s * BIAS[h][i - j + 3] ** 2 + BIAS[:, j][h],
+}
+
+
+@pytest.mark.parametrize("name", sorted(TANGENT_READS))
+def test_a_read_tangent_is_the_tangent_array_read_at_the_same_point(name):
+    fn, (bias,) = trace_function(TANGENT_READS[name], *SCALAR_ARGS)
     dbias = jnp.asarray(rng.standard_normal(bias.shape))
     args = tiles()
 
@@ -75,6 +90,8 @@ GATHERING = {
     "fill_mode_take": lambda s, b, h, i, j: s + jnp.take(BIAS[h], i - j, mode="fill", fill_value=0.0),
     "row_reduction": lambda s, b, h, i, j: s + jnp.max(BIAS[h]),
     "whole_array_arithmetic": lambda s, b, h, i, j: s + (2 * BIAS)[h, j],
+    "row_arithmetic": lambda s, b, h, i, j: s + (2 * BIAS[h])[j],
+    "row_reshaped": lambda s, b, h, i, j: s + BIAS[h].reshape(1, -1)[0, j],
 }
 
 
