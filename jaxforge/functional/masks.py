@@ -33,6 +33,7 @@ from jaxforge.primitives.attention.mods import (
     FullSpan,
     Hull,
     Intersect,
+    LengthSpan,
     PrefixSpan,
     SegmentSpan,
     Span,
@@ -47,6 +48,7 @@ __all__ = [
     "document",
     "from_mask_mod",
     "full",
+    "padding",
     "prefix_lm",
     "sliding_window",
 ]
@@ -150,12 +152,7 @@ class _PrefixLM(Mask):
     def bind_positional(self, batch_shape, sq, skv):
         if isinstance(self.prefix, int):
             return super().bind_positional(batch_shape, sq, skv)
-        # One length per item, handed over as a row (its value at every query) so kernels slice it;
-        # in int32, clipped: compared with int32 indices only, it answers as the original would.
-        prefix = self._per_batch(batch_shape)
-        if not fits_int32(prefix.dtype):
-            prefix = jnp.clip(prefix, 0, np.iinfo(np.int32).max).astype(jnp.int32)
-        rows = jnp.broadcast_to(prefix[:, None], (math.prod(batch_shape), sq))
+        rows = _per_item_rows(self._per_batch(batch_shape), sq)
         return (lambda b, h, q_idx, kv_idx, prefix: (kv_idx < prefix) | (kv_idx <= q_idx)), [rows], []
 
     def _per_batch(self, batch_shape):
@@ -166,6 +163,41 @@ class _PrefixLM(Mask):
 
     def span_arrays(self, batch_shape, sq, skv):
         return [] if isinstance(self.prefix, int) else [self._per_batch(batch_shape)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Lengths(Mask):
+    """``q_idx < length`` or ``kv_idx < length`` (``axis``); the length static or one per item."""
+
+    axis: str  # "q" or "kv"
+    length: int | jnp.ndarray
+    name: str  # the argument, for errors
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return (q_idx if self.axis == "q" else kv_idx) < self.length
+
+    def bind_positional(self, batch_shape, sq, skv):
+        if isinstance(self.length, int):
+            return super().bind_positional(batch_shape, sq, skv)
+        rows = _per_item_rows(self._per_batch(batch_shape), sq)
+        return (lambda b, h, q_idx, kv_idx, n: (q_idx if self.axis == "q" else kv_idx) < n), [rows], []
+
+    def _per_batch(self, batch_shape):
+        return _per_batch(self.length, batch_shape, "padding", self.name, trailing=0)
+
+    def span(self):
+        return LengthSpan(self.axis, self.length if isinstance(self.length, int) else None)
+
+    def span_arrays(self, batch_shape, sq, skv):
+        return [] if isinstance(self.length, int) else [self._per_batch(batch_shape)]
+
+
+def _per_item_rows(per_item, sq: int):
+    """One value per batch item handed over as a row (its value at every query) so kernels slice
+    it; in int32, clipped: compared with int32 indices only, it answers as the original would."""
+    if not fits_int32(per_item.dtype):
+        per_item = jnp.clip(per_item, 0, np.iinfo(np.int32).max).astype(jnp.int32)
+    return jnp.broadcast_to(per_item[:, None], (per_item.shape[0], sq))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -292,12 +324,31 @@ def prefix_lm(prefix_len) -> Mask:
     ``prefix_len`` is a Python int, or an integer array with one length per batch item (shape
     ``batch`` of q, or broadcastable to it).
     """
-    if isinstance(prefix_len, (int, np.integer)):
-        return _PrefixLM(_static_int("prefix_lm", "prefix_len", int(prefix_len), minimum=0))
-    prefix_len = jnp.asarray(prefix_len)
-    if not jnp.issubdtype(prefix_len.dtype, jnp.integer):
-        raise TypeError(f"prefix_lm: `prefix_len` must be an int or an integer array, got dtype {prefix_len.dtype}")
-    return _PrefixLM(prefix_len)
+    return _PrefixLM(_length("prefix_lm", "prefix_len", prefix_len))
+
+
+def padding(kv_lengths, q_lengths=None) -> Mask:
+    """``kv_idx < kv_lengths`` and ``q_idx < q_lengths``: the valid positions of a padded batch
+    (jax.nn.dot_product_attention's ``key_value_seq_lengths`` and ``query_seq_lengths``).
+
+    Each is a Python int, or an integer array with one length per batch item (shape ``batch`` of
+    q, or broadcastable to it); ``q_lengths=None``: every query. Tiles past an item's lengths are
+    skipped; a query past its length is a fully masked row (output 0, lse ``-inf``, no gradient).
+    """
+    mask = _Lengths("kv", _length("padding", "kv_lengths", kv_lengths), "kv_lengths")
+    if q_lengths is None:
+        return mask
+    return mask & _Lengths("q", _length("padding", "q_lengths", q_lengths), "q_lengths")
+
+
+def _length(fn: str, name: str, value):
+    """A static length (a Python int >= 0) or an integer array of them."""
+    if isinstance(value, (int, np.integer)):
+        return _static_int(fn, name, int(value), minimum=0)
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got dtype {value.dtype}")
+    return value
 
 
 def document(segment_ids, kv_segment_ids=None) -> Mask:

@@ -227,6 +227,15 @@ def test_prefix_lm_arguments():
         jf.attention(*qkv(), mask=masks.prefix_lm(jnp.array([1, 2, 3])))
 
 
+def test_padding_arguments():
+    with pytest.raises(ValueError, match=r"padding: `kv_lengths` must be >= 0, got -2"):
+        masks.padding(-2)
+    with pytest.raises(TypeError, match=r"padding: `q_lengths` must be an int or an integer array, got dtype float"):
+        masks.padding(3, np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"padding: `kv_lengths` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\) of q"):
+        jf.attention(*qkv(), mask=masks.padding(jnp.array([1, 2, 3])))
+
+
 # --- scale, softcap, implementation ----------------------------------------------------------------
 
 

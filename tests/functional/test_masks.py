@@ -13,6 +13,7 @@ rng = np.random.default_rng(0)
 Q_IDS, KV_IDS = jnp.asarray(rng.integers(0, 4, (B, SQ))), jnp.asarray(rng.integers(0, 4, (B, SKV)))
 QI, KI = np.asarray(Q_IDS), np.asarray(KV_IDS)
 PREFIX = np.asarray([3, 9])
+LENGTHS = np.asarray([16, 4])
 # name: (mask, the same mask written independently in numpy on (b, q, kv) index grids)
 MASKS = {
     "document": (lambda: jf.masks.document(Q_IDS, KV_IDS), lambda b, q, kv: QI[b, q] == KI[b, kv]),
@@ -30,6 +31,14 @@ MASKS = {
         lambda b, q, kv: (QI[b, q] == KI[b, kv]) & (QI[b, q] % 2 == KI[b, kv] % 2),
     ),
     "prefix_per_item": (lambda: jf.masks.prefix_lm(jnp.asarray(PREFIX)), lambda b, q, kv: (kv < PREFIX[b]) | (kv <= q)),
+    "padding_per_item": (
+        lambda: jf.masks.padding(jnp.asarray(LENGTHS), jnp.asarray(PREFIX)),
+        lambda b, q, kv: (kv < LENGTHS[b]) & (q < PREFIX[b]),
+    ),
+    "padding_int64_beyond_int32": (  # clipped into int32: the same comparisons
+        lambda: jf.masks.padding(jnp.asarray([2**40, 5], jnp.int64)),
+        lambda b, q, kv: kv < np.asarray([2**40, 5])[b],
+    ),
 }
 
 

@@ -37,6 +37,7 @@ __all__ = [
     "FullSpan",
     "Hull",
     "Intersect",
+    "LengthSpan",
     "Mods",
     "PrefixSpan",
     "SegmentSpan",
@@ -183,6 +184,46 @@ class PrefixSpan(Span):
         if (p := self._length(data)) is None:
             return super().full_q(kv_lo, kv_hi, sq)
         return jnp.where(kv_hi <= p, 0, jnp.minimum(kv_hi - 1, sq)), sq
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthSpan(Span):
+    """``kv_idx < length`` (``axis="kv"``) or ``q_idx < length`` (``axis="q"``): the valid
+    positions of a padded batch. A block of queries past a query length sees nothing, one inside
+    it every key (and conversely for keys).
+
+    ``length=None``: one per batch item, read from ``data`` (without it, a :class:`FullSpan`).
+    """
+
+    axis: str
+    length: int | None
+
+    @property
+    def num_arrays(self) -> int:
+        return 0 if self.length is not None else 1
+
+    def kv(self, q_lo, q_hi, skv, data=()):
+        return self._span("kv", q_lo, q_hi, skv, data, sure=False) or super().kv(q_lo, q_hi, skv)
+
+    def q(self, kv_lo, kv_hi, sq, data=()):
+        return self._span("q", kv_lo, kv_hi, sq, data, sure=False) or super().q(kv_lo, kv_hi, sq)
+
+    def full_kv(self, q_lo, q_hi, skv, data=()):
+        return self._span("kv", q_lo, q_hi, skv, data, sure=True) or super().full_kv(q_lo, q_hi, skv)
+
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
+        return self._span("q", kv_lo, kv_hi, sq, data, sure=True) or super().full_q(kv_lo, kv_hi, sq)
+
+    def _span(self, other: str, lo, hi, size, data, sure: bool):
+        """The range along ``other`` (of ``size``) for the block ``[lo, hi)`` of the other axis;
+        None without the length."""
+        n = self.length if self.length is not None else (data[0] if data else None)
+        if n is None:
+            return None
+        if self.axis == other:  # the length cuts the range itself
+            return 0, jnp.clip(n, 0, size)
+        inside = (hi <= n) if sure else (lo < n)  # the block: wholly / partly inside the length
+        return 0, jnp.where(inside, size, 0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,8 +40,9 @@ def triton_kernels(mask_fn, implementation=None):
         lambda seg: ~jf.masks.document(seg) | jf.masks.sliding_window(16),
         lambda seg: jf.masks.document(seg, jnp.flip(seg, axis=-1)),
         lambda seg: jf.masks.prefix_lm(seg[:, 0] + 7),
+        lambda seg: jf.masks.padding(seg[:, 0] + 150, seg[:, 1] + 90) & jf.masks.causal(),
     ],
-    ids=["document_causal", "not_document_or_window", "cross_documents", "prefix_per_item"],
+    ids=["document_causal", "not_document_or_window", "cross_documents", "prefix_per_item", "padding_per_item"],
 )
 def test_runtime_data_masks_run_the_triton_kernels(mask_fn):
     """Segment ids and per-item prefix lengths are positional mask operands: each program slices a

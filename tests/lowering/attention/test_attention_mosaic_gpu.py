@@ -50,10 +50,12 @@ CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
     "odd_dims_chunked_or_prefix": ((2, 37, 53, 2, 1, 80, 72), dict(mask=jf.masks.chunked(16) | jf.masks.prefix_lm(5))),
     "fully_masked_rows": ((1, 200, 200, 2, 2, 64, 64), dict(mask=jf.masks.causal(-70))),  # rows < 70 see no key
     # Runtime data: segment ids (positional values at the queries and at the keys) and per-item
-    # prefix lengths; tiles are skipped by the span's arrays (program_table).
+    # prefix and padding lengths; tiles are skipped by the span's arrays (program_table).
     "document_causal_gqa": ((2, 300, 300, 4, 2, 64, 64), dict(mask=jf.masks.causal() & jf.masks.document(_DOCS))),
     "document_cross_or_prefix": ((2, 200, 260, 2, 1, 128, 128), dict(
         mask=jf.masks.document(_Q_DOCS, _KV_DOCS) | jf.masks.prefix_lm(np.array([3, 40], np.int32)))),
+    "padding_causal": ((2, 200, 200, 2, 2, 64, 64), dict(
+        mask=jf.masks.padding(np.array([200, 77], np.int32), np.array([130, 200], np.int32)) & jf.masks.causal())),
 }
 
 

@@ -28,6 +28,7 @@ MASKS = {
     "scattered_documents_causal": lambda: jf.masks.document(SCATTERED[:, :SQ], SCATTERED) & jf.masks.causal(),
     "prefix_lm": lambda: jf.masks.prefix_lm(5),
     "prefix_per_item": lambda: jf.masks.prefix_lm(jnp.asarray([3, 11])),
+    "padding_per_item": lambda: jf.masks.padding(jnp.asarray([29, 7]), jnp.asarray([12, 19])),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
 }

@@ -204,6 +204,13 @@ MASK_CASES = [
     ("chunked_and_not_window", CROSS, lambda r: (
         masks.chunked(8) & ~masks.sliding_window(2), lambda b, h, i, j: i // 8 == j // 8 and abs(i - j) >= 2)),
     ("lambda_padding_captured", CROSS, _padding),
+    ("padding_per_item", CROSS, lambda r: (
+        masks.padding(jnp.asarray([30, 45])), lambda b, h, i, j: j < [30, 45][b])),
+    ("padding_q_and_kv_per_item_and_causal", SELF, lambda r: (  # item 0 keeps no query
+        masks.padding(jnp.asarray([37, 9]), jnp.asarray([0, 20])) & masks.causal(),
+        lambda b, h, i, j: j < [37, 9][b] and i < [0, 20][b] and j <= i)),
+    ("padding_static_or_window", TALL, lambda r: (
+        masks.padding(17, 40) | masks.sliding_window(3), lambda b, h, i, j: (j < 17 and i < 40) or abs(i - j) < 3)),
     ("from_mask_mod_and_causal", SELF, lambda r: (
         masks.from_mask_mod(lambda b, h, i, j: (h + j) % 2 == 0) & masks.causal(),
         lambda b, h, i, j: (h + j) % 2 == 0 and j <= i)),
@@ -621,6 +628,18 @@ def test_vmap_over_segment_ids(impl):
     for i in range(3):
         assert_close(batched[i], f(ids[i]), rtol=1e-13, atol=1e-13)
         assert_close(batched[i], dense(q, k, v, lambda b, h, a, j: ids[i][b, a] == ids[i][b, j] and j <= a)[0])
+
+
+@over_impls
+def test_vmap_over_padding_lengths(impl):
+    """Per-item key and query lengths with a vmapped axis: each level's span skips its own tiles."""
+    rng = np.random.default_rng(18)
+    q, k, v = qkv(rng, (B,), 37, 37, HQ, HKV, D, DV)
+    kv_lengths, q_lengths = np.asarray([[37, 5], [0, 20], [16, 37]]), np.asarray([[30, 37], [37, 2], [9, 0]])
+    f = lambda kv_len, q_len: jf.attention(q, k, v, mask=masks.padding(kv_len, q_len), implementation=impl)
+    batched = jax.vmap(f)(jnp.asarray(kv_lengths), jnp.asarray(q_lengths))
+    for i, (kv_len, q_len) in enumerate(zip(kv_lengths, q_lengths)):
+        assert_close(batched[i], dense(q, k, v, lambda b, h, a, j: j < kv_len[b] and a < q_len[b])[0])
 
 
 @over_impls

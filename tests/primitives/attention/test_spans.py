@@ -30,6 +30,9 @@ MASKS = {
     "not(causal|prefix)": ~(jf.masks.causal(-3) | jf.masks.prefix_lm(4)),
     "not_not_causal": ~~jf.masks.causal(2),
     "full": jf.masks.full(),
+    "padding": jf.masks.padding(20, 15),
+    "padding&causal": jf.masks.padding(SKV, 9) & jf.masks.causal(),
+    "not_padding": ~jf.masks.padding(12),
     "document": jf.masks.document(jnp.asarray(np.repeat(np.arange(5), 5)[:SQ]), jnp.asarray(np.repeat(np.arange(5), 7)[:SKV])),
 }
 
@@ -151,3 +154,31 @@ def test_per_batch_prefix_spans(combine):
         check_span(f"prefix/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
     f_lo, f_hi = (int(x) for x in jf.masks.prefix_lm(jnp.asarray([12])).span().full_kv(0, 4, 31, (jnp.asarray(12),)))
     assert (f_lo, f_hi) == (0, 12)
+
+
+@pytest.mark.parametrize("combine", ["kv", "kv_and_q", "&causal", "|window", "~"])
+def test_per_batch_padding_spans(combine):
+    """padding's lengths per batch item are span data: tiles past an item's lengths are skipped."""
+    kv_lengths, q_lengths = jnp.asarray([31, 7]), jnp.asarray([0, 14])  # item 0: no valid query
+    mask = {
+        "kv": jf.masks.padding(kv_lengths),
+        "kv_and_q": jf.masks.padding(kv_lengths, q_lengths),
+        "&causal": jf.masks.padding(kv_lengths, q_lengths) & jf.masks.causal(),
+        "|window": jf.masks.padding(kv_lengths) | jf.masks.sliding_window(3),
+        "~": ~jf.masks.padding(kv_lengths, q_lengths),
+    }[combine]
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays
+    for b in range(2):
+        check_span(f"padding/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
+
+
+def test_padding_spans_are_tight():
+    """The keys past the length, and the queries past theirs, are never visited."""
+    span = jf.masks.padding(jnp.asarray([10]), jnp.asarray([5])).span()
+    data = (jnp.asarray(10), jnp.asarray(5))
+    bounds = lambda fn, lo, hi, size: tuple(int(x) for x in fn(lo, hi, size, data))  # noqa: E731
+    assert bounds(span.kv, 0, 8, 31) == bounds(span.full_kv, 0, 4, 31) == (0, 10)
+    assert bounds(span.kv, 8, 16, 31)[1] <= 0 and bounds(span.full_kv, 0, 8, 31)[1] <= 0
+    assert bounds(span.q, 0, 8, 23) == bounds(span.full_q, 0, 8, 23) == (0, 5)
+    assert bounds(span.q, 12, 20, 23)[1] <= 0 and bounds(span.full_q, 4, 12, 23)[1] <= 0
