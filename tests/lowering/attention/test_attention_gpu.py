@@ -73,10 +73,14 @@ def test_mla_head_dims_and_gqa():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-def test_document_masks_run_in_the_triton_kernels():
+@pytest.mark.parametrize("name", ["document", "padding"])
+def test_document_masks_run_in_the_triton_kernels(name):
     q, k, v = inputs(jnp.bfloat16)
     seg = jnp.asarray(np.repeat(np.arange(3), 111)[:300])
-    mask = jf.masks.document(seg, jnp.asarray(np.repeat(np.arange(3), 111))) & jf.masks.causal()
+    mask = {
+        "document": lambda: jf.masks.document(seg, jnp.asarray(np.repeat(np.arange(3), 111))),
+        "padding": lambda: jf.masks.padding(jnp.asarray([333, 140]), jnp.asarray([300, 65])),
+    }[name]() & jf.masks.causal()
     for impl in (None, "pallas_triton"):
         out = jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation=impl))(q, k, v)
         ref, _ = reference(q, k, v, mask=mask)
@@ -239,7 +243,7 @@ def test_mosaic_forward_of_fully_masked_rows_and_nonfinite_input():
     assert np.all(np.isnan(np.asarray(out[0, 3], np.float32))) and np.all(np.isfinite(np.asarray(out[1], np.float32)))
 
 
-DOCUMENT_MASKS = {  # runtime data: per-item segment ids (q 300, kv 333) and per-item prefix lengths
+DOCUMENT_MASKS = {  # runtime data: per-item segment ids (q 300, kv 333), prefix and padding lengths
     "document_causal": lambda: jf.masks.causal() & jf.masks.document(
         np.stack([np.repeat(np.arange(3, dtype=np.int32), 100), np.repeat(np.arange(5, dtype=np.int32), 60)]),
         np.stack([np.repeat(np.arange(3, dtype=np.int32), 111), np.repeat(np.arange(4, dtype=np.int32), 84)[:333]]),
@@ -248,6 +252,7 @@ DOCUMENT_MASKS = {  # runtime data: per-item segment ids (q 300, kv 333) and per
         np.stack([np.repeat([7, 2], 150).astype(np.int32), np.zeros(300, np.int32)]),
         np.stack([np.repeat([2, 7, 9], 111).astype(np.int32), np.repeat([0, 1], [33, 300]).astype(np.int32)]),
     ) | jf.masks.prefix_lm(np.array([10, 200], np.int32)),
+    "padding_causal": lambda: jf.masks.padding(np.array([333, 120], np.int32), np.array([300, 77], np.int32)) & jf.masks.causal(33),
 }
 
 
