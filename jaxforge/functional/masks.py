@@ -83,6 +83,8 @@ class Mask:
         )
 
     def __call__(self, b, h, q_idx, kv_idx):
+        """The mask at one index (vmap it for a picture); per-item data (segment ids, lengths) is
+        read at item ``b`` of its own flattened leading dims."""
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     def __and__(self, other) -> Mask:
@@ -147,7 +149,7 @@ class _PrefixLM(Mask):
     prefix: int | jnp.ndarray  # static, or one length per batch item
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return (kv_idx < self.prefix) | (kv_idx <= q_idx)
+        return (kv_idx < _item(self.prefix, b)) | (kv_idx <= q_idx)
 
     def bind_positional(self, batch_shape, sq, skv):
         if isinstance(self.prefix, int):
@@ -174,7 +176,7 @@ class _Lengths(Mask):
     name: str  # the argument, for errors
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return (q_idx if self.axis == "q" else kv_idx) < self.length
+        return (q_idx if self.axis == "q" else kv_idx) < _item(self.length, b)
 
     def bind_positional(self, batch_shape, sq, skv):
         if isinstance(self.length, int):
@@ -192,6 +194,14 @@ class _Lengths(Mask):
         return [] if isinstance(self.length, int) else [self._per_batch(batch_shape)]
 
 
+def _item(x, b, trailing: int = 0):
+    """Batch item ``b`` of a mask's per-item array (``(*lead, *trailing)``, ``b`` indexing the
+    flattened ``lead``, clipped: an array shared by every item answers for each), or a static value."""
+    if isinstance(x, int) or x.ndim == trailing:
+        return x
+    return jnp.take(x.reshape(-1, *x.shape[x.ndim - trailing :]), b, axis=0, mode="clip")
+
+
 def _per_item_rows(per_item, sq: int):
     """One value per batch item handed over as a row (its value at every query) so kernels slice
     it; in int32, clipped: compared with int32 indices only, it answers as the original would."""
@@ -207,7 +217,7 @@ class _Document(Mask):
     ranges: tuple  # SegmentSpan's six arrays, computed once per mask (not once per attention call)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return self.q_segments[..., q_idx] == self.kv_segments[..., kv_idx]
+        return _item(self.q_segments, b, trailing=1)[q_idx] == _item(self.kv_segments, b, trailing=1)[kv_idx]
 
     def bind_positional(self, batch_shape, sq, skv):
         for name, ids, length in (("segment_ids", self.q_segments, sq), ("kv_segment_ids", self.kv_segments, skv)):

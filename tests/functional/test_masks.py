@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -57,6 +58,8 @@ def test_positional_form_equals_the_mask(name):
     values = [r[b, q] for r in rows] + [c[b, kv] for c in cols]
     np.testing.assert_array_equal(np.broadcast_to(fn(b, 0, q, kv, *values), want.shape), want)
     np.testing.assert_array_equal(np.broadcast_to(mask.bind((B,), SQ, SKV)(b, 0, q, kv), want.shape), want)
+    called = jax.vmap(lambda b, q, kv: mask(b, 0, q, kv))(b.ravel(), q.ravel(), kv.ravel())  # the mask_mod, item by item
+    np.testing.assert_array_equal(np.asarray(called).reshape(want.shape), want)
 
 
 def test_document_masks_hand_their_ids_over_as_positional_arrays():
