@@ -3,7 +3,7 @@
 Public surface::
 
     jf.attention(q, k, v, *, mask=None, score_mod=None, scale=None, softcap=None,
-                 return_lse=False, implementation=None)
+                 return_lse=False, sinks=None, implementation=None)
     jf.masks.causal(), sliding_window(w), document(segment_ids), prefix_lm(n), padding(kv_lengths), ...
     jf.collectives.all_reduce(x, axis_name, op="sum"), all_gather, reduce_scatter, all_to_all, ...
     jf.nn.linear, rms_norm, multi_head_attention, transformer, lstm, gru, cross_entropy, ... (+ init_*)

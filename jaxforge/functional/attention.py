@@ -20,7 +20,7 @@ from jaxforge.primitives.attention.attention import (
 )
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["Implementation", "attention"]
+__all__ = ["Implementation", "attention", "merge_attention"]
 
 _INT = jax.ShapeDtypeStruct((), jnp.int32)
 
@@ -35,6 +35,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    sinks=None,
     implementation: str | Implementation | None = None,
 ):
     r"""Scaled dot-product attention, :math:`\operatorname{softmax}(f(\text{scale}\; q k^T) + \text{mask})\, v`.
@@ -54,6 +55,11 @@ def attention(
       softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
+      sinks: attention sinks (gpt-oss): one logit per query head, ``(Hq,)`` or any float array that
+        broadcasts to the lse's ``(..., Sq, Hq)``, joining each row's softmax as a key of value 0:
+        :math:`\sum_j e^{s_j} v_j / (e^{\text{sink}} + \sum_j e^{s_j})`; the lse includes it.
+        Differentiable like the rest (its gradient too): the kernels' output is rescaled through
+        their lse (:func:`merge_attention` with a part of value 0), one more rounding of ``out``.
       implementation: None (the platform's best), "xla", "pallas_triton" or "pallas_mosaic_gpu"
         (Hopper), or an :class:`Implementation` with tile sizes.
 
@@ -82,10 +88,49 @@ def attention(
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
     mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype))
+    sinks = None if sinks is None else _sinks(sinks, (*batch, sq, q.shape[-2]))
     out, lse = attention_fwd_p.bind(
         q, k, v, *consts, mods=mods, scale=scale, implementation=_implementation(implementation)
     )
+    if sinks is not None:
+        out, lse = merge_attention(out, lse, None, sinks.astype(lse.dtype))
     return (out, lse) if return_lse else out
+
+
+def merge_attention(out_a, lse_a, out_b, lse_b):
+    """Combines two attentions of the same queries over disjoint keys through their log-sum-exps.
+
+    ``out = (out_a e^{lse_a} + out_b e^{lse_b}) / (e^{lse_a} + e^{lse_b})``; rows that see no key in
+    either part stay 0 with lse ``-inf`` (no NaN, zero gradients). ``out_b=None``: a part of value 0
+    (an attention sink of logit ``lse_b``, which broadcasts to ``lse_a``).
+    """
+    lse_b = jnp.broadcast_to(lse_b, lse_a.shape)
+    m = jnp.maximum(lse_a, lse_b)
+    m = jnp.where(jnp.isfinite(m), m, 0)
+    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
+    total = w_a + w_b
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    out = out_a * (w_a / safe)[..., None]
+    if out_b is not None:
+        out = out + out_b * (w_b / safe)[..., None]
+    return out.astype(out_a.dtype), jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+
+
+def _sinks(sinks, lse_shape):
+    sinks = jnp.asarray(sinks)
+    if not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise TypeError(f"attention: `sinks` must be a floating-point array (one logit per query head), got dtype {sinks.dtype}")
+    try:
+        fits = jnp.broadcast_shapes(sinks.shape, lse_shape) == tuple(lse_shape)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"attention: `sinks` has shape {sinks.shape}, which does not broadcast to the rows' (..., Sq, Hq) "
+            f"= {lse_shape}; give one logit per query head, shape ({lse_shape[-1]},)"
+        )
+    return sinks
 
 
 def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.functional import collectives, masks
-from jaxforge.functional.attention import attention
+from jaxforge.functional.attention import attention, merge_attention
 
 __all__ = [
     "column_parallel_linear",
@@ -63,23 +63,7 @@ def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
     return (x * lax.rsqrt(ms + eps).astype(x.dtype)) * scale
 
 
-def merge_attention(out_a, lse_a, out_b, lse_b):
-    """Combines two attentions of the same queries over disjoint keys through their log-sum-exps.
-
-    ``out = (out_a e^{lse_a} + out_b e^{lse_b}) / (e^{lse_a} + e^{lse_b})``; rows that see no key in
-    either part stay 0 with lse ``-inf`` (no NaN, zero gradients).
-    """
-    m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0)
-    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-    total = w_a + w_b
-    seen = total > 0
-    safe = jnp.where(seen, total, 1)
-    out = (out_a * (w_a / safe)[..., None] + out_b * (w_b / safe)[..., None]).astype(out_a.dtype)
-    return out, jnp.where(seen, m + jnp.log(safe), -jnp.inf)
-
-
-def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: bool = True, scale=None):
+def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: bool = True, scale=None, sinks=None):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
     ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``. Key/value chunks go
@@ -89,7 +73,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: b
     ``causal=True`` needs the global order of the chunks: with ``load_balanced`` (default) the
     sequence must be in :func:`load_balance`'s head–tail layout (device ``r`` holds chunks ``r``
     and ``2n-1-r`` of ``2n``), and every step costs each device half a block; otherwise device
-    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal.
+    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks``: as
+    :func:`jf.attention <jaxforge.attention>`'s, joined once after the ring.
     """
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)
@@ -116,6 +101,8 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: b
     for step in range(1, n):
         k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
         out, lse = merge_attention(out, lse, *step_attention((me - step) % n, k, v))
+    if sinks is not None:
+        out, _ = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
     return out
 
 

@@ -236,6 +236,17 @@ def test_padding_arguments():
         jf.attention(*qkv(), mask=masks.padding(jnp.array([1, 2, 3])))
 
 
+def test_sinks_arguments():
+    q, k, v = qkv()
+    hq = q.shape[-2]
+    with pytest.raises(TypeError, match=r"attention: `sinks` must be a floating-point array \(one logit per query head\), got dtype int"):
+        jf.attention(q, k, v, sinks=jnp.arange(hq))
+    with pytest.raises(ValueError, match=rf"attention: `sinks` has shape \({hq + 1},\), which does not broadcast to the rows' \(\.\.\., Sq, Hq\)"):
+        jf.attention(q, k, v, sinks=jnp.zeros(hq + 1))
+    with pytest.raises(ValueError, match=r"`sinks` has shape \(3, 1, 1, 1\)"):  # would broadcast the output up
+        jf.attention(q, k, v, sinks=jnp.zeros((3, 1, 1, 1)))
+
+
 # --- scale, softcap, implementation ----------------------------------------------------------------
 
 

@@ -112,6 +112,16 @@ def dense_attention(q, k, v, visible):
     return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(s, axis=-1), v)
 
 
+def dense_attention_with_sinks(q, k, v, visible, sinks):
+    """:func:`dense_attention` whose rows have one more key: logit ``sinks[h]``, value 0."""
+    group = q.shape[-2] // k.shape[-2]
+    k, v = jnp.repeat(k, group, axis=-2), jnp.repeat(v, group, axis=-2)
+    s = jnp.einsum("...qhd,...khd->...hqk", q, k) / np.sqrt(q.shape[-1])
+    s = jnp.where(visible[..., None, :, :], s, -jnp.inf)
+    s = jnp.concatenate([s, jnp.broadcast_to(sinks[:, None, None], (*s.shape[:-1], 1))], axis=-1)
+    return jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(s, axis=-1)[..., :-1], v)
+
+
 def document_causal(segment_ids):
     seq = segment_ids.shape[-1]
     same = segment_ids[..., :, None] == segment_ids[..., None, :]
@@ -244,6 +254,23 @@ def test_transformer_loss_and_grad_match_reference_attention():
     for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
         np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
     assert all(float(jnp.max(jnp.abs(g))) > 0 for g in jax.tree.leaves(grad))  # every param trains
+
+
+def test_transformer_with_attention_sinks_trains_them():
+    params = nn.init_transformer(KEY, dtype=jnp.float64, attention_sinks=True, **CONFIG)
+    assert params["blocks"]["attention"]["sinks"].shape == (CONFIG["depth"], CONFIG["num_heads"])
+    params["blocks"]["attention"]["sinks"] = jnp.asarray(RNG.standard_normal((CONFIG["depth"], CONFIG["num_heads"])))
+    visible = document_causal(np.asarray(SEGMENTS_10)[..., :-1])
+    dense = lambda q, k, v, mask, sinks: dense_attention_with_sinks(q, k, v, visible, sinks)  # noqa: E731
+    value, grad = jax.jit(jax.value_and_grad(lambda p: loss(p, TOKENS, SEGMENTS_10)))(params)
+    want_value, want_grad = jax.value_and_grad(lambda p: loss(p, TOKENS, SEGMENTS_10, attention_fn=dense))(params)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    for got, want in zip(jax.tree.leaves(grad), jax.tree.leaves(want_grad)):
+        np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+    assert float(jnp.min(jnp.abs(grad["blocks"]["attention"]["sinks"]))) > 0
+    without = dict(params, blocks=dict(params["blocks"], attention={
+        k: x for k, x in params["blocks"]["attention"].items() if k != "sinks"}))
+    assert abs(float(loss(without, TOKENS, SEGMENTS_10)) - float(value)) > 1e-6  # the sinks change the model
 
 
 def test_transformer_check_grads():

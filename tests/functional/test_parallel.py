@@ -98,8 +98,8 @@ def test_sequence_parallel_rms_norm_gradient_of_the_replicated_scale():
 RING_CASES = [(2, False, False), (2, True, False), (4, True, True)]  # (devices, causal, load_balanced)
 
 
-def ring(n, causal, balanced):
-    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, load_balanced=balanced)
+def ring(n, causal, balanced, sinks=None):
+    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, load_balanced=balanced, sinks=sinks)
     sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
     if not balanced:
         return sharded
@@ -120,6 +120,14 @@ def test_ring_attention_value_grad_and_jvp(n, causal, balanced):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
     tangents = tuple(rng_arrays(q.shape, k.shape, v.shape, seed=1))
     np.testing.assert_allclose(jax.jvp(f, (q, k, v), tangents)[1], jax.jvp(ref, (q, k, v), tangents)[1], atol=1e-11)
+
+
+def test_ring_attention_joins_sinks_once():
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, -jnp.inf])  # the last head has none
+    got = jax.jit(ring(4, True, True, sinks))(q, k, v)
+    np.testing.assert_allclose(got, jf.attention(q, k, v, mask=jf.masks.causal(), sinks=sinks), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(got[..., 3, :], jf.attention(q, k, v, mask=jf.masks.causal())[..., 3, :], rtol=1e-12, atol=1e-12)
 
 
 def test_ring_attention_check_grads():

@@ -41,10 +41,12 @@ def init_multi_head_attention(
     *,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    sinks: bool = False,
     dtype=jnp.float32,
 ) -> Params:
     r"""Params of :func:`multi_head_attention`: projections ``q`` (features, Hq, D), ``k``/``v``
-    (features, Hkv, D), ``o`` (Hq, D, features), each :math:`\mathcal N(0, 1/\text{fan-in})`.
+    (features, Hkv, D), ``o`` (Hq, D, features), each :math:`\mathcal N(0, 1/\text{fan-in})`;
+    with ``sinks``, ``sinks`` (Hq,) too: learned attention-sink logits (gpt-oss), from 0.
 
     The head counts live in the shapes, so the params describe the layer completely.
     ``num_kv_heads`` (default ``num_heads``) must divide ``num_heads``; ``head_dim`` defaults to
@@ -64,12 +66,13 @@ def init_multi_head_attention(
     def normal(key, shape, fan_in):
         return jax.random.normal(key, shape, dtype) / jnp.sqrt(fan_in).astype(dtype)
 
-    return {
+    params = {
         "q": normal(kq, (features, num_heads, head_dim), features),
         "k": normal(kk, (features, num_kv_heads, head_dim), features),
         "v": normal(kv, (features, num_kv_heads, head_dim), features),
         "o": normal(ko, (num_heads, head_dim, features), num_heads * head_dim),
     }
+    return params | {"sinks": jnp.zeros((num_heads,), dtype)} if sinks else params
 
 
 def multi_head_attention(
@@ -90,8 +93,9 @@ def multi_head_attention(
         ``jf.masks.causal() & jf.masks.document(segment_ids)``.
       positions: ``(..., seq)`` token positions for the rotary embedding (default ``arange(seq)``).
       rotary_base: the rotary base; None for no rotary embedding.
-      attention_fn: ``attention_fn(q, k, v, mask=mask)``; :func:`jf.attention` by default. Swap in
-        another implementation to compare against it.
+      attention_fn: ``attention_fn(q, k, v, mask=mask)`` (and ``sinks=params["sinks"]`` where the
+        params have sinks); :func:`jf.attention` by default. Swap in another implementation to
+        compare against it.
     """
     x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
@@ -99,5 +103,5 @@ def multi_head_attention(
         if positions is None:
             positions = jnp.arange(x.shape[-2])
         q, k = (rotary_embedding(t, positions, base=rotary_base) for t in (q, k))
-    out = attention_fn(q, k, v, mask=mask)
+    out = attention_fn(q, k, v, mask=mask, **({"sinks": params["sinks"]} if "sinks" in params else {}))
     return jnp.einsum("...shd,hdf->...sf", out, params["o"])

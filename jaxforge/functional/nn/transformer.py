@@ -35,10 +35,12 @@ def init_transformer(
     num_heads: int,
     num_kv_heads: int | None = None,
     hidden_features: int | None = None,
+    attention_sinks: bool = False,
     dtype=jnp.float32,
 ) -> NestedParams:
     """Params of :func:`transformer`: ``embedding``, ``blocks`` (every leaf stacked over ``depth``),
-    the final ``norm`` and the output ``head`` (no bias). ``hidden_features`` defaults to 4 × features."""
+    the final ``norm`` and the output ``head`` (no bias). ``hidden_features`` defaults to 4 × features;
+    ``attention_sinks``: learned sink logits in every attention layer (``init_multi_head_attention``'s ``sinks``)."""
     if depth <= 0:
         raise ValueError(f"init_transformer: `depth` must be positive, got {depth}")
     hidden_features = 4 * features if hidden_features is None else hidden_features
@@ -48,7 +50,9 @@ def init_transformer(
         k_attention, k_mlp = jax.random.split(key)
         return {
             "attention_norm": init_rms_norm(features, dtype=dtype),
-            "attention": init_multi_head_attention(k_attention, features, num_heads, num_kv_heads=num_kv_heads, dtype=dtype),
+            "attention": init_multi_head_attention(
+                k_attention, features, num_heads, num_kv_heads=num_kv_heads, sinks=attention_sinks, dtype=dtype
+            ),
             "mlp_norm": init_rms_norm(features, dtype=dtype),
             "mlp": init_mlp(k_mlp, features, hidden_features, dtype=dtype),
         }

@@ -60,6 +60,20 @@ def test_forward_lse_jvp_and_grad_match_xla(mask):
         assert np.isfinite(a).all()
 
 
+def test_sinks_through_the_kernels_lse_match_xla():
+    """Sinks rescale the kernels' output through their lse: the backward kernels take its cotangent."""
+    q, k, v = inputs()
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0])
+    f = lambda impl: (lambda q, k, v, sinks: jf.attention(q, k, v, mask=jf.masks.causal(-3), sinks=sinks, implementation=impl))
+    args = (q, k, v, sinks)
+    np.testing.assert_allclose(f(PALLAS)(*args), f("xla")(*args), atol=1e-12)
+    tangents = (*inputs(seed=2), jnp.asarray([1.0, 2.0, -1.0, 0.5]))
+    np.testing.assert_allclose(jax.jvp(f(PALLAS), args, tangents)[1], jax.jvp(f("xla"), args, tangents)[1], atol=1e-11)
+    loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))
+    for a, b in zip(jax.grad(loss(PALLAS), (0, 1, 2, 3))(*args), jax.grad(loss("xla"), (0, 1, 2, 3))(*args)):
+        np.testing.assert_allclose(a, b, atol=1e-11)
+
+
 def test_against_the_dense_reference_with_a_captured_bias_and_its_gradient():
     q, k, v = inputs()
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((HQ, SQ + SKV)))

@@ -444,6 +444,74 @@ def test_fully_masked_rows(impl, name):
     np.testing.assert_array_equal(np.asarray(dlse)[hidden], 0.0)
 
 
+# --- attention sinks -----------------------------------------------------------------------------
+
+SINKS = np.asarray([0.3, -1.0, 2.0, -np.inf])  # one logit per query head; the last head has none
+
+
+def dense_with_sinks(q, k, v, visible, sinks):
+    """Attention whose rows have one more key, of logit ``sinks[h]`` and value 0, in jax.numpy
+    (differentiable); ``visible`` as in :func:`dense_jnp`."""
+    bsz, sq, hq, d = q.shape
+    group = hq // k.shape[2]
+    kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, precision="highest") / np.sqrt(d)
+    s = jnp.where(visible, s, -jnp.inf)
+    s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (bsz, hq, sq, 1))], axis=-1)
+    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+    e = jnp.exp(s - mx)
+    t = e.sum(-1, keepdims=True)
+    out = jnp.einsum("bhqk,bkhd->bqhd", e[..., :-1] / jnp.where(t > 0, t, 1), vr, precision="highest")
+    lse = jnp.where(t > 0, mx + jnp.log(jnp.where(t > 0, t, 1)), -jnp.inf)[..., 0]
+    return out, jnp.swapaxes(lse, 1, 2)
+
+
+@over_impls
+def test_sinks_are_a_key_of_value_zero(impl):
+    """Output, lse, jvp and grad (the sinks' included) against a dense softmax with the sink as one
+    more key; rows with no visible key keep out 0 and lse = the sink (-inf without one)."""
+    rng = np.random.default_rng(21)
+    q, k, v = qkv(rng, (B,), 37, 37, HQ, HKV, D, DV)
+    sinks = jnp.asarray(SINKS)
+    visible = allowed(lambda b, h, i, j: j <= i - 5, B, HQ, 37, 37)  # the first 5 rows see no key
+    f = lambda q, k, v, sinks: jf.attention(q, k, v, mask=masks.causal(-5), sinks=sinks, return_lse=True, implementation=impl)
+    ref = lambda q, k, v, sinks: dense_with_sinks(q, k, v, visible, sinks)
+    (out, lse), (want_out, want_lse) = f(q, k, v, sinks), ref(q, k, v, sinks)
+    assert_close(out, want_out)
+    np.testing.assert_array_equal(lse[:, :5], np.broadcast_to(SINKS, lse[:, :5].shape))
+    assert_close(lse, want_lse)
+    tangents = (*qkv(np.random.default_rng(22), (B,), 37, 37, HQ, HKV, D, DV), jnp.asarray([1.0, -2.0, 0.5, 3.0]))
+    got, want = jax.jvp(f, (q, k, v, sinks), tangents)[1], jax.jvp(ref, (q, k, v, sinks), tangents)[1]
+    assert_close(got[0], want[0], **DTOL)
+    assert_close(jnp.where(jnp.isfinite(want[1]), got[1], 0), jnp.where(jnp.isfinite(want[1]), want[1], 0), **DTOL)
+    w_out, w_lse = rng.standard_normal(out.shape), np.where(np.isfinite(want_lse), rng.standard_normal(lse.shape), 0)
+    loss = lambda fn: lambda *a: jnp.sum(fn(*a)[0] * w_out) + jnp.sum(jnp.where(w_lse != 0, fn(*a)[1], 0) * w_lse)
+    grads, want_grads = jax.grad(loss(f), (0, 1, 2, 3))(q, k, v, sinks), jax.grad(loss(ref), (0, 1, 2, 3))(q, k, v, sinks)
+    for g, w in zip(grads, want_grads):
+        assert np.isfinite(g).all()
+        assert_close(g, w, **DTOL)
+    assert np.abs(np.asarray(grads[3][:3])).min() > 1e-3 and grads[3][3] == 0  # a sink of -inf takes no gradient
+
+
+@over_impls
+def test_sinks_check_grads_order_2(impl):
+    rng = np.random.default_rng(23)
+    q, k, v = qkv(rng, (1,), 9, 11, 2, 1, 4, 3)
+    f = lambda q, k, v, sinks: jf.attention(q, k, v, mask=masks.causal(2), sinks=sinks, implementation=impl)
+    check_grads(f, (q, k, v, jnp.asarray([0.5, -0.3])), order=2, modes=("fwd", "rev"))
+
+
+def test_vmapped_sinks_match_a_loop():
+    rng = np.random.default_rng(24)
+    q, k, v = qkv(rng, (B,), 13, 13, HQ, HKV, D, DV)
+    sinks = jnp.asarray(rng.standard_normal((3, HQ)))
+    f = lambda sinks: jf.attention(q, k, v, mask=masks.causal(), sinks=sinks)
+    batched = jax.vmap(f)(sinks)
+    for i in range(3):
+        assert_close(batched[i], f(sinks[i]))
+
+
 # --- derivatives --------------------------------------------------------------------------------
 
 
