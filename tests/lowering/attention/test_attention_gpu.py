@@ -252,7 +252,9 @@ DOCUMENT_MASKS = {  # runtime data: per-item segment ids (q 300, kv 333), prefix
         np.stack([np.repeat([7, 2], 150).astype(np.int32), np.zeros(300, np.int32)]),
         np.stack([np.repeat([2, 7, 9], 111).astype(np.int32), np.repeat([0, 1], [33, 300]).astype(np.int32)]),
     ) | jf.masks.prefix_lm(np.array([10, 200], np.int32)),
-    "padding_causal": lambda: jf.masks.padding(np.array([333, 120], np.int32), np.array([300, 77], np.int32)) & jf.masks.causal(33),
+    "padding_causal": lambda: (
+        jf.masks.padding(np.array([333, 120], np.int32), np.array([300, 77], np.int32)) & jf.masks.causal(33)
+    ),
 }
 
 
