@@ -27,8 +27,21 @@ A fully masked row has :math:`o_i = 0`, :math:`\text{lse}_i = -\infty` and zero 
              g_q = \text{scale}\, (f' g_s)\, k,\ g_k = \text{scale}\,(f' g_s)^T q,\ g_v = p^T g_o .
 
 fwd's JVP binds tangent; tangent's transpose binds bwd; bwd's transpose binds tangent. So jvp, grad,
-jacfwd, jacrev and hessian-vector products all come from these three. Derivatives of tangent and
-bwd themselves (second order) differentiate the dense reference: correct, not fast.
+jacfwd, jacrev and hessian-vector products all come from these three.
+
+Second order. The tangent map's JVP is tangent itself along (dq, dk, dv) plus
+``attention_tangent2_p``, its derivative in ``(q, k, v, out, lse)`` as the kernels read them
+(``p = e^{s - lse}``, ``dout = Σ p (ds v + dv) - dlse·o``); that primitive's transpose,
+``attention_tangent_bwd_p``, is a gradient through a jvp (consistency-model training). With
+``c_i = g_{\text{lse},i} - g_{o,i}\cdot o_i`` the pairing with the cotangents is a sum over tiles,
+
+.. math::  g_o\cdot do + g_{\text{lse}}\cdot d\text{lse} = \textstyle\sum_{ij}
+           p_{ij}\,\big(ds_{ij}\,(g_{o,i}\cdot v_j + c_i) + g_{o,i}\cdot dv_j\big),
+
+so its lowering differentiates each tile's term (O(S) memory, kernel.tangent_bwd_cols); the
+cotangent of ``out`` is ``-g_c\, g_o``. tangent2 itself (a jvp of a jvp) runs densely, and the
+derivatives of bwd, of the two second-order primitives, and of the tangent with score-const
+tangents differentiate the dense reference: correct, not fast.
 
 Operands are ``q (*batch, Sq, Hq, D)``, ``k (*batch, Skv, Hkv, D)``, ``v (*batch, Skv, Hkv, Dv)``,
 ``out (*batch, Sq, Hq, Dv)``, ``lse (*batch, Sq, Hq)`` (float32, float64 for float64 input).
@@ -61,8 +74,11 @@ __all__ = [
     "attention_bwd_p",
     "attention_fwd_p",
     "attention_reference",
+    "attention_tangent2_p",
+    "attention_tangent_bwd_p",
     "attention_tangent_p",
     "lse_dtype",
+    "tangent_at",
 ]
 
 ACCEPTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
@@ -136,20 +152,11 @@ def _float_consts(consts):
 def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementation=None):
     """Dense attention (the spec): ``(out, lse)``. Memory O(Sq·Skv) per batch item and head."""
     del implementation
-    mask_c, score_c = _split(consts, mods)
     *batch, sq, hq, _ = q.shape
-    skv, hkv, _ = k.shape[-3:]
-    bsz = math.prod(batch)
     acc = accumulation_dtype(q.dtype)
-    qf, kf, vf = (x.reshape(bsz, *x.shape[len(batch) :]) for x in (q, k, v))
-    group = hq // hkv
-    kf, vf = jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
-    raw = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest", preferred_element_type=acc) * scale
-    b, h, qi, ki = (
-        jax.lax.broadcasted_iota(jnp.int32, raw.shape, axis) for axis in range(4)
-    )
-    s = mods.modify(raw, b, h, qi, ki, score_c)
-    allowed = mods.allowed(b, h, qi, ki, mask_c)
+    qf, kf, vf = _dense_heads(q, k, v)
+    s = _dense_scores(qf, kf, consts, mods, scale)
+    allowed = _dense_mask(s.shape, consts, mods)
     if allowed is not None:
         s = jnp.where(allowed, s, -jnp.inf)
     row_max = jnp.max(s, axis=-1, keepdims=True)
@@ -163,6 +170,34 @@ def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementati
     out = out.astype(q.dtype).reshape(*batch, sq, hq, v.shape[-1])
     lse = jnp.swapaxes(lse, -1, -2).reshape(*batch, sq, hq)
     return out, lse
+
+
+def _dense_heads(q, k, v):
+    """q, k, v with their batch dims flattened and k, v repeated over each GQA group."""
+    batch = q.shape[:-3]
+    qf, kf, vf = (x.reshape(math.prod(batch), *x.shape[len(batch) :]) for x in (q, k, v))
+    group = q.shape[-2] // k.shape[-2]
+    return qf, jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
+
+
+def _dense_iotas(shape, batch_ids=None, head_offset=0):
+    """``(b, h, q_idx, kv_idx)`` of a ``(B, H, Sq, Skv)`` score array; global ``b`` and ``h`` for a
+    shard's block (``batch_ids[b]``, ``head_offset + h``)."""
+    b, h, qi, ki = (jax.lax.broadcasted_iota(jnp.int32, shape, axis) for axis in range(4))
+    return (b if batch_ids is None else batch_ids[b]), h + head_offset, qi, ki
+
+
+def _dense_scores(qf, kf, consts, mods: Mods, scale: float, **where):
+    """Modified scores ``(B, H, Sq, Skv)`` (no mask applied), in the accumulation dtype."""
+    _, score_c = _split(consts, mods)
+    raw = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest", preferred_element_type=accumulation_dtype(qf.dtype))
+    return mods.modify(raw * scale, *_dense_iotas(raw.shape, **where), score_c)
+
+
+def _dense_mask(shape, consts, mods: Mods, **where):
+    """The mask of a ``shape`` score array (None: every key visible)."""
+    mask_c, _ = _split(consts, mods)
+    return mods.allowed(*_dense_iotas(shape, **where), mask_c)
 
 
 def _tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
@@ -185,6 +220,43 @@ def _bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const
     gq, gk, gv, *gscore = vjp((g_out, g_lse))
     gscore = [g for g, c in zip(gscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
     return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
+
+
+def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids=None, head_offset=0):
+    """The tangent map as the kernels compute it, densely: from the given ``(out, lse)``,
+    ``p = e^{s - lse}``, ``dlse = Σ_j p ds``, ``dout = Σ_j p (ds v + dv) - dlse·out``. Its partial
+    derivatives in ``out`` and ``lse`` are the second-order primitives'. ``operands``: the consts,
+    then dq, dk, dv (no score-const tangents: those calls keep the dense second order)."""
+    consts, (dq, dk, dv) = list(operands[:-3]), operands[-3:]
+    *batch, sq, hq, _ = q.shape
+    acc = accumulation_dtype(q.dtype)
+    (qf, kf, vf), (dqf, dkf, dvf) = _dense_heads(q, k, v), _dense_heads(dq, dk, dv)
+    where = dict(batch_ids=batch_ids, head_offset=head_offset)
+    s, ds = jax.jvp(lambda qf, kf: _dense_scores(qf, kf, consts, mods, scale, **where), (qf, kf), (dqf, dkf))
+    allowed = _dense_mask(s.shape, consts, mods, **where)
+    visible = True if allowed is None else allowed
+    lse_f = jnp.swapaxes(lse.reshape(-1, sq, hq), 1, 2)[..., None].astype(acc)
+    p = jnp.exp(jnp.where(visible, s, -jnp.inf) - jnp.where(jnp.isfinite(lse_f), lse_f, 0))
+    p_ds = p * jnp.where(visible, ds, 0)
+    dlse = jnp.sum(p_ds, axis=-1)  # (b, h, q)
+    mix = lambda w, x: jnp.einsum("bhqk,bkhd->bqhd", w, x.astype(acc), precision="highest")  # noqa: E731
+    outf = out.reshape(-1, sq, hq, out.shape[-1]).astype(acc)
+    dout = mix(p_ds, vf) + mix(p, dvf) - jnp.swapaxes(dlse, 1, 2)[..., None] * outf
+    return dout.astype(out.dtype).reshape(out.shape), jnp.swapaxes(dlse, 1, 2).reshape(lse.shape).astype(lse.dtype)
+
+
+def _tangent2_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None, **where):
+    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)`` along the last five operands."""
+    *base, tq, tk, tv, tout, tlse = operands
+    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *base, mods=mods, scale=scale, **where)  # noqa: E731
+    return jax.jvp(at, (q, k, v, out, lse), (tq, tk, tv, tout, tlse))[1]
+
+
+def _tangent_bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
+    """The vjp of :func:`tangent_at` in ``(q, k, v, out, lse)`` at the cotangents ``(g_dout, g_dlse)``."""
+    *base, g_dout, g_dlse = operands
+    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *base, mods=mods, scale=scale)  # noqa: E731
+    return jax.vjp(at, q, k, v, out, lse)[1]((g_dout, g_dlse))
 
 
 def _split_tangent_operands(operands, mods: Mods):
@@ -269,6 +341,17 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     return (*grads, *consts)
 
 
+def _tangent2_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    check_operands("attention_tangent2", q, k, v)
+    return _output_avals("attention_tangent2", q, k, v, [(out.shape, out.dtype, -2), (lse.shape, lse.dtype, -1)])
+
+
+def _tangent_bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    check_operands("attention_tangent_bwd", q, k, v)
+    grads = [(x.shape, x.dtype, -2) for x in (q, k, v, out)] + [(lse.shape, lse.dtype, -1)]
+    return _output_avals("attention_tangent_bwd", q, k, v, grads)
+
+
 def shared_operands(leading: int, trailing_split: int):
     """Which operands every shard needs whole, for a primitive whose operands are ``leading`` split
     arrays (q, k, v, ...), the captured consts, ``trailing_split`` split arrays, then the consts'
@@ -326,6 +409,43 @@ def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, 
     )
     return [None] * (5 + len(consts)) + [dout if _core.is_linear_input(g_out) else None,
                                           dlse if _core.is_linear_input(g_lse) else None]  # fmt: skip
+
+
+def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
+    """The tangent map is linear in (dq, dk, dv): its own kernel takes their tangents; its
+    derivative in (q, k, v, out, lse) is attention_tangent2, whose transpose (grad through a jvp)
+    runs in O(S) memory. With score-const tangents, the dense reference's derivative."""
+    params = dict(mods=mods, scale=scale, implementation=implementation)
+    n = mods.num_mask_consts + mods.num_score_consts
+    if _float_consts(_split(primals[5 : 5 + n], mods)[1]):
+        return _reference_jvp(_tangent_reference)(primals, tangents, **params)
+    q, k, v, out, lse, *operands = primals
+    consts = operands[:n]
+    outs = attention_tangent_p.bind(*primals, **params)
+    along_x = [_core.instantiate_zeros(t) for t in tangents[:5]]
+    along_d = [_core.instantiate_zeros(t) for t in tangents[5 + n :]]
+    second = attention_tangent2_p.bind(*primals, *along_x, **params)
+    first = attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params)
+    return outs, [a + b for a, b in zip(second, first)]
+
+
+def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    base, along = operands[:-5], operands[-5:]
+    g_dout, g_dlse = (_core.instantiate_zeros(c) for c in cts)
+    grads = attention_tangent_bwd_p.bind(
+        q, k, v, out, lse, *base, g_dout, g_dlse, mods=mods, scale=scale, implementation=implementation
+    )
+    return [None] * (5 + len(base)) + [g if _core.is_linear_input(t) else None for g, t in zip(grads, along)]
+
+
+def _tangent_bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+    *base, g_dout, g_dlse = operands
+    along = [_core.instantiate_zeros(c) for c in cts]
+    dout, dlse = attention_tangent2_p.bind(
+        q, k, v, out, lse, *base, *along, mods=mods, scale=scale, implementation=implementation
+    )
+    return [None] * (5 + len(base)) + [dout if _core.is_linear_input(g_dout) else None,
+                                        dlse if _core.is_linear_input(g_dlse) else None]  # fmt: skip
 
 
 def _reference_jvp(reference):
@@ -426,6 +546,16 @@ def _example_bwd_args():
     return q, k, v, out, lse, out, lse
 
 
+def _example_tangent2_args():
+    q, k, v, out, lse, *_ = _example_tangent_args()
+    return q, k, v, out, lse, q, k, v, q, k, v, out, lse
+
+
+def _example_tangent_bwd_args():
+    q, k, v, out, lse, *_ = _example_tangent_args()
+    return q, k, v, out, lse, q, k, v, out, lse
+
+
 _TEST_MODULE = "tests/primitives/attention/test_attention.py"
 _COMMON = dict(test_module=_TEST_MODULE, bench_entry="attention/attention")
 
@@ -442,7 +572,7 @@ attention_fwd_p = _core.define_primitive(
 attention_tangent_p = _core.define_primitive(
     "jaxforge_attention_tangent",
     abstract_eval=_tangent_abstract_eval,
-    jvp=_reference_jvp(_tangent_reference),
+    jvp=_tangent_jvp,
     transpose=_tangent_transpose,
     reference=_tangent_reference,
     example_args=_example_tangent_args,
@@ -459,5 +589,30 @@ attention_bwd_p = _core.define_primitive(
     example_args=_example_bwd_args,
     example_params=dict(mods=Mods(), scale=0.5, const_grads=(), implementation=Implementation()),
     batch=_batch_rule(5, 2),
+    **_COMMON,
+)
+# Second order without score-const tangents: the tangent map's derivative in (q, k, v, out, lse)
+# and its transpose. A grad through a jvp runs the transpose, in XLA's tiles (O(S) memory); the
+# derivative itself (a jvp of a jvp) runs the dense form.
+attention_tangent2_p = _core.define_primitive(
+    "jaxforge_attention_tangent2",
+    abstract_eval=_tangent2_abstract_eval,
+    jvp=_reference_jvp(_tangent2_reference),
+    transpose=_tangent2_transpose,
+    reference=_tangent2_reference,
+    example_args=_example_tangent2_args,
+    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    batch=_batch_rule(5, 8),
+    **_COMMON,
+)
+attention_tangent_bwd_p = _core.define_primitive(
+    "jaxforge_attention_tangent_bwd",
+    abstract_eval=_tangent_bwd_abstract_eval,
+    jvp=_reference_jvp(_tangent_bwd_reference),
+    transpose=_tangent_bwd_transpose,
+    reference=_tangent_bwd_reference,
+    example_args=_example_tangent_bwd_args,
+    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    batch=_batch_rule(5, 5),
     **_COMMON,
 )

@@ -74,6 +74,18 @@ def test_sinks_through_the_kernels_lse_match_xla():
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 
+def test_grad_through_a_jvp_matches_xla():
+    """The kernels' first-order pieces (fwd, tangent, bwd) with XLA's second-order transpose."""
+    args = (*inputs(), *inputs(seed=2))
+
+    def loss(impl):
+        attend = lambda q, k, v: jf.attention(q, k, v, mask=MASKS["document"](), softcap=4.0, implementation=impl)
+        return lambda q, k, v, dq, dk, dv: jnp.sum(jnp.sin(jax.jvp(attend, (q, k, v), (dq, dk, dv))[1]))
+
+    for a, b in zip(jax.grad(loss(PALLAS), tuple(range(6)))(*args), jax.grad(loss("xla"), tuple(range(6)))(*args)):
+        np.testing.assert_allclose(a, b, atol=1e-11)
+
+
 def test_against_the_dense_reference_with_a_captured_bias_and_its_gradient():
     q, k, v = inputs()
     bias = jnp.asarray(np.random.default_rng(3).standard_normal((HQ, SQ + SKV)))

@@ -1,5 +1,6 @@
-"""The default (XLA) lowering's memory is O(S): XLA's buffer assignment for the forward, the JVP and
-the gradient, compiled (not run) on CPU, grows linearly with the sequence length, up to S = 131072,
+"""The default (XLA) lowering's memory is O(S): XLA's buffer assignment for the forward, the JVP, the
+gradient and the gradient through a JVP, compiled (not run) on CPU, grows linearly with the
+sequence length, up to S = 131072,
 where a dense score matrix alone would take 137 GB. The same measure on jax's dense attention
 grows quadratically, so the check can fail."""
 
@@ -24,7 +25,10 @@ def _modes(attention):
     def grad(q, k, v):
         return jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
 
-    return {"fwd": fwd, "jvp": jvp, "grad": grad}
+    def grad_of_jvp(q, k, v):  # consistency-model training: a loss on the jvp, differentiated
+        return jax.grad(lambda q, k, v: jnp.sum(jvp(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+
+    return {"fwd": fwd, "jvp": jvp, "grad": grad, "grad_of_jvp": grad_of_jvp}
 
 
 def _temp_bytes(fn, seq: int) -> int:
@@ -40,7 +44,7 @@ def _dense(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
-@pytest.mark.parametrize("mode", ["fwd", "jvp", "grad"])
+@pytest.mark.parametrize("mode", ["fwd", "jvp", "grad", "grad_of_jvp"])
 def test_temporary_memory_is_linear_in_the_sequence_length(mode):
     fn = _modes(_jaxforge)[mode]
     small, large = _temp_bytes(fn, 4096), _temp_bytes(fn, 8192)

@@ -642,6 +642,74 @@ def test_hessian_vector_product(impl):
         assert_close(a, b_, **DTOL)
 
 
+# --- second order: a gradient through a jvp ----------------------------------------------------
+
+
+def _jvp_loss(attend):
+    """A consistency-model-style loss on the output and on its jvp along (dq, dk, dv), of all six."""
+
+    def loss(q, k, v, dq, dk, dv):
+        (out, lse), (dout, dlse) = jax.jvp(attend, (q, k, v), (dq, dk, dv))
+        seen = jnp.isfinite(lse)
+        return jnp.sum(jnp.sin(dout)) + jnp.sum(jnp.where(seen, dlse, 0) ** 2) + jnp.sum(out**2) + jnp.sum(jnp.where(seen, lse, 0))
+
+    return loss
+
+
+REL = np.random.default_rng(101).standard_normal((HQ, 2 * 37))
+# name: ((Sq, Skv), rng -> (mask, numpy mask_fn), score_mod, softcap, whether it runs the O(S) rule)
+SECOND_ORDER = {
+    "causal_with_fully_masked_rows": (SELF, lambda r: (masks.causal(-5), lambda b, h, i, j: j <= i - 5), None, None, True),
+    "document_causal_softcap": (SELF, _document_causal, None, 2.5, True),
+    "window_alibi_cross": (CROSS, lambda r: (masks.sliding_window(9), lambda b, h, i, j: abs(i - j) < 9),
+                           lambda s, b, h, i, j: s - 0.25 * (h + 1) * jnp.abs(i - j), None, True),
+    "captured_bias_keeps_the_dense_rule": (SELF, lambda r: (masks.causal(), lambda b, h, i, j: j <= i),
+                                           lambda s, b, h, i, j: s + jnp.asarray(REL)[h, i - j + 37], None, False),
+}
+
+
+@over_impls
+@pytest.mark.parametrize("name", sorted(SECOND_ORDER))
+def test_grad_through_a_jvp_matches_dense(impl, name):
+    """Gradients of all six of (q, k, v, dq, dk, dv) through a jvp, against jax's second derivatives
+    of the dense attention: the tangent map's transpose in XLA's tiles (O(S) memory)."""
+    (sq, skv), build, score_fn, softcap, tiled = SECOND_ORDER[name]
+    rng = np.random.default_rng(31)
+    mask, mask_fn = build(rng)
+    args = (*qkv(rng, (B,), sq, skv, HQ, HKV, D, DV), *qkv(rng, (B,), sq, skv, HQ, HKV, D, DV))
+    ours = _jvp_loss(lambda q, k, v: jf.attention(
+        q, k, v, mask=mask, score_mod=score_fn, softcap=softcap, return_lse=True, implementation=impl))
+    visible = allowed(mask_fn, B, HQ, sq, skv)
+    ref = _jvp_loss(lambda q, k, v: dense_jnp(q, k, v, visible, score_fn, softcap=softcap))
+    grad = jax.grad(ours, argnums=tuple(range(6)))
+    for g, w in zip(jax.jit(grad)(*args), jax.grad(ref, argnums=tuple(range(6)))(*args)):
+        assert np.isfinite(g).all()
+        assert_close(g, w, **DTOL)
+    assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args))) == tiled
+
+
+@over_impls
+def test_second_order_through_a_jvp_check_grads(impl):
+    """Finite differences of the jvp's output, forward (attention_tangent2) and reverse
+    (attention_tangent_bwd), with GQA and fully masked rows."""
+    rng = np.random.default_rng(32)
+    q, k, v = qkv(rng, (1,), 9, 11, 4, 2, 4, 3)
+    dq, dk, dv = qkv(rng, (1,), 9, 11, 4, 2, 4, 3)
+    att = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(-2), softcap=2.0, implementation=impl)
+    check_grads(lambda q, k, v: jax.jvp(att, (q, k, v), (dq, dk, dv))[1], (q, k, v), order=1, modes=("fwd", "rev"))
+
+
+def test_vmapped_grad_through_a_jvp_matches_a_loop():
+    rng = np.random.default_rng(33)
+    q, k, v = qkv(rng, (3,), 13, 13, HQ, HKV, D, DV)
+    dq, dk, dv = qkv(rng, (3,), 13, 13, HQ, HKV, D, DV)
+    grad = jax.grad(_jvp_loss(lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(), return_lse=True)), argnums=(0, 3))
+    batched = jax.vmap(grad)(q, k, v, dq, dk, dv)
+    for i in range(3):
+        for g, w in zip(batched, grad(q[i], k[i], v[i], dq[i], dk[i], dv[i])):
+            assert_close(g[i], w, rtol=1e-13, atol=1e-13)
+
+
 # --- vmap -------------------------------------------------------------------------------------
 
 
@@ -813,6 +881,24 @@ def test_sharded_batch_matches_unsharded(impl):
         match = collectives.search(line)
         if match:  # the result type precedes the op name
             assert not re.search(r"\b(bf16|f16|f32|f64)\[", line[: match.start()]), line
+
+
+def test_sharded_grad_through_a_jvp_matches_unsharded():
+    """The second-order rules run per shard at global batch indices (the document mask reads them)."""
+    mesh = jax.make_mesh((8,), ("batch",))
+    batch = NamedSharding(mesh, PartitionSpec("batch"))
+    rng = np.random.default_rng(34)
+    args = (*qkv(rng, (8,), 12, 12, 2, 1, 4, 4), *qkv(rng, (8,), 12, 12, 2, 1, 4, 4))
+    ids = segments(rng, 8, 12, n=3)
+
+    def grads(q, k, v, dq, dk, dv, ids):
+        attend = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal() & masks.document(ids), return_lse=True)
+        return jax.grad(_jvp_loss(attend), argnums=tuple(range(6)))(q, k, v, dq, dk, dv)
+
+    sharded = jax.jit(grads)(*(jax.device_put(x, batch) for x in (*args, ids)))
+    for g, w in zip(sharded, grads(*args, ids)):
+        assert g.sharding.spec[0] == "batch"
+        assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 # --- dtypes -------------------------------------------------------------------------------------

@@ -20,7 +20,17 @@ from jax import lax
 from jaxforge.primitives.attention.mods import Mods
 from jaxforge.primitives.attention.points import PointArray, Reads, reads_refs
 
-__all__ = ["Geometry", "MaskTiles", "bounds_table", "bwd_dkv_cols", "bwd_dq_rows", "fwd_rows", "tangent_rows", "tile_loop"]
+__all__ = [
+    "Geometry",
+    "MaskTiles",
+    "bounds_table",
+    "bwd_dkv_cols",
+    "bwd_dq_rows",
+    "fwd_rows",
+    "tangent_bwd_cols",
+    "tangent_rows",
+    "tile_loop",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,3 +357,44 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)
     return (gk, gv) if fused is None else (gk, gv, fused)
+
+
+def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, mask: MaskTiles, score_c, fused):
+    """Key tile ``j`` of the tangent map's transpose in ``(q, k, v, out, lse)``, one query head.
+
+    With ``c = g_dlse - g_dout·out`` per row, the pairing of the tangent's outputs with their
+    cotangents is a sum over tiles, ``g_dout·dout + g_dlse·dlse = Σ_ij p_ij (ds_ij (g_dout_i·v_j +
+    c_i) + g_dout_i·dv_j)``, so each tile's term is differentiated by ``jax.vjp`` (softcap's and
+    score_mod's second derivatives included): recomputed per tile, O(tile) memory, like the
+    backward. ``load_q(i) -> (q, dq, lse, c, g_dout)``. ``fused = (gq, glse, gc)``: the query side,
+    whole (``(padded Sq, D)``, rows, rows), accumulated over key tiles (XLA holds them). Returns
+    ``(gk, gv, fused)``; the cotangent of ``out`` is ``-gc·g_dout``.
+    """
+    mask = mask.cols_loaded(j)
+    up = lambda x: x.astype(geo.acc_dtype)  # noqa: E731  (second derivatives in the accumulation dtype)
+    k, v, dk, dv = map(up, (k, v, dk, dv))
+
+    def body(i, carry, masked):
+        gk, gv, fused = carry
+        q, dq, lse, c, g_dout = map(up, load_q(i))
+        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+        seen = jnp.isfinite(lse)  # rows that see no key pair nothing
+
+        def pairing(q, k, v, lse, c):
+            raw = _dot_t(geo, q, k) * geo.scale
+            draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
+            s, ds = jax.jvp(lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, score_c), (raw,), (draw,))
+            p = jnp.exp(jnp.where(visible, s, -jnp.inf) - lse[:, None])
+            w = _dot_t(geo, g_dout, v) + c[:, None]
+            return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _dot_t(geo, g_dout, dv)))
+
+        _, pullback = jax.vjp(pairing, q, k, v, jnp.where(seen, lse, 0), jnp.where(seen, c, 0))
+        g_q, g_k, g_v, g_lse, g_c = pullback(jnp.ones((), geo.acc_dtype))
+        start = jnp.asarray(i, jnp.int32) * geo.block_q
+        add = lambda whole, tile: lax.dynamic_update_slice_in_dim(  # noqa: E731
+            whole, lax.dynamic_slice_in_dim(whole, start, geo.block_q) + tile, start, axis=0
+        )
+        return gk + g_k, gv + g_v, tuple(add(x, t) for x, t in zip(fused, (g_q, g_lse, g_c)))
+
+    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
+    return tile_loop(*geo.col_tiles(mods, j, mask), body, init)

@@ -14,11 +14,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.lowering.attention.attention import config
-from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_rows
+from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_bwd_cols, tangent_rows
 from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
 from jaxforge.primitives.attention.mods import Mods
 
-__all__ = ["attention_bwd_xla", "attention_fwd_xla", "attention_tangent_xla", "geometry", "heads_first", "seq_last"]
+__all__ = [
+    "attention_bwd_xla",
+    "attention_fwd_xla",
+    "attention_tangent_bwd_xla",
+    "attention_tangent_xla",
+    "geometry",
+    "heads_first",
+    "seq_last",
+]
 
 
 def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -> Geometry:
@@ -190,6 +198,48 @@ def attention_bwd_xla(
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
     g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
     return (_back(gq, batch, geo.sq).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
+
+
+def attention_tangent_bwd_xla(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset
+):
+    """The tangent map's transpose in (q, k, v, out, lse) — a grad through a jvp — as attention_bwd_xla:
+    one pass over key tiles per (batch item, query head), the query side in the loop carry."""
+    geo = geometry("xla", q, k, scale, implementation)
+    per_head = dataclasses.replace(geo, group=1)
+    n_consts = mods.num_mask_consts + mods.num_score_consts
+    mask_c, score_c = _split(operands[:n_consts], mods)
+    dq, dk, dv, g_dout, g_dlse = operands[n_consts:]
+    batch, hkv = q.shape[:-3], k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    c = -bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
+
+    def one_head(b, h, q_h, dq_h, g_dout_h, lse_h, c_h, k_h, v_h, dk_h, dv_h):
+        load_q = lambda i: tuple(_slice(x, i, geo.block_q) for x in (q_h, dq_h, lse_h, c_h, g_dout_h))
+        mask = _mask_tiles(geo, mods, b, mask_c)
+
+        def tile(fused, j):
+            kv = [_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h)]
+            gk, gv, fused = tangent_bwd_cols(per_head, mods, *kv, load_q, b, h, j, mask, score_c, fused)
+            return fused, (gk, gv)
+
+        rows = jnp.zeros(lse_h.shape, geo.acc_dtype)
+        return lax.scan(tile, (jnp.zeros(q_h.shape, geo.acc_dtype), rows, rows), jnp.arange(geo.num_kv_tiles))
+
+    (gq, glse, gc), (gk, gv) = _over_heads(
+        one_head,
+        geo,
+        hkv,
+        [heads_first(x, sq_pad, geo.group) for x in (q, dq, g_dout)] + [seq_last(x, sq_pad, geo.group) for x in (lse, c)],
+        [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
+        batch_ids,
+        head_offset,
+    )
+    rows_back = lambda x: _back(x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:]), batch, geo.sq)  # noqa: E731
+    gq, glse, gc = rows_back(gq), rows_back(glse), rows_back(gc)
+    gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
+    gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
+    return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), gout.astype(out.dtype), glse.astype(lse.dtype)
 
 
 def _floats(consts):
