@@ -279,6 +279,11 @@ def instantiate_zeros(tangent):
     return ad.instantiate_zeros(tangent)
 
 
+def is_symbolic_zero(tangent) -> bool:
+    """Whether a JVP rule received a symbolic-zero tangent (the operand does not move)."""
+    return isinstance(tangent, ad.Zero)
+
+
 def is_linear_input(operand) -> bool:
     """Whether a transpose rule received ``operand`` as a linear input (its cotangent is wanted)."""
     return isinstance(operand, ad.UndefinedPrimal)

@@ -40,8 +40,8 @@ Second order. The tangent map's JVP is tangent itself along (dq, dk, dv) plus
 
 so its lowering differentiates each tile's term (O(S) memory, kernel.tangent_bwd_cols); the
 cotangent of ``out`` is ``-g_c\, g_o``. tangent2 itself (a jvp of a jvp) runs densely, and the
-derivatives of bwd, of the two second-order primitives, and of the tangent with score-const
-tangents differentiate the dense reference: correct, not fast.
+derivatives of bwd, of the two second-order primitives, and of the tangent where the float score
+consts themselves move differentiate the dense reference: correct, not fast.
 
 Operands are ``q (*batch, Sq, Hq, D)``, ``k (*batch, Skv, Hkv, D)``, ``v (*batch, Skv, Hkv, Dv)``,
 ``out (*batch, Sq, Hq, Dv)``, ``lse (*batch, Sq, Hq)`` (float32, float64 for float64 input).
@@ -78,6 +78,8 @@ __all__ = [
     "attention_tangent_bwd_p",
     "attention_tangent_p",
     "lse_dtype",
+    "second_order_operands",
+    "tangent2_dense",
     "tangent_at",
 ]
 
@@ -226,13 +228,21 @@ def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids
     """The tangent map as the kernels compute it, densely: from the given ``(out, lse)``,
     ``p = e^{s - lse}``, ``dlse = Σ_j p ds``, ``dout = Σ_j p (ds v + dv) - dlse·out``. Its partial
     derivatives in ``out`` and ``lse`` are the second-order primitives'. ``operands``: the consts,
-    then dq, dk, dv (no score-const tangents: those calls keep the dense second order)."""
-    consts, (dq, dk, dv) = list(operands[:-3]), operands[-3:]
+    dq, dk, dv, then the float score consts' tangents."""
+    n = mods.num_mask_consts + mods.num_score_consts
+    consts, (dq, dk, dv), dscore = list(operands[:n]), operands[n : n + 3], list(operands[n + 3 :])
+    mask_c, score_c = _split(consts, mods)
     *batch, sq, hq, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     (qf, kf, vf), (dqf, dkf, dvf) = _dense_heads(q, k, v), _dense_heads(dq, dk, dv)
     where = dict(batch_ids=batch_ids, head_offset=head_offset)
-    s, ds = jax.jvp(lambda qf, kf: _dense_scores(qf, kf, consts, mods, scale, **where), (qf, kf), (dqf, dkf))
+
+    def scores(qf, kf, floats):
+        it = iter(floats)
+        score_with = [next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in score_c]
+        return _dense_scores(qf, kf, [*mask_c, *score_with], mods, scale, **where)
+
+    s, ds = jax.jvp(scores, (qf, kf, _float_consts(score_c)), (dqf, dkf, dscore))
     allowed = _dense_mask(s.shape, consts, mods, **where)
     visible = True if allowed is None else allowed
     lse_f = jnp.swapaxes(lse.reshape(-1, sq, hq), 1, 2)[..., None].astype(acc)
@@ -245,18 +255,27 @@ def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids
     return dout.astype(out.dtype).reshape(out.shape), jnp.swapaxes(dlse, 1, 2).reshape(lse.shape).astype(lse.dtype)
 
 
-def _tangent2_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None, **where):
-    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)`` along the last five operands."""
-    *base, tq, tk, tv, tout, tlse = operands
-    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *base, mods=mods, scale=scale, **where)  # noqa: E731
-    return jax.jvp(at, (q, k, v, out, lse), (tq, tk, tv, tout, tlse))[1]
+def second_order_operands(operands, mods: Mods, n_linear: int):
+    """``(consts, [dq, dk, dv], the n_linear operands after them, float score-const tangents)`` of
+    attention_tangent2 (``n_linear=5``: the tangents of q, k, v, out, lse) or attention_tangent_bwd
+    (2: the cotangents of dout, dlse)."""
+    n = mods.num_mask_consts + mods.num_score_consts
+    return list(operands[:n]), list(operands[n : n + 3]), list(operands[n + 3 : n + 3 + n_linear]), list(operands[n + 3 + n_linear :])
+
+
+def tangent2_dense(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None, **where):
+    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)``: attention_tangent2's spec, and its
+    lowering (``where``: a shard's global batch and head indices)."""
+    consts, d, along, dscore = second_order_operands(operands, mods, 5)
+    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale, **where)  # noqa: E731
+    return jax.jvp(at, (q, k, v, out, lse), tuple(along))[1]
 
 
 def _tangent_bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
     """The vjp of :func:`tangent_at` in ``(q, k, v, out, lse)`` at the cotangents ``(g_dout, g_dlse)``."""
-    *base, g_dout, g_dlse = operands
-    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *base, mods=mods, scale=scale)  # noqa: E731
-    return jax.vjp(at, q, k, v, out, lse)[1]((g_dout, g_dlse))
+    consts, d, cts, dscore = second_order_operands(operands, mods, 2)
+    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale)  # noqa: E731
+    return jax.vjp(at, q, k, v, out, lse)[1](tuple(cts))
 
 
 def _split_tangent_operands(operands, mods: Mods):
@@ -412,40 +431,43 @@ def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, 
 
 
 def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
-    """The tangent map is linear in (dq, dk, dv): its own kernel takes their tangents; its
-    derivative in (q, k, v, out, lse) is attention_tangent2, whose transpose (grad through a jvp)
-    runs in O(S) memory. With score-const tangents, the dense reference's derivative."""
+    """The tangent map is linear in (dq, dk, dv, score-const tangents): its own kernel takes their
+    tangents; its derivative in (q, k, v, out, lse) is attention_tangent2, whose transpose (a
+    grad through a jvp) runs in O(S) memory. Where the float score consts themselves move, the
+    dense reference's derivative."""
     params = dict(mods=mods, scale=scale, implementation=implementation)
-    n = mods.num_mask_consts + mods.num_score_consts
-    if _float_consts(_split(primals[5 : 5 + n], mods)[1]):
+    n_mask, n = mods.num_mask_consts, mods.num_mask_consts + mods.num_score_consts
+    score_tangents = zip(primals[5 + n_mask : 5 + n], tangents[5 + n_mask : 5 + n])
+    if any(jnp.issubdtype(c.dtype, jnp.inexact) and not _core.is_symbolic_zero(t) for c, t in score_tangents):
         return _reference_jvp(_tangent_reference)(primals, tangents, **params)
     q, k, v, out, lse, *operands = primals
-    consts = operands[:n]
+    consts, d = operands[:n], operands[n:]  # d: dq, dk, dv and the float score consts' tangents
     outs = attention_tangent_p.bind(*primals, **params)
     along_x = [_core.instantiate_zeros(t) for t in tangents[:5]]
     along_d = [_core.instantiate_zeros(t) for t in tangents[5 + n :]]
-    second = attention_tangent2_p.bind(*primals, *along_x, **params)
+    second = attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], **params)
     first = attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params)
     return outs, [a + b for a, b in zip(second, first)]
 
 
 def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
-    base, along = operands[:-5], operands[-5:]
+    consts, d, along, dscore = second_order_operands(operands, mods, 5)
     g_dout, g_dlse = (_core.instantiate_zeros(c) for c in cts)
     grads = attention_tangent_bwd_p.bind(
-        q, k, v, out, lse, *base, g_dout, g_dlse, mods=mods, scale=scale, implementation=implementation
+        q, k, v, out, lse, *consts, *d, g_dout, g_dlse, *dscore, mods=mods, scale=scale, implementation=implementation
     )
-    return [None] * (5 + len(base)) + [g if _core.is_linear_input(t) else None for g, t in zip(grads, along)]
+    linear = [g if _core.is_linear_input(t) else None for g, t in zip(grads, along)]
+    return [None] * (5 + len(consts) + 3) + linear + [None] * len(dscore)
 
 
 def _tangent_bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
-    *base, g_dout, g_dlse = operands
+    consts, d, (g_dout, g_dlse), dscore = second_order_operands(operands, mods, 2)
     along = [_core.instantiate_zeros(c) for c in cts]
     dout, dlse = attention_tangent2_p.bind(
-        q, k, v, out, lse, *base, *along, mods=mods, scale=scale, implementation=implementation
+        q, k, v, out, lse, *consts, *d, *along, *dscore, mods=mods, scale=scale, implementation=implementation
     )
-    return [None] * (5 + len(base)) + [dout if _core.is_linear_input(g_dout) else None,
-                                        dlse if _core.is_linear_input(g_dlse) else None]  # fmt: skip
+    linear = [dout if _core.is_linear_input(g_dout) else None, dlse if _core.is_linear_input(g_dlse) else None]
+    return [None] * (5 + len(consts) + 3) + linear + [None] * len(dscore)
 
 
 def _reference_jvp(reference):
@@ -488,7 +510,7 @@ def _batch_rule(n_leading: int, n_trailing: int):
         # const whose gradient is wanted, so those are batched too.
         float_idx = [i for i, c in enumerate(score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
         score_batched = [d is not None for d in score_d]
-        if prim is attention_tangent_p:
+        if prim in (attention_tangent_p, attention_tangent2_p, attention_tangent_bwd_p):
             for i, d in zip(float_idx, tail_d[n_trailing:]):
                 score_batched[i] |= d is not None
         if prim is attention_bwd_p:
@@ -591,15 +613,14 @@ attention_bwd_p = _core.define_primitive(
     batch=_batch_rule(5, 2),
     **_COMMON,
 )
-# Second order without score-const tangents: the tangent map's derivative in (q, k, v, out, lse)
-# and its transpose. A grad through a jvp runs the transpose, in XLA's tiles (O(S) memory); the
+# Second order: the tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad through a jvp runs the transpose, in XLA's tiles (O(S) memory); the
 # derivative itself (a jvp of a jvp) runs the dense form.
 attention_tangent2_p = _core.define_primitive(
     "jaxforge_attention_tangent2",
     abstract_eval=_tangent2_abstract_eval,
-    jvp=_reference_jvp(_tangent2_reference),
+    jvp=_reference_jvp(tangent2_dense),
     transpose=_tangent2_transpose,
-    reference=_tangent2_reference,
+    reference=tangent2_dense,
     example_args=_example_tangent2_args,
     example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
     batch=_batch_rule(5, 8),

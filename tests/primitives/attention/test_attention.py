@@ -663,8 +663,8 @@ SECOND_ORDER = {
     "document_causal_softcap": (SELF, _document_causal, None, 2.5, True),
     "window_alibi_cross": (CROSS, lambda r: (masks.sliding_window(9), lambda b, h, i, j: abs(i - j) < 9),
                            lambda s, b, h, i, j: s - 0.25 * (h + 1) * jnp.abs(i - j), None, True),
-    "captured_bias_keeps_the_dense_rule": (SELF, lambda r: (masks.causal(), lambda b, h, i, j: j <= i),
-                                           lambda s, b, h, i, j: s + jnp.asarray(REL)[h, i - j + 37], None, False),
+    "captured_bias": (SELF, lambda r: (masks.causal(), lambda b, h, i, j: j <= i),
+                      lambda s, b, h, i, j: s + jnp.asarray(REL)[h, i - j + 37], None, True),
 }
 
 
@@ -686,6 +686,32 @@ def test_grad_through_a_jvp_matches_dense(impl, name):
         assert np.isfinite(g).all()
         assert_close(g, w, **DTOL)
     assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args))) == tiled
+
+
+@over_impls
+@pytest.mark.parametrize("bias_moves", [False, True])
+def test_grad_through_a_jvp_along_a_captured_bias(impl, bias_moves):
+    """A jvp along the bias too (its tangent enters the tiles' score tangents), then a gradient:
+    with the bias fixed, the O(S) rule; with the bias among the gradient's arguments, the dense one."""
+    rng = np.random.default_rng(35)
+    args = (*qkv(rng, (B,), 37, 37, HQ, HKV, D, DV), jnp.asarray(REL), jnp.asarray(rng.standard_normal(REL.shape)))
+    visible = allowed(lambda b, h, i, j: j <= i, B, HQ, 37, 37)
+
+    def loss(attend):
+        def f(q, k, v, bias, dbias):
+            (out, _), (dout, dlse) = jax.jvp(lambda q, bias: attend(q, k, v, bias), (q, bias), (q, dbias))
+            return jnp.sum(jnp.sin(dout)) + jnp.sum(dlse**2) + jnp.sum(out**2)
+
+        return f
+
+    ours = loss(lambda q, k, v, bias: jf.attention(
+        q, k, v, mask=masks.causal(), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 37], return_lse=True, implementation=impl))
+    ref = loss(lambda q, k, v, bias: dense_jnp(q, k, v, visible, lambda s, b, h, i, j: s + bias[h, i - j + 37]))
+    argnums = (0, 1, 2, 3, 4) if bias_moves else (0, 1, 2, 4)
+    grad = jax.grad(ours, argnums=argnums)
+    for g, w in zip(jax.jit(grad)(*args), jax.grad(ref, argnums=argnums)(*args)):
+        assert_close(g, w, **DTOL)
+    assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args))) != bias_moves
 
 
 @over_impls

@@ -14,7 +14,6 @@ GPU's interpreter).
 
 import math
 
-import jax
 import jax.numpy as jnp
 
 from jaxforge.lowering import build
@@ -35,7 +34,7 @@ from jaxforge.primitives.attention.attention import (
     attention_tangent_p,
     lse_dtype,
     shared_operands,
-    tangent_at,
+    tangent2_dense,
 )
 
 
@@ -178,7 +177,7 @@ def _second_order(impl):
     def lowering(*args, mods, implementation, shards, **params):
         q, k, v, out, lse = args[:5]
         if q.shape[-3] == 0 or k.shape[-3] == 0:
-            shapes = (out, lse) if impl is _tangent2_dense else (q, k, v, out, lse)
+            shapes = (out, lse) if impl is tangent2_dense else (q, k, v, out, lse)
             return tuple(jnp.zeros_like(x) for x in shapes)
         batch_ids, head_offset = _global_indices(q.shape, shards)
         return impl(*args, mods=mods, implementation=implementation, batch_ids=batch_ids, head_offset=head_offset, **params)
@@ -186,15 +185,9 @@ def _second_order(impl):
     return lowering
 
 
-def _tangent2_dense(q, k, v, out, lse, *operands, mods, scale, implementation, batch_ids, head_offset):
-    """A jvp of a jvp: the dense form's derivative (O(Sq·Skv) memory, as the spec)."""
-    *base, tq, tk, tv, tout, tlse = operands
-    at = lambda *x: tangent_at(*x, *base, mods=mods, scale=scale, batch_ids=batch_ids, head_offset=head_offset)  # noqa: E731
-    return jax.jvp(at, (q, k, v, out, lse), (tq, tk, tv, tout, tlse))[1]
-
-
+# A jvp of a jvp runs the dense form (O(Sq·Skv) memory, as the spec); a grad through a jvp, tiles.
 for _prim, _impl, _shared in (
-    (attention_tangent2_p, _tangent2_dense, shared_operands(5, 8)),
+    (attention_tangent2_p, tangent2_dense, shared_operands(5, 8)),
     (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, shared_operands(5, 5)),
 ):
     _core.register_lowering(_prim, _second_order(_impl), shards=True, shared_operands=_shared)

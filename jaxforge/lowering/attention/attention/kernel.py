@@ -359,14 +359,15 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
     return (gk, gv) if fused is None else (gk, gv, fused)
 
 
-def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, mask: MaskTiles, score_c, fused):
+def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, mask: MaskTiles, score_c, dscore, fused):
     """Key tile ``j`` of the tangent map's transpose in ``(q, k, v, out, lse)``, one query head.
 
     With ``c = g_dlse - g_dout·out`` per row, the pairing of the tangent's outputs with their
     cotangents is a sum over tiles, ``g_dout·dout + g_dlse·dlse = Σ_ij p_ij (ds_ij (g_dout_i·v_j +
     c_i) + g_dout_i·dv_j)``, so each tile's term is differentiated by ``jax.vjp`` (softcap's and
     score_mod's second derivatives included): recomputed per tile, O(tile) memory, like the
-    backward. ``load_q(i) -> (q, dq, lse, c, g_dout)``. ``fused = (gq, glse, gc)``: the query side,
+    backward. ``dscore``: the float score consts' tangents (the consts themselves fixed).
+    ``load_q(i) -> (q, dq, lse, c, g_dout)``. ``fused = (gq, glse, gc)``: the query side,
     whole (``(padded Sq, D)``, rows, rows), accumulated over key tiles (XLA holds them). Returns
     ``(gk, gv, fused)``; the cotangent of ``out`` is ``-gc·g_dout``.
     """
@@ -383,7 +384,7 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
         def pairing(q, k, v, lse, c):
             raw = _dot_t(geo, q, k) * geo.scale
             draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
-            s, ds = jax.jvp(lambda raw: mods.modify(raw, b, h, q_idx, kv_idx, score_c), (raw,), (draw,))
+            s, ds = _modify_jvp(mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore)
             p = jnp.exp(jnp.where(visible, s, -jnp.inf) - lse[:, None])
             w = _dot_t(geo, g_dout, v) + c[:, None]
             return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _dot_t(geo, g_dout, dv)))

@@ -209,7 +209,7 @@ def attention_tangent_bwd_xla(
     per_head = dataclasses.replace(geo, group=1)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
-    dq, dk, dv, g_dout, g_dlse = operands[n_consts:]
+    dq, dk, dv, g_dout, g_dlse, *dscore = operands[n_consts:]
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     c = -bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
@@ -220,7 +220,7 @@ def attention_tangent_bwd_xla(
 
         def tile(fused, j):
             kv = [_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h)]
-            gk, gv, fused = tangent_bwd_cols(per_head, mods, *kv, load_q, b, h, j, mask, score_c, fused)
+            gk, gv, fused = tangent_bwd_cols(per_head, mods, *kv, load_q, b, h, j, mask, score_c, dscore, fused)
             return fused, (gk, gv)
 
         rows = jnp.zeros(lse_h.shape, geo.acc_dtype)
