@@ -64,7 +64,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxforge.primitives import _core
-from jaxforge.primitives.attention.mods import Mods
+from jaxforge.primitives.attention.mods import Mods, float_consts, with_floats
 
 __all__ = [
     "ACCEPTED_DTYPES",
@@ -141,10 +141,6 @@ def accumulation_dtype(dtype) -> np.dtype:
 def _split(operands, mods: Mods):
     n_mask = mods.num_mask_consts
     return list(operands[:n_mask]), list(operands[n_mask : n_mask + mods.num_score_consts])
-
-
-def _float_consts(consts):
-    return [c for c in consts if jnp.issubdtype(c.dtype, jnp.inexact)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,11 +234,9 @@ def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids
     where = dict(batch_ids=batch_ids, head_offset=head_offset)
 
     def scores(qf, kf, floats):
-        it = iter(floats)
-        score_with = [next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in score_c]
-        return _dense_scores(qf, kf, [*mask_c, *score_with], mods, scale, **where)
+        return _dense_scores(qf, kf, [*mask_c, *with_floats(score_c, floats)], mods, scale, **where)
 
-    s, ds = jax.jvp(scores, (qf, kf, _float_consts(score_c)), (dqf, dkf, dscore))
+    s, ds = jax.jvp(scores, (qf, kf, float_consts(score_c)), (dqf, dkf, dscore))
     allowed = _dense_mask(s.shape, consts, mods, **where)
     visible = True if allowed is None else allowed
     lse_f = jnp.swapaxes(lse.reshape(-1, sq, hq), 1, 2)[..., None].astype(acc)
@@ -260,7 +254,8 @@ def second_order_operands(operands, mods: Mods, n_linear: int):
     attention_tangent2 (``n_linear=5``: the tangents of q, k, v, out, lse) or attention_tangent_bwd
     (2: the cotangents of dout, dlse)."""
     n = mods.num_mask_consts + mods.num_score_consts
-    return list(operands[:n]), list(operands[n : n + 3]), list(operands[n + 3 : n + 3 + n_linear]), list(operands[n + 3 + n_linear :])
+    split = (n, n + 3, n + 3 + n_linear)
+    return list(operands[: split[0]]), list(operands[split[0] : split[1]]), list(operands[split[1] : split[2]]), list(operands[split[2] :])
 
 
 def tangent2_dense(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None, **where):
@@ -354,7 +349,7 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     replicated = NamedSharding(q.sharding.mesh, PartitionSpec())
     consts = [
         _core.output_aval(c, c.shape, c.dtype, replicated)
-        for c, wanted in zip(_float_consts(score_c), const_grads)
+        for c, wanted in zip(float_consts(score_c), const_grads)
         if wanted
     ]
     return (*grads, *consts)
@@ -421,7 +416,7 @@ def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, 
     dq, dk, dv = next(cts), next(cts), next(cts)
     dscore = [
         next(cts) if wanted else jnp.zeros(c.shape, c.dtype)
-        for c, wanted in zip(_float_consts(score_c), const_grads)
+        for c, wanted in zip(float_consts(score_c), const_grads)
     ]
     dout, dlse = attention_tangent_p.bind(
         q, k, v, out, lse, *consts, dq, dk, dv, *dscore, mods=mods, scale=scale, implementation=implementation
@@ -613,8 +608,8 @@ attention_bwd_p = _core.define_primitive(
     batch=_batch_rule(5, 2),
     **_COMMON,
 )
-# Second order: the tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad through a jvp runs the transpose, in XLA's tiles (O(S) memory); the
-# derivative itself (a jvp of a jvp) runs the dense form.
+# Second order: the tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad
+# through a jvp runs the transpose, in XLA's tiles (O(S) memory); a jvp of a jvp, the dense form.
 attention_tangent2_p = _core.define_primitive(
     "jaxforge_attention_tangent2",
     abstract_eval=_tangent2_abstract_eval,

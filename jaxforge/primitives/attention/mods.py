@@ -44,7 +44,9 @@ __all__ = [
     "Span",
     "ItemMask",
     "fits_int32",
+    "float_consts",
     "segment_ranges",
+    "with_floats",
 ]
 
 
@@ -269,6 +271,17 @@ def fits_int32(dtype) -> bool:
     """Integers whose every value int32 holds: positional values the kernels may widen to int32."""
     dtype = jnp.dtype(dtype)
     return jnp.issubdtype(dtype, jnp.integer) and (dtype.itemsize < 4 or dtype == jnp.int32)
+
+
+def float_consts(consts) -> list:
+    """The floating-point ones among a score_mod's consts: those with tangents and cotangents."""
+    return [c for c in consts if jnp.issubdtype(c.dtype, jnp.inexact)]
+
+
+def with_floats(consts, floats) -> list:
+    """``consts`` with their floating-point entries replaced, in order, by ``floats``."""
+    it = iter(floats)
+    return [next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in consts]
 
 
 def segment_ranges(ids, other):

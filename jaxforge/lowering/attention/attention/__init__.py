@@ -36,6 +36,7 @@ from jaxforge.primitives.attention.attention import (
     shared_operands,
     tangent2_dense,
 )
+from jaxforge.primitives.attention.mods import float_consts
 
 
 # primitive -> {implementation name: lowering in jax ops}; tests run every entry against the reference.
@@ -153,7 +154,7 @@ def _empty_sequence(prim, args, mods, params):
         return jnp.zeros_like(out), jnp.zeros_like(lse)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     score_c = args[5 + mods.num_mask_consts : 5 + n_consts]
-    floats = [c for c in score_c if jnp.issubdtype(c.dtype, jnp.inexact)]
+    floats = float_consts(score_c)
     wanted = [jnp.zeros_like(c) for c, w in zip(floats, params["const_grads"]) if w]
     return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), *wanted)
 

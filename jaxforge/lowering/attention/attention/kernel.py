@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxforge.primitives.attention.mods import Mods
+from jaxforge.primitives.attention.mods import Mods, float_consts, with_floats
 from jaxforge.primitives.attention.points import PointArray, Reads, reads_refs
 
 __all__ = [
@@ -185,16 +185,6 @@ def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: boo
     return q_idx, kv_idx, visible
 
 
-def _with_floats(score_c, floats):
-    """The score consts with their float entries replaced, in order, by ``floats``."""
-    it = iter(floats)
-    return [next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else c for c in score_c]
-
-
-def _floats(score_c):
-    return [c for c in score_c if jnp.issubdtype(c.dtype, jnp.inexact)]
-
-
 def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c):
     """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles)."""
     rows, mask = q.shape[0], mask.rows_loaded(i)
@@ -248,15 +238,15 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 def _modify_jvp(mods: Mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore):
     """The modified scores of a tile and their tangent, from those of the raw scores and of the
     float score consts (``dscore``, whole arrays or, in a kernel, refs read where the consts are)."""
-    floats = _floats(score_c)
+    floats = float_consts(score_c)
     if reads_refs(floats):  # each read's tangent: the tangent array's read there, along ``direction``
 
         def modify(raw, direction):
-            consts = _with_floats(score_c, [c.with_tangent(t, direction) for c, t in zip(floats, dscore)])
+            consts = with_floats(score_c, [c.with_tangent(t, direction) for c, t in zip(floats, dscore)])
             return mods.modify(raw, b, h, q_idx, kv_idx, consts)
 
         return jax.jvp(modify, (raw, jnp.zeros((), raw.dtype)), (draw, jnp.ones((), raw.dtype)))
-    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, with_floats(score_c, floats))
     return jax.jvp(modify, (raw, floats), (draw, list(dscore)))
 
 
@@ -268,8 +258,8 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     """
     q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
     raw = _dot_t(geo, q, k) * geo.scale
-    floats = _floats(score_c)
-    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, _with_floats(score_c, floats))
+    floats = float_consts(score_c)
+    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, with_floats(score_c, floats))
     if any(c.cotangent is not None for c in floats if isinstance(c, PointArray)):
         s, vjp = _vjp_adding_read_cotangents(modify, raw, floats)
     elif any(wanted):
@@ -307,7 +297,7 @@ def _vjp_adding_read_cotangents(modify, raw, floats):
 
 
 def _wanted(score_c, const_grads):
-    n = len(_floats(score_c))
+    n = len(float_consts(score_c))
     return [bool(w) for w in const_grads] + [False] * (n - len(const_grads))
 
 

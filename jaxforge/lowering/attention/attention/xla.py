@@ -16,7 +16,7 @@ from jax import lax
 from jaxforge.lowering.attention.attention import config
 from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_bwd_cols, tangent_rows
 from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
-from jaxforge.primitives.attention.mods import Mods
+from jaxforge.primitives.attention.mods import Mods, float_consts
 
 __all__ = [
     "attention_bwd_xla",
@@ -167,7 +167,7 @@ def attention_bwd_xla(
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
-    wanted_consts = [c for c, w in zip(_floats(score_c), const_grads) if w]
+    wanted_consts = [c for c, w in zip(float_consts(score_c), const_grads) if w]
 
     def one_head(b, h, q_h, g_out_h, lse_h, delta_h, k_h, v_h):
         def load_q(_, i):
@@ -241,6 +241,3 @@ def attention_tangent_bwd_xla(
     gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
     return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), gout.astype(out.dtype), glse.astype(lse.dtype)
 
-
-def _floats(consts):
-    return [c for c in consts if jnp.issubdtype(c.dtype, jnp.inexact)]
