@@ -73,6 +73,11 @@ PENDING = (
         (ATTENTION + "test_attention_gpu.py::test_captured_arrays_read_at_points_run_in_the_triton_kernels",),
         tuple(Row("attention", "alibi_causal", "jaxforge-triton", "jaxforge", mode) for mode in ("fwd", "fwd+bwd", "jvp")),
     ),
+    Pending(  # GQA packing and split-KV: "jaxforge" runs the unpacked, unsplit Triton kernels until then
+        "jaxforge.lowering.attention.attention.config:TRITON_DECODING_VALIDATED",
+        (ATTENTION + "test_attention_gpu.py::test_decoding_packs_gqa_heads_and_splits_keys",),
+        tuple(Row("attention", shape, "jaxforge-decoding", "jaxforge", "fwd") for shape in ("decode_gqa_8to1", "decode_long_kv")),
+    ),
     Pending(  # the gpu tests of the Mosaic forward (those of test_attention_mosaic_gpu.py run on CPU)
         "jaxforge.lowering.attention.attention.config:MOSAIC_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_mosaic_forward", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),

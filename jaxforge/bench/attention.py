@@ -12,7 +12,9 @@ Contenders (shared/ANCHORS.md), all timed in this process on the default device:
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
 with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the Pallas Triton
 ``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge with its Mosaic GPU
-forward (``jaxforge-mgpu``) and jax's FlashAttention-3 ``attention_mgpu``; where torch with CUDA is importable,
+forward (``jaxforge-mgpu``) and jax's FlashAttention-3 ``attention_mgpu``; on a GPU, jaxforge's Triton
+kernels by name where the default does not yet run them (``jaxforge-triton``: captured arrays;
+``jaxforge-decoding``: GQA packing and split-KV on decoding shapes); where torch with CUDA is importable,
 ``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
 ``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
 (a mask it has no way to take, GQA, unequal head dims, forward-mode AD) is recorded as skipped with
@@ -47,6 +49,7 @@ from jax import lax
 import jaxforge as jf
 from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
 from jaxforge.lowering import build
+from jaxforge.lowering.attention.attention import config
 from jaxforge.primitives.attention.attention import SHAPES
 
 __all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
@@ -597,6 +600,14 @@ def _jf_triton(case: Case) -> Callable | str:
     return _jf_forward("pallas_triton")(case)
 
 
+def _jf_decoding(case: Case) -> Callable | str:
+    """``jf.attention`` on the Triton kernels by name where the default may not pack GQA heads or
+    split the keys (decoding shapes, config.TRITON_DECODING_VALIDATED)."""
+    if not (case.sq < config.PACK_GQA_BELOW and case.hq > case.hkv):
+        return "not a decoding shape: the default runs the same kernels"
+    return _jf_forward("pallas_triton")(case)
+
+
 def _mgpu_forward(case: Case) -> Callable | str:
     """jax's own FlashAttention-3 on Mosaic GPU (``jax.experimental.pallas.ops.gpu.attention_mgpu``)."""
     if why := _hopper():
@@ -758,6 +769,7 @@ def _contenders(backend: str) -> list[Contender]:
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
         _jax_contender("jaxforge-mgpu", _jf_mosaic, essential=everywhere),
         _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
+        _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(
             "jax.nn-cudnn",

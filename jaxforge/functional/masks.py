@@ -34,6 +34,7 @@ from jaxforge.primitives.attention.mods import (
     Hull,
     Intersect,
     LengthSpan,
+    OffsetBand,
     PrefixSpan,
     SegmentSpan,
     Span,
@@ -113,13 +114,25 @@ def as_mask(mask) -> Mask:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Causal(Mask):
-    offset: int
+    offset: int | jnp.ndarray  # static, or one per batch item
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx + self.offset
+        return kv_idx <= q_idx + _item(self.offset, b)
+
+    def bind_positional(self, batch_shape, sq, skv):
+        if isinstance(self.offset, int):
+            return super().bind_positional(batch_shape, sq, skv)
+        rows = _per_item_rows(self._per_batch(batch_shape), sq, signed=True)
+        return (lambda b, h, q_idx, kv_idx, offset: kv_idx <= q_idx + offset), [rows], []
+
+    def _per_batch(self, batch_shape):
+        return _per_batch(self.offset, batch_shape, "causal", "offset", trailing=0)
 
     def span(self):
-        return Band(None, self.offset)
+        return Band(None, self.offset) if isinstance(self.offset, int) else OffsetBand()
+
+    def span_arrays(self, batch_shape, sq, skv):
+        return [] if isinstance(self.offset, int) else [self._per_batch(batch_shape)]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -202,11 +215,13 @@ def _item(x, b, trailing: int = 0):
     return jnp.take(x.reshape(-1, *x.shape[x.ndim - trailing :]), b, axis=0, mode="clip")
 
 
-def _per_item_rows(per_item, sq: int):
+def _per_item_rows(per_item, sq: int, signed: bool = False):
     """One value per batch item handed over as a row (its value at every query) so kernels slice
-    it; in int32, clipped: compared with int32 indices only, it answers as the original would."""
+    it; in int32, clipped (at 0 unless ``signed``): compared with int32 indices only (a causal
+    offset: added to one, within ±2^31 of any), it answers as the original would."""
     if not fits_int32(per_item.dtype):
-        per_item = jnp.clip(per_item, 0, np.iinfo(np.int32).max).astype(jnp.int32)
+        lowest = np.iinfo(np.int32).min // 2 if signed else 0
+        per_item = jnp.clip(per_item, lowest, np.iinfo(np.int32).max // 2).astype(jnp.int32)
     return jnp.broadcast_to(per_item[:, None], (per_item.shape[0], sq))
 
 
@@ -313,9 +328,21 @@ class _Not(Mask):
         return self.a.span_arrays(batch_shape, sq, skv)
 
 
-def causal(offset: int = 0) -> Mask:
-    """``kv_idx <= q_idx + offset``: top-left aligned; ``offset = Skv - Sq`` aligns bottom-right."""
-    return _Causal(_static_int("causal", "offset", offset))
+def causal(offset=0) -> Mask:
+    """``kv_idx <= q_idx + offset``: top-left aligned; ``offset = Skv - Sq`` aligns bottom-right.
+
+    ``offset`` is a Python int, or an integer array with one offset per batch item (shape ``batch``
+    of q, or broadcastable to it; runtime values): a decoding step over KV caches filled to
+    ``lengths`` (its queries the last ``Sq`` positions of each) is ``causal(lengths - Sq)``.
+    """
+    if isinstance(offset, (int, np.integer)) and not isinstance(offset, bool):
+        return _Causal(int(offset))
+    if isinstance(offset, bool) or not isinstance(offset, (jax.Array, np.ndarray)):
+        raise TypeError(f"causal: `offset` must be an int or an integer array, got {type(offset).__name__} {offset!r}")
+    offset = jnp.asarray(offset)
+    if not jnp.issubdtype(offset.dtype, jnp.integer):
+        raise TypeError(f"causal: `offset` must be an int or an integer array, got dtype {offset.dtype}")
+    return _Causal(offset)
 
 
 def sliding_window(window: int) -> Mask:

@@ -208,6 +208,15 @@ def gpu_arch() -> str | None:
     return "sm_90a" if (major, minor) == ("9", "0") else f"sm_{major}{minor}"
 
 
+def gpu_sm_count() -> int | None:
+    """The streaming multiprocessors of the first CUDA device, or None without one."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        return None
+    return getattr(devices[0], "core_count", None) if devices else None
+
+
 _LOADED: dict[str, bool] = {}
 
 

@@ -205,10 +205,14 @@ def test_sliding_window_must_be_an_int(window):
         masks.sliding_window(window)
 
 
-@pytest.mark.parametrize("offset", [1.5, 2.0, jnp.int32(1), True], ids=["float", "integral_float", "jax_array", "bool"])
-def test_causal_offset_must_be_a_python_int(offset):
-    with pytest.raises(TypeError, match=r"causal: `offset` must be a Python int, got"):
+@pytest.mark.parametrize(
+    "offset", [1.5, 2.0, True, "3", jnp.asarray([1.0, 2.0])], ids=["float", "integral_float", "bool", "str", "float_array"]
+)
+def test_causal_offset_must_be_an_int_or_integer_array(offset):
+    with pytest.raises(TypeError, match=r"causal: `offset` must be an int or an integer array, got"):
         masks.causal(offset)
+    with pytest.raises(ValueError, match=r"causal: `offset` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\) of q"):
+        jf.attention(*qkv(), mask=masks.causal(jnp.array([1, 2, 3])))
 
 
 def test_chunked_must_be_a_positive_int():
@@ -279,17 +283,25 @@ def test_unknown_implementation_name_in_an_implementation():
         jf.attention(*qkv(), implementation=Implementation("mosaic"))
 
 
-@pytest.mark.parametrize("field", ["block_q", "block_kv", "num_stages"])
+@pytest.mark.parametrize("field", ["block_q", "block_kv", "num_stages", "kv_splits"])
 @pytest.mark.parametrize("size", [0, -8, 16.0])
 def test_implementation_tile_sizes(field, size):
     with pytest.raises(ValueError, match=rf"attention: Implementation\.{field} must be a positive int, got"):
         jf.attention(*qkv(), implementation=Implementation("xla", **{field: size}))
 
 
-@pytest.mark.parametrize("fields", [dict(block_q=128), dict(block_kv=32), dict(num_warps=4)], ids=str)
+@pytest.mark.parametrize(
+    "fields", [dict(block_q=128), dict(block_kv=32), dict(num_warps=4), dict(pack_gqa=True), dict(kv_splits=2)], ids=str
+)
 def test_mosaic_gpu_tiles(fields):
     with pytest.raises(ValueError, match=r"Implementation\('pallas_mosaic_gpu'\) takes block_q None or 64 .* got"):
         jf.attention(*qkv(), implementation=Implementation("pallas_mosaic_gpu", **fields))
+
+
+@pytest.mark.parametrize("pack", [1, "yes"])
+def test_implementation_pack_gqa(pack):
+    with pytest.raises(ValueError, match=r"attention: Implementation\.pack_gqa must be None, True or False, got"):
+        jf.attention(*qkv(), implementation=Implementation("xla", pack_gqa=pack))
 
 
 @pytest.mark.parametrize("warps", [0, 3, 32, 4.0])

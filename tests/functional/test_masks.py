@@ -36,6 +36,11 @@ MASKS = {
         lambda: jf.masks.padding(jnp.asarray(LENGTHS), jnp.asarray(PREFIX)),
         lambda b, q, kv: (kv < LENGTHS[b]) & (q < PREFIX[b]),
     ),
+    "causal_per_item": (lambda: jf.masks.causal(jnp.asarray([4, -6])), lambda b, q, kv: kv <= q + np.asarray([4, -6])[b]),
+    "causal_int64_beyond_int32": (  # clipped into int32: the same comparisons
+        lambda: jf.masks.causal(jnp.asarray([-(2**40), 3], jnp.int64)),
+        lambda b, q, kv: kv <= q + np.asarray([-(2**40), 3])[b],
+    ),
     "padding_int64_beyond_int32": (  # clipped into int32: the same comparisons
         lambda: jf.masks.padding(jnp.asarray([2**40, 5], jnp.int64)),
         lambda b, q, kv: kv < np.asarray([2**40, 5])[b],

@@ -87,7 +87,13 @@ def test_attention_per_shard_with_global_batch_index(batch, implementation):
     assert collectives(outputs) == {}
 
 
-@pytest.mark.parametrize("implementation", ["xla", jf.functional.attention.Implementation("pallas_triton", 8, 8)])
+_Impl = jf.functional.attention.Implementation
+
+
+@pytest.mark.parametrize(
+    "implementation",
+    ["xla", _Impl("pallas_triton", 8, 8), _Impl("xla", pack_gqa=True), _Impl("pallas_triton", 8, 8, pack_gqa=True)],
+)
 def test_attention_split_over_batch_and_heads(implementation):
     """A 2×4 mesh splits the batch and the heads (GQA: 8 query heads over 4 kv heads); head- and
     batch-dependent score mods see global indices, and no float operand is gathered."""

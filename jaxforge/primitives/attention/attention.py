@@ -100,6 +100,11 @@ class Implementation:
     power of two) and ``num_stages`` (software-pipelining depth) override config.py's choice for
     every kernel of the call: for tuning sweeps (``python -m jaxforge.bench attention --variants``).
     Mosaic GPU takes ``block_kv`` (64 or 128) and ``num_stages``; its ``block_q`` is 64 a warpgroup.
+    ``pack_gqa`` (XLA and Triton): the query heads sharing a key/value head go in the rows of one
+    tile (kernel.Geometry); None packs where one head's queries fill less than a tile (decoding,
+    config.packs_gqa). ``kv_splits`` (the Triton forward): split-KV, each program's key tiles
+    shared out over that many programs whose results merge through their log-sum-exps
+    (flash-decoding); None splits where the programs would not fill the GPU (config.kv_splits).
     """
 
     name: str | None = None
@@ -107,6 +112,8 @@ class Implementation:
     block_kv: int | None = None
     num_warps: int | None = None
     num_stages: int | None = None
+    pack_gqa: bool | None = None
+    kv_splits: int | None = None
 
 # Named cases shared by tests and benchmarks: (batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags.
 # "bench_gpu" are the GPU benchmark's cases (bf16 on the H200), "anchor" those with ANCHORS.md targets.
@@ -121,9 +128,13 @@ SHAPES = {
     "mla_192_128": ((2, 4096, 4096, 16, 16, 192, 128), "causal", ("bench_gpu",)),
     "d256_causal": ((2, 4096, 4096, 16, 16, 256, 256), "causal", ("bench_gpu",)),
     "odd_cross": ((2, 1000, 1531, 8, 2, 64, 64), None, ("bench_gpu",)),
+    # one decoding step: a batch of 64 with KV caches of 8192 keys; 2 with 65536 (split-KV)
+    "decode_gqa_8to1": ((64, 1, 8192, 32, 4, 128, 128), None, ("bench_gpu",)),
+    "decode_long_kv": ((2, 1, 65536, 32, 8, 128, 128), None, ("bench_gpu",)),
     "cpu_d64": ((2, 1024, 1024, 8, 8, 64, 64), None, ("bench_cpu",)),
     "cpu_causal": ((2, 1024, 1024, 8, 8, 64, 64), "causal", ("bench_cpu",)),
     "cpu_gqa_document": ((1, 1000, 1000, 8, 2, 64, 64), "document_causal", ("bench_cpu",)),
+    "cpu_decode_gqa_4to1": ((4, 1, 16384, 32, 8, 128, 128), None, ("bench_cpu",)),
     "test_odd": ((2, 37, 53, 4, 2, 8, 6), None, ("test",)),
 }
 

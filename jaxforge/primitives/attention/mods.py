@@ -39,6 +39,7 @@ __all__ = [
     "Intersect",
     "LengthSpan",
     "Mods",
+    "OffsetBand",
     "PrefixSpan",
     "SegmentSpan",
     "Span",
@@ -120,6 +121,26 @@ class Band(Span):
         lo = 0 if self.upper is None else jnp.maximum(kv_hi - 1 - self.upper, 0)
         hi = sq if self.lower is None else jnp.clip(kv_lo - self.lower + 1, 0, sq)
         return lo, hi
+
+
+@dataclasses.dataclass(frozen=True)
+class OffsetBand(Span):
+    """``kv_idx <= q_idx + offset``, the :class:`Band` of ``causal``, with one offset per batch item
+    read from ``data`` (without it, a :class:`FullSpan`)."""
+
+    num_arrays = 1
+
+    def kv(self, q_lo, q_hi, skv, data=()):
+        return Band(None, data[0]).kv(q_lo, q_hi, skv) if data else super().kv(q_lo, q_hi, skv)
+
+    def q(self, kv_lo, kv_hi, sq, data=()):
+        return Band(None, data[0]).q(kv_lo, kv_hi, sq) if data else super().q(kv_lo, kv_hi, sq)
+
+    def full_kv(self, q_lo, q_hi, skv, data=()):
+        return Band(None, data[0]).full_kv(q_lo, q_hi, skv) if data else super().full_kv(q_lo, q_hi, skv)
+
+    def full_q(self, kv_lo, kv_hi, sq, data=()):
+        return Band(None, data[0]).full_q(kv_lo, kv_hi, sq) if data else super().full_q(kv_lo, kv_hi, sq)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,14 +1,18 @@
-"""Tile choice of the Triton attention kernels: every kernel's estimated shared memory fits."""
+"""Tile choice of the attention lowerings: every Triton kernel's estimated shared memory fits; GQA
+packing's choice and its map of rows to queries and heads."""
 
 from __future__ import annotations
 
 import itertools
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from jaxforge.lowering.attention.attention import config
+from jaxforge.lowering.attention.attention import config, xla
 from jaxforge.lowering.attention.attention.pallas_triton import CALL_KERNELS
 from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.mods import Band, Mods
 
 KERNEL_SETS = list(CALL_KERNELS.values())  # the kernels that share one call's tiles
 
@@ -56,3 +60,39 @@ def test_tuned_starts_are_per_call_and_head_dim():
     assert config.triton_start(("bwd_dq", "bwd_dkv"), 128) == config.TRITON_TUNED["bwd", 128]
     assert config.triton_start(("fwd",), 128) == config.TRITON_TUNED["fwd", 128]
     assert config.triton_start(("tangent",), 32) == config.TRITON_START  # not measured: the start
+
+
+def test_gqa_heads_pack_below_a_tile_of_queries_unless_told():
+    """Decoding (fewer queries than a tile) packs a GQA group's heads into one tile's rows; longer
+    sequences, plain multi-head attention and an Implementation saying otherwise do not."""
+    default, never, always = Implementation(), Implementation(pack_gqa=False), Implementation(pack_gqa=True)
+    below = config.PACK_GQA_BELOW
+    assert config.packs_gqa(1, 8, default) and config.packs_gqa(below - 1, 4, default)
+    assert not config.packs_gqa(below, 4, default) and not config.packs_gqa(1, 1, default)
+    assert not config.packs_gqa(1, 8, never) and config.packs_gqa(4096, 8, always) and not config.packs_gqa(1, 1, always)
+
+
+def test_packed_geometry_maps_rows_to_queries_and_heads():
+    q, k = jnp.zeros((2, 3, 12, 8)), jnp.zeros((2, 29, 4, 8))  # one decoding step of 3 queries, GQA 3:1
+    geo = xla.geometry("xla", q, k, 1.0, Implementation(block_q=8))
+    assert (geo.pack, geo.group, geo.rows, geo.num_q_tiles) == (3, 1, 9, 2)
+    packed = xla.pack_heads(geo, jnp.arange(2 * 3 * 12).reshape(2, 3, 12), rows=True)  # lse-like
+    assert packed.shape == (2, 9, 4)
+    assert [int(packed[1, r, 2]) for r in range(9)] == [36 + 12 * (r // 3) + 2 * 3 + r % 3 for r in range(9)]
+    np.testing.assert_array_equal(xla.unpack_heads(geo, packed, rows=True), jnp.arange(72).reshape(2, 3, 12))
+    # a diagonal mask, one key a tile: tile 0 holds queries 0, 1 and two heads of 2; tile 1 the last
+    geo = xla.geometry("xla", q, k, 1.0, Implementation(block_q=8, block_kv=1))
+    diagonal = Mods(span=Band(0, 0))
+    assert [tuple(map(int, geo.kv_tiles(diagonal, i, ()))) for i in (0, 1)] == [(0, 3), (2, 3)]
+    assert [tuple(map(int, geo.q_tiles(diagonal, j, ()))) for j in (0, 2)] == [(0, 1), (0, 2)]
+
+
+def test_keys_split_where_the_programs_would_not_fill_the_gpu():
+    default = Implementation()
+    assert config.kv_splits(2048, 128, default, 132) == 1  # a long prefill fills it
+    assert config.kv_splits(16, 512, default, 132) == 17  # a decoding step: 2 waves of 132 SMs
+    assert config.kv_splits(16, 40, default, 132) == 10  # MIN_SPLIT_TILES key tiles a split
+    assert config.kv_splits(16, 3, default, 132) == 1
+    assert config.kv_splits(16, 512, default, None) == 17  # no GPU: the H200's
+    assert config.kv_splits(2048, 128, Implementation(kv_splits=5), 132) == 5
+    assert config.kv_splits(16, 3, Implementation(kv_splits=5), 132) == 3  # a tile a split at most

@@ -87,6 +87,35 @@ def test_document_masks_run_in_the_triton_kernels(name):
         np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_decoding_packs_gqa_heads_and_splits_keys(dtype):
+    """Decoding steps (1 and 5 queries a head, GQA 4:1, a padded KV cache of 2000 keys), the
+    heads packed in a tile's rows and the keys split over 7 programs: forward, lse, jvp and grad
+    against XLA in float32; and one item of the batch that sees no key (length 0)."""
+    from jaxforge.functional.attention import Implementation
+
+    for sq in (1, 5):
+        q, k, v = inputs(dtype, b=3, sq=sq, skv=2000, hq=8, hkv=2, d=128, dv=128)
+        tangents = inputs(dtype, b=3, sq=sq, skv=2000, hq=8, hkv=2, d=128, dv=128, seed=1)
+        mask = jf.masks.padding(jnp.asarray([2000, 1234, 0])) & jf.masks.causal(2000 - sq)
+
+        def run(impl, q, k, v, t):
+            f = lambda q, k, v: jf.attention(q, k, v, mask=mask, implementation=impl, return_lse=True)
+            (out, lse), (dout, _) = jax.jvp(f, (q, k, v), tuple(t))
+            grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[0].astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
+            return [out, lse, dout, *grads]
+
+        decoding = Implementation("pallas_triton", pack_gqa=True, kv_splits=7)
+        got = jax.jit(lambda *a: run(decoding, *a[:3], a[3:]))(q, k, v, *tangents)
+        f32 = [x.astype(jnp.float32) for x in (q, k, v, *tangents)]
+        want = jax.jit(lambda *a: run("xla", *a[:3], a[3:]))(*f32)
+        np.testing.assert_array_equal(np.isinf(got[1]), np.isinf(want[1]))
+        for g, w in zip(got, want):
+            w = np.where(np.isinf(w), 0, w)
+            scale = float(np.max(np.abs(w)))
+            np.testing.assert_allclose(np.where(np.isinf(g), 0, np.asarray(g, np.float32)), w, atol=TOL[dtype] * scale * 4, rtol=0)
+
+
 def test_captured_arrays_read_at_points_run_in_the_triton_kernels():
     """ALiBi slopes, a relative-position bias (with its tangent) and a mask table, read by the
     kernels an element at a time from global memory (clamped where indices leave the arrays):

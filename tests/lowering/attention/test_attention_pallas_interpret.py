@@ -14,6 +14,7 @@ import jaxforge as jf
 from jaxforge.functional.attention import Implementation
 
 PALLAS = Implementation("pallas_triton", block_q=8, block_kv=16)
+PACKED = Implementation("pallas_triton", block_q=8, block_kv=16, pack_gqa=True)  # HQ / HKV = 2 heads a row pair
 B, SQ, SKV, HQ, HKV, D, DV = 2, 19, 29, 4, 2, 8, 6
 
 rng = np.random.default_rng(0)
@@ -28,6 +29,7 @@ MASKS = {
     "scattered_documents_causal": lambda: jf.masks.document(SCATTERED[:, :SQ], SCATTERED) & jf.masks.causal(),
     "prefix_lm": lambda: jf.masks.prefix_lm(5),
     "prefix_per_item": lambda: jf.masks.prefix_lm(jnp.asarray([3, 11])),
+    "causal_per_item": lambda: jf.masks.causal(jnp.asarray([SKV - SQ, -4])),
     "padding_per_item": lambda: jf.masks.padding(jnp.asarray([29, 7]), jnp.asarray([12, 19])),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
@@ -43,10 +45,24 @@ def run(implementation, mask, **kw):
     return lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), implementation=implementation, **kw)
 
 
-@pytest.mark.parametrize("mask", sorted(MASKS))
-def test_forward_lse_jvp_and_grad_match_xla(mask):
+# Split-KV: each program's 2 key tiles over 2 programs, some of which see no key (window, padding)
+SPLIT = Implementation("pallas_triton", block_q=8, block_kv=16, kv_splits=2)
+SPLIT_PACKED = Implementation("pallas_triton", block_q=8, block_kv=8, pack_gqa=True, kv_splits=3)
+VARIANTS = {
+    "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows"]),
+    "split": (SPLIT, ["none", "window_causal", "padding_per_item", "fully_masked_rows"]),
+    "split_packed": (SPLIT_PACKED, ["causal_per_item", "document"]),
+}
+
+
+@pytest.mark.parametrize(
+    "impl,mask",
+    [(PALLAS, m) for m in sorted(MASKS)] + [(impl, m) for impl, masks in VARIANTS.values() for m in masks],
+    ids=[m for m in sorted(MASKS)] + [f"{v}-{m}" for v, (_, masks) in VARIANTS.items() for m in masks],
+)
+def test_forward_lse_jvp_and_grad_match_xla(impl, mask):
     q, k, v = inputs()
-    ours, ref = run(PALLAS, mask, return_lse=True, softcap=4.0), run("xla", mask, return_lse=True, softcap=4.0)
+    ours, ref = run(impl, mask, return_lse=True, softcap=4.0), run("xla", mask, return_lse=True, softcap=4.0)
     (out, lse), (want_out, want_lse) = ours(q, k, v), ref(q, k, v)
     np.testing.assert_allclose(out, want_out, atol=1e-12)
     np.testing.assert_array_equal(np.isinf(lse), np.isinf(want_lse))
@@ -131,10 +147,14 @@ CAPTURED = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CAPTURED))
-def test_captured_arrays_read_at_points_match_xla(case):
+@pytest.mark.parametrize(
+    "impl,case", [(PALLAS, c) for c in sorted(CAPTURED)] + [(PACKED, "alibi_slopes"), (PACKED, "rows_and_columns_of_tables")],
+    ids=[c for c in sorted(CAPTURED)] + ["packed-alibi_slopes", "packed-rows_and_columns_of_tables"],
+)  # fmt: skip
+def test_captured_arrays_read_at_points_match_xla(impl, case):
     """Forward, jvp and grad of the kernels reading captured arrays an element at a time, against
-    XLA's; the arrays' tangents and gradients (summed by the dq kernel) included."""
+    XLA's; the arrays' tangents and gradients (summed by the dq kernel) included. Packed, the
+    query heads of a tile's rows differ: a per-head array is read at a column of heads."""
     arrays, mods = CAPTURED[case]
     arrays = tuple(jnp.asarray(a) for a in arrays)
     floats = tuple(i for i, a in enumerate(arrays) if jnp.issubdtype(a.dtype, jnp.floating))
@@ -152,7 +172,7 @@ def test_captured_arrays_read_at_points_match_xla(case):
     loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))
     argnums = tuple(range(len(args)))
     got, want = [
-        (f(impl)(*args), jax.jvp(f(impl), args, tangents)[1], *jax.grad(loss(impl), argnums)(*args)) for impl in (PALLAS, "xla")
+        (f(i)(*args), jax.jvp(f(i), args, tangents)[1], *jax.grad(loss(i), argnums)(*args)) for i in (impl, "xla")
     ]
     for n, (a, b) in enumerate(zip(got, want)):
         assert np.isfinite(a).all()
@@ -209,6 +229,28 @@ def test_float32_kernel_matches_the_float64_reference():
     out = run(PALLAS, "window_causal")(q, k, v)
     want = run("xla", "window_causal")(*(x.astype(jnp.float64) for x in (q, k, v)))
     np.testing.assert_allclose(out, want, atol=2e-6)
+
+
+def test_decoding_steps_pack_gqa_heads_and_match_xla():
+    """Three queries a head, GQA 3:1: packed by default (config.packs_gqa), each tile of 8 rows
+    splits some query's heads; ALiBi reads its slopes at a column of heads, and the dq kernel adds
+    their cotangents there. Forward, jvp and grad against XLA's unpacked tiles."""
+    r = np.random.default_rng(9)
+    q, k, v = (jnp.asarray(r.standard_normal(s)) for s in ((B, 3, 6, D), (B, SKV, 2, D), (B, SKV, 2, DV)))
+    slopes = jnp.asarray(r.random(6))
+
+    def f(impl):
+        alibi = lambda slopes: lambda s, b, h, i, j: s - slopes[h] * (i + SKV - 3 - j)  # noqa: E731
+        return lambda q, k, v, slopes: jf.attention(
+            q, k, v, mask=jf.masks.causal(SKV - 3), score_mod=alibi(slopes), implementation=impl
+        )
+
+    args, unpacked = (q, k, v, slopes), Implementation("xla", pack_gqa=False)
+    tangents = tuple(jnp.asarray(r.standard_normal(a.shape)) for a in args)
+    loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))
+    got, want = [(f(i)(*args), jax.jvp(f(i), args, tangents)[1], *jax.grad(loss(i), (0, 1, 2, 3))(*args)) for i in (PALLAS, unpacked)]
+    for n, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, atol=1e-12 if n == 0 else 1e-11)
 
 
 SHARDED_MASKS = {  # built inside the shard from the local blocks of the segment ids

@@ -35,16 +35,18 @@ masks = jf.masks
 # Every lowering the tests run. Small tiles make the tile loops run several iterations and make the
 # causal / window spans skip whole tiles (the default XLA tiles cover these short sequences in one).
 # A new implementation (e.g. "pallas_triton") is appended here.
+# pack_gqa puts each GQA group's query heads in the rows of one tile (HQ / HKV = 2 here).
 IMPLEMENTATIONS = [
     "xla",
     Implementation("xla", block_q=8, block_kv=16),
+    Implementation("xla", block_q=8, block_kv=16, pack_gqa=True),
 ]
 
 
 def _impl_id(impl) -> str:
     if isinstance(impl, str):
         return impl
-    return f"{impl.name}-{impl.block_q}x{impl.block_kv}"
+    return f"{impl.name}-{impl.block_q}x{impl.block_kv}" + ("-packed" if impl.pack_gqa else "")
 
 
 over_impls = pytest.mark.parametrize("impl", IMPLEMENTATIONS, ids=_impl_id)
@@ -190,6 +192,8 @@ MASK_CASES = [
     ("causal", CROSS, lambda r: (masks.causal(), lambda b, h, i, j: j <= i)),
     ("causal_negative_offset", SELF, lambda r: (masks.causal(-5), lambda b, h, i, j: j <= i - 5)),
     ("causal_tall_bottom_right", TALL, lambda r: (masks.causal(-16), lambda b, h, i, j: j <= i - 16)),
+    ("causal_per_item_offsets", CROSS, lambda r: (  # item 1's first rows see nothing
+        masks.causal(jnp.asarray([20, -3])), lambda b, h, i, j: j <= i + [20, -3][b])),
     ("window_and_causal", SELF, lambda r: (masks.sliding_window(5) & masks.causal(), lambda b, h, i, j: 0 <= i - j < 5)),
     ("document", SELF, lambda r: _document_self(r, ())),
     ("document_cross", CROSS, lambda r: _document_cross(r, ())),
@@ -321,6 +325,8 @@ SHAPE_CASES = {
     "dv_larger_than_d": (((), 13, 7, 3, 1, 5, 9), False),
     "batch_2x3": (((2, 3), 11, 17, 2, 2, 4, 4), True),
     "single_query": (((2,), 1, 29, 2, 2, 8, 8), True),
+    # decoding with GQA 3:1 (packed by default): 9 rows, a tile of 8 splits a query's heads
+    "decode_gqa_3_to_1": (((2,), 3, 29, 6, 2, 8, 8), True),
     "single_key": (((2,), 9, 1, 2, 1, 8, 3), False),
     **{name: (((s[0],), *s[1:]), mask == "causal") for name, (s, mask, tags) in SHAPES.items() if "test" in tags},
 }

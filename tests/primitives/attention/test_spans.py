@@ -173,6 +173,30 @@ def test_per_batch_padding_spans(combine):
         check_span(f"padding/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
 
 
+@pytest.mark.parametrize("combine", ["alone", "&window", "&padding", "|prefix", "~"])
+def test_per_batch_causal_offset_spans(combine):
+    """causal with one offset per batch item (a decoding step over KV caches) reads it as span
+    data, and its spans are the static offset's Band's."""
+    offsets = jnp.asarray([8, -5])
+    mask = jf.masks.causal(offsets)
+    mask = {
+        "alone": mask,
+        "&window": mask & jf.masks.sliding_window(6),
+        "&padding": mask & jf.masks.padding(jnp.asarray([20, 31])),
+        "|prefix": mask | jf.masks.prefix_lm(3),
+        "~": ~mask,
+    }[combine]
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays
+    for b in range(2):
+        check_span(f"causal_offsets/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
+    per_item, static = jf.masks.causal(jnp.asarray([8])).span(), jf.masks.causal(8).span()
+    for method in ("kv", "full_kv", "q", "full_q"):
+        size = SKV if "kv" in method else SQ
+        got = getattr(per_item, method)(4, 12, size, (jnp.asarray(8),))
+        assert tuple(int(x) for x in got) == tuple(int(x) for x in getattr(static, method)(4, 12, size)), method
+
+
 def test_padding_spans_are_tight():
     """The keys past the length, and the queries past theirs, are never visited."""
     span = jf.masks.padding(jnp.asarray([10]), jnp.asarray([5])).span()

@@ -6,12 +6,16 @@ CPU) or "pallas_mosaic_gpu" (Hopper kernels).
 ``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory, and for masks
 or score_mods reading captured arrays once config.TRITON_POINT_READS_VALIDATED; else "xla") and
 "xla" elsewhere; on an sm90 GPU each Mosaic GPU kernel, once validated there
-(config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED, MOSAIC_BWD_VALIDATED), runs where it can.
+(config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED, MOSAIC_BWD_VALIDATED), runs where it can,
+but for calls that pack GQA heads (config.packs_gqa: decoding), which Triton's kernels do. The
+Triton default packs GQA heads and splits the forward's keys (decoding) once
+config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
 (Triton's where they cannot, and in interpret mode: a primitive's lowering cannot host Mosaic
 GPU's interpreter).
 """
 
+import dataclasses
 import math
 
 import jax.numpy as jnp
@@ -75,7 +79,10 @@ def _dispatch(prim, platform: str | None):
                 and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
             )
             name = "pallas_triton" if triton else "xla"
-            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default(prim):
+            if name == "pallas_triton" and not build.enabled(config.TRITON_DECODING_VALIDATED):
+                implementation = _without_decoding(implementation)
+            packs = config.packs_gqa(q.shape[-3], q.shape[-2] // k.shape[-2], implementation)  # Mosaic does not
+            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default(prim) and not packs:
                 name = "pallas_mosaic_gpu"
         elif name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
             raise ValueError(
@@ -103,6 +110,12 @@ def _dispatch(prim, platform: str | None):
         )
 
     return lowering
+
+
+def _without_decoding(impl):
+    """``impl`` with GQA packing and split-KV off unless it asks for them."""
+    pack = False if impl.pack_gqa is None else impl.pack_gqa
+    return dataclasses.replace(impl, pack_gqa=pack, kv_splits=impl.kv_splits or 1)
 
 
 def _mosaic_why_not(prim, mods, args, params) -> str | None:

@@ -10,12 +10,15 @@ from __future__ import annotations
 from jaxforge.primitives.attention.attention import Implementation
 
 __all__ = [
+    "PACK_GQA_BELOW",
+    "kv_splits",
     "mosaic_bwd_smem",
     "mosaic_bwd_tiles",
     "mosaic_smem",
     "mosaic_tangent_smem",
     "mosaic_tangent_tiles",
     "mosaic_tiles",
+    "packs_gqa",
     "pow2_at_least",
     "tiles",
     "triton_compiler",
@@ -60,6 +63,45 @@ _TRITON_WIDTHS = {
 _TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False}
 
 
+# GQA packing (kernel.Geometry.pack): with fewer queries a head than the smallest Triton tile (16
+# rows), a tile holds the queries of every head of a GQA group instead of padding one head's. Below
+# that, unpacked tiles are mostly padding (a decoding step: 1 query a head, 15 padded rows);
+# above it, packing would only coarsen the tiles' masks and spans.
+PACK_GQA_BELOW = 16
+
+
+def packs_gqa(sq: int, group: int, impl: Implementation) -> bool:
+    """Whether the query heads of each GQA group share tiles: ``impl.pack_gqa``, else for short
+    query sequences (``sq < PACK_GQA_BELOW``); never without a group to pack."""
+    wanted = impl.pack_gqa if impl.pack_gqa is not None else sq < PACK_GQA_BELOW
+    return wanted and group > 1
+
+
+# GQA packing and split-KV in the Triton kernels: True once the gpu test
+# test_decoding_packs_gqa_heads_and_splits_keys passes on an H200 and its bench row beats the
+# unpacked, unsplit kernels: then the default does both where config says (until then, on GPU, only
+# a call naming "pallas_triton" does).
+TRITON_DECODING_VALIDATED = False
+
+# Split-KV (flash-decoding) in the Triton forward: where its programs (batch x heads x query tiles)
+# are fewer than the GPU's SMs, each program's key tiles are shared out over up to
+# KV_SPLIT_WAVES x SMs programs in all, MIN_SPLIT_TILES tiles a split at least; the splits' partial
+# results merge through their log-sum-exps. Without a GPU (interpret mode) the H200's 132 SMs.
+KV_SPLIT_WAVES = 2
+MIN_SPLIT_TILES = 4
+
+
+def kv_splits(programs: int, num_kv_tiles: int, impl: Implementation, sm_count: int | None) -> int:
+    """How many programs share each forward program's ``num_kv_tiles`` key tiles:
+    ``impl.kv_splits`` (at most one a tile), else enough to fill the GPU's SMs twice over."""
+    if impl.kv_splits is not None:
+        return min(impl.kv_splits, num_kv_tiles)
+    sms = sm_count or 132
+    if programs >= sms:
+        return 1
+    return max(1, min(-(-KV_SPLIT_WAVES * sms // programs), num_kv_tiles // MIN_SPLIT_TILES))
+
+
 def tiles(
     name: str,
     sq: int,
@@ -80,7 +122,9 @@ def tiles(
     ``TRITON_SMEM_BYTES`` of GPU ``arch``.
     """
     if name == "xla":
-        block_q, block_kv = min(128, _round_up(sq, 8)), min(256, _round_up(skv, 8))
+        block_q = min(128, _round_up(sq, 8))
+        # a few query rows (decoding): longer key tiles, fewer loop steps, scores no larger
+        block_kv = min(256 if block_q > 32 else 1024, _round_up(skv, 8))
         return impl.block_q or block_q, impl.block_kv or block_kv
     # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
     start_q, start_kv, *_ = triton_start(kernels, d)

@@ -63,43 +63,58 @@ class MaskTiles:
 
 @dataclasses.dataclass(frozen=True)
 class Geometry:
-    """Static sizes of one call: sequence lengths, tile sizes, GQA group, scale, precision."""
+    """Static sizes of one call: sequence lengths, tile sizes, GQA group, scale, precision.
+
+    ``pack > 1`` (GQA packing, FlashAttention-3's ``pack_gqa``): the ``pack`` query heads that share
+    a key/value head interleave in the rows of one tile, row ``r`` of (packed) head ``h`` being
+    query ``r // pack`` of head ``h * pack + r % pack``; ``group`` is then 1. A decoding step's few
+    queries per head fill a tile that way, and each key tile is loaded once for all of them.
+    """
 
     sq: int
     skv: int
     block_q: int
     block_kv: int
-    group: int  # query heads per key/value head
+    group: int  # query heads per key/value head (1 when packed)
     scale: float
     acc_dtype: jnp.dtype  # scores, sums and accumulators
     precision: str | None  # of the dot products ("highest" for f32/f64 on CPU)
+    pack: int = 1
+
+    @property
+    def rows(self) -> int:
+        """Query rows per (packed) head: ``sq * pack``."""
+        return self.sq * self.pack
 
     @property
     def num_q_tiles(self) -> int:
-        return -(-self.sq // self.block_q)
+        return -(-self.rows // self.block_q)
 
     @property
     def num_kv_tiles(self) -> int:
         return -(-self.skv // self.block_kv)
 
+    def _queries(self, i):
+        """The queries ``[lo, hi)`` whose rows meet query tile ``i``."""
+        r_lo = i * self.block_q
+        return r_lo // self.pack, (jnp.minimum(r_lo + self.block_q, self.rows) + self.pack - 1) // self.pack
+
     def kv_tiles(self, mods: Mods, i, data):
         """Key tiles ``[lo, hi)`` that query tile ``i`` may see."""
-        q_lo = i * self.block_q
-        lo, hi = mods.span.kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
+        lo, hi = mods.span.kv(*self._queries(i), self.skv, data)
         return lo // self.block_kv, (hi + self.block_kv - 1) // self.block_kv
 
     def q_tiles(self, mods: Mods, j, data):
         """Query tiles ``[lo, hi)`` that may see key tile ``j``."""
         kv_lo = j * self.block_kv
         lo, hi = mods.span.q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
-        return lo // self.block_q, (hi + self.block_q - 1) // self.block_q
+        return lo * self.pack // self.block_q, (hi * self.pack + self.block_q - 1) // self.block_q
 
     def full_kv_tiles(self, mods: Mods, i, data):
         """Key tiles wholly visible to query tile ``i``: no mask arithmetic there."""
         if mods.mask is None:
             return 0, self.skv // self.block_kv
-        q_lo = i * self.block_q
-        lo, hi = mods.span.full_kv(q_lo, jnp.minimum(q_lo + self.block_q, self.sq), self.skv, data)
+        lo, hi = mods.span.full_kv(*self._queries(i), self.skv, data)
         return (lo + self.block_kv - 1) // self.block_kv, hi // self.block_kv
 
     def full_q_tiles(self, mods: Mods, j, data):
@@ -111,7 +126,7 @@ class Geometry:
         else:
             lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
         hi = jnp.where(kv_lo + self.block_kv <= self.skv, jnp.asarray(hi, jnp.int32), jnp.asarray(lo, jnp.int32))
-        return (lo + self.block_q - 1) // self.block_q, hi // self.block_q
+        return (lo * self.pack + self.block_q - 1) // self.block_q, hi * self.pack // self.block_q
 
     def row_bounds(self, mods: Mods, i, data=()):
         """``(lo, hi, full_lo, full_hi)``: the key tiles query tile ``i`` visits, and among them the
@@ -168,33 +183,38 @@ def _t_dot(geo, a, b):  # a.T @ b
 
 
 def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: bool = True):
-    """Query and key indices of tile (i, j) and the mask: user mask and sequence bounds.
+    """``(h, q_idx, kv_idx, visible)`` of tile (i, j): the query head and index of each row (the
+    head a scalar unless packed), the key indices, and the mask: user mask and sequence bounds.
 
     ``masked=False``: a wholly visible tile (``Geometry.full_kv_tiles``), inside the keys; only
     padded query rows are hidden (they must not overflow in the backward).
     """
-    q_idx = i * geo.block_q + lax.broadcasted_iota(jnp.int32, (geo.block_q, 1), 0)
+    row = i * geo.block_q + lax.broadcasted_iota(jnp.int32, (geo.block_q, 1), 0)
+    q_idx, h = (row, h) if geo.pack == 1 else (row // geo.pack, h * geo.pack + row % geo.pack)
     kv_idx = j * geo.block_kv + lax.broadcasted_iota(jnp.int32, (1, geo.block_kv), 1)
     if not masked:
-        return q_idx, kv_idx, jnp.broadcast_to(q_idx < geo.sq, (geo.block_q, geo.block_kv))
-    visible = (q_idx < geo.sq) & (kv_idx < geo.skv)
+        return h, q_idx, kv_idx, jnp.broadcast_to(row < geo.rows, (geo.block_q, geo.block_kv))
+    visible = (row < geo.rows) & (kv_idx < geo.skv)
     rows, cols = [r[:, None] for r in mask.rows(i)], [c[None, :] for c in mask.cols(j)]
     user = mods.allowed(b, h, q_idx, kv_idx, mask.consts, rows, cols)
     if user is not None:
         visible = visible & user
-    return q_idx, kv_idx, visible
+    return h, q_idx, kv_idx, visible
 
 
-def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c):
-    """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles)."""
+def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c, kv_range=None):
+    """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles).
+
+    ``kv_range = (start, stop)``: only the key tiles among those (a split of split-KV; the
+    splits' results merge through their log-sum-exps)."""
     rows, mask = q.shape[0], mask.rows_loaded(i)
     dv = load_kv(0)[1].shape[-1]
 
     def body(j, carry, masked):
         m, l, acc = carry
         k, v = load_kv(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
-        s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h, q_idx, kv_idx, score_c)
+        h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+        s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h_row, q_idx, kv_idx, score_c)
         s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         shift = jnp.where(m_new == -jnp.inf, 0, m_new)  # all -inf so far: keep exp() finite
@@ -207,7 +227,10 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    m, l, acc = tile_loop(*geo.row_tiles(mods, i, mask), body, init)
+    (lo, hi), full = geo.row_tiles(mods, i, mask)
+    if kv_range is not None:
+        lo, hi = jnp.maximum(lo, kv_range[0]), jnp.minimum(hi, kv_range[1])
+    m, l, acc = tile_loop((lo, hi), full, body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
@@ -221,10 +244,10 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
     def body(j, carry, masked):
         r, acc = carry
         k, v, dk, dv = load(j)
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+        h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
         raw = _dot_t(geo, q, k) * geo.scale
         draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
-        s, ds = _modify_jvp(mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore)
+        s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
         p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
         p_ds = p * jnp.where(visible, ds, 0)
         return r + jnp.sum(p_ds, axis=1), acc + _dot(geo, p, dv) + _dot(geo, p_ds, v)
@@ -256,10 +279,10 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     ``g_s = p (g_out·v - delta)`` is pulled back through softcap/score_mod; ``wanted[c]`` selects
     the float score consts whose cotangents are returned.
     """
-    q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+    h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
     raw = _dot_t(geo, q, k) * geo.scale
     floats = float_consts(score_c)
-    modify = lambda raw, floats: mods.modify(raw, b, h, q_idx, kv_idx, with_floats(score_c, floats))
+    modify = lambda raw, floats: mods.modify(raw, b, h_row, q_idx, kv_idx, with_floats(score_c, floats))
     if any(c.cotangent is not None for c in floats if isinstance(c, PointArray)):
         s, vjp = _vjp_adding_read_cotangents(modify, raw, floats)
     elif any(wanted):
@@ -368,13 +391,13 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
     def body(i, carry, masked):
         gk, gv, fused = carry
         q, dq, lse, c, g_dout = map(up, load_q(i))
-        q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+        h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
         seen = jnp.isfinite(lse)  # rows that see no key pair nothing
 
         def pairing(q, k, v, lse, c):
             raw = _dot_t(geo, q, k) * geo.scale
             draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
-            s, ds = _modify_jvp(mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore)
+            s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
             p = jnp.exp(jnp.where(visible, s, -jnp.inf) - lse[:, None])
             w = _dot_t(geo, g_dout, v) + c[:, None]
             return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _dot_t(geo, g_dout, dv)))

@@ -104,8 +104,8 @@ def _seq_major(x, padded: int, width: int | None = None):
     return jnp.pad(x.reshape(-1, s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
 
 
-def _q_block(geo: Geometry, d: int):  # one query tile of one head, grid (b, h, i)
-    return pl.BlockSpec((_SQ, geo.block_q, _SQ, d), lambda b, h, i: (b, i, h, 0))
+def _q_block(geo: Geometry, d: int, splits: int = 1):  # one query tile of one head, grid (b, h, i * splits + s)
+    return pl.BlockSpec((_SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p // splits, h, 0))
 
 
 def _kv_whole(geo: Geometry, s: int, d: int):  # a head's whole key/value sequence, grid (b, h, i)
@@ -143,10 +143,11 @@ def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, n
     )(*args)
 
 
-def _global_offsets(batch_ids, head_offset):
+def _global_offsets(geo: Geometry, batch_ids, head_offset):
     """One int32 array for every program: the global batch index of each local item, then the
-    global index of the first local query head (sharded calls see a block of the batch and heads)."""
-    return jnp.concatenate([batch_ids, jnp.asarray(head_offset, jnp.int32).reshape(1)])
+    global index of the first local query head (sharded calls see a block of the batch and heads),
+    or packed head (xla.pack_heads)."""
+    return jnp.concatenate([batch_ids, jnp.asarray(head_offset // geo.pack, jnp.int32).reshape(1)])
 
 
 def _load(refs, j, size):
@@ -161,6 +162,14 @@ def _back(x, batch, s, d):
 def _rows_back(x, batch, s):
     """``(B, H, Spad)`` -> ``(*batch, s, H)``."""
     return jnp.swapaxes(x[:, :, :s], 1, 2).reshape(*batch, s, x.shape[1])
+
+
+def _queries_back(geo: Geometry, batch, x, d=None):
+    """A query-side output, ``(B, rows padded, H, Dpad)`` or (``d=None``) lse-like ``(B, H, rows
+    padded)``, as ``(*batch, Sq, Hq, d)`` or ``(*batch, Sq, Hq)``: heads unpacked."""
+    if d is None:
+        return xla.unpack_heads(geo, _rows_back(x, batch, geo.rows), rows=True)
+    return xla.unpack_heads(geo, _back(x, batch, geo.rows, d))
 
 
 def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: bool = False):
@@ -178,7 +187,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: b
 
     rows, cols, span = jax.vmap(per_item)(batch_ids)
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    rows = [_pad_last(r, sq_pad) for r in rows]
+    rows = [_pad_last(jnp.repeat(r, geo.pack, axis=-1), sq_pad) for r in rows]
     cols = [_pad_last(c, skv_pad) for c in cols]
     bounds = []
     if mods.span.num_arrays:
@@ -205,48 +214,76 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: b
 
 def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
     geo, compiler = _geometry("fwd", q, k, v, scale, implementation)
-    offset = _global_offsets(batch_ids, head_offset)
-    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
+    offset = _global_offsets(geo, batch_ids, head_offset)
+    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    qp, kp, vp = _seq_major(q, sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
+    qp, kp, vp = _seq_major(xla.pack_heads(geo, q), sq_pad), _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m = consts[n_mask:], len(mask_ops)
+    splits = config.kv_splits(bsz * hq * geo.num_q_tiles, geo.num_kv_tiles, implementation, build.gpu_sm_count())
+    per_split = -(-geo.num_kv_tiles // splits)
 
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         *in_refs, out_ref, lse_ref = refs
         mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
-        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
+        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2) // splits
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score)
+        split = pl.program_id(2) % splits
+        kv_range = None if splits == 1 else (split * per_split, (split + 1) * per_split)
+        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range)
         out_ref[...] = out.astype(out_ref.dtype)
         lse_ref[...] = lse
 
+    # program (b, h, i * splits + s): query tile i, split s; a split's output unrounded
+    out_dtype = q.dtype if splits == 1 else geo.acc_dtype
     out, lse = _call(
         kernel,
         interpret,
-        (bsz, hq, geo.num_q_tiles),
-        [_whole(offset), _q_block(geo, d), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
+        (bsz, hq, geo.num_q_tiles * splits),
+        [_whole(offset), _q_block(geo, d, splits), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
         + mask_specs
         + [_whole(c) for c in score_c],
-        [_q_block(geo, dv), _row_block(geo)],
-        [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dv), q.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), geo.acc_dtype)],
+        [
+            pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, dv), lambda b, h, p: (b, p % splits, p // splits, h, 0)),
+            pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % splits, h, p // splits)),
+        ],
+        [jax.ShapeDtypeStruct((bsz, splits, sq_pad, hq, dv), out_dtype), jax.ShapeDtypeStruct((bsz, splits, hq, sq_pad), geo.acc_dtype)],
         (offset, qp, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_fwd",
         compiler,
     )
-    return _back(out, batch, geo.sq, v.shape[-1]), _rows_back(lse, batch, geo.sq)
+    out, lse = _merge_splits(out, lse)
+    return _queries_back(geo, batch, out.astype(q.dtype), v.shape[-1]), _queries_back(geo, batch, lse)
+
+
+def _merge_splits(out, lse):
+    """Split-KV's partial results, ``out (B, splits, S, H, D)`` and ``lse (B, splits, H, S)``, as
+    one ``(B, S, H, D)``, ``(B, H, S)``: weights ``e^{lse_s - lse}``; a row no split sees stays 0
+    with lse -inf."""
+    if out.shape[1] == 1:
+        return out[:, 0], lse[:, 0]
+    top = jnp.max(lse, axis=1)
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    weights = jnp.exp(lse - top[:, None])  # a split that sees nothing: 0
+    total = jnp.sum(weights, axis=1)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    rows = lambda x: jnp.swapaxes(x, -1, -2)[..., None]  # noqa: E731  (.., H, S) -> (.., S, H, 1)
+    out = jnp.sum(out * rows(weights), axis=1) / rows(safe)
+    return out, jnp.where(seen, top + jnp.log(safe), -jnp.inf)
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
     geo, compiler = _geometry("tangent", q, k, v, scale, implementation)
-    offset = _global_offsets(batch_ids, head_offset)
+    offset = _global_offsets(geo, batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
-    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2]
+    batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    rows = [_seq_major(x, sq_pad) for x in (q, dq, out)] + [xla.seq_last(lse, sq_pad)]
+    rows = [_seq_major(xla.pack_heads(geo, x), sq_pad) for x in (q, dq, out)]
+    rows += [xla.seq_last(xla.pack_heads(geo, lse, rows=True), sq_pad)]
     cols = [_seq_major(x, skv_pad) for x in (k, v, dk, dv)]
     d, dvp = rows[0].shape[-1], cols[1].shape[-1]
     n_mask = mods.num_mask_consts
@@ -279,20 +316,20 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         "jaxforge_attention_tangent",
         compiler,
     )
-    return _back(dout, batch, geo.sq, out.shape[-1]), _rows_back(dlse, batch, geo.sq)
+    return _queries_back(geo, batch, dout, out.shape[-1]), _queries_back(geo, batch, dlse)
 
 
 def attention_bwd_pallas(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
     geo, compiler = _geometry("bwd", q, k, v, scale, implementation)
-    offset = _global_offsets(batch_ids, head_offset)
+    offset = _global_offsets(geo, batch_ids, head_offset)
     *consts, g_out, g_lse = operands
-    batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2], k.shape[-2]
+    batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack, k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = xla.bwd_delta(out, g_out, g_lse, geo.acc_dtype)
-    qp, gp = _seq_major(q, sq_pad), _seq_major(g_out, sq_pad)
-    lse_p, delta_p = xla.seq_last(lse, sq_pad), xla.seq_last(delta, sq_pad)
+    qp, gp = (_seq_major(xla.pack_heads(geo, x), sq_pad) for x in (q, g_out))
+    lse_p, delta_p = (xla.seq_last(xla.pack_heads(geo, x, rows=True), sq_pad) for x in (lse, delta))
     kp, vp = _seq_major(k, skv_pad), _seq_major(v, skv_pad)
     d, dv = qp.shape[-1], vp.shape[-1]
     n_mask = mods.num_mask_consts
@@ -358,7 +395,7 @@ def attention_bwd_pallas(
         compiler,
     )
     return (
-        _back(gq, batch, geo.sq, q.shape[-1]),
+        _queries_back(geo, batch, gq, q.shape[-1]),
         _back(gk, batch, geo.skv, k.shape[-1]),
         _back(gv, batch, geo.skv, v.shape[-1]),
         *(g.astype(score_c[c].dtype) for c, g in zip(wanted, g_consts)),

@@ -25,17 +25,47 @@ __all__ = [
     "attention_tangent_xla",
     "geometry",
     "heads_first",
+    "pack_heads",
     "seq_last",
+    "unpack_heads",
 ]
 
 
 def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -> Geometry:
-    """``tile_args``: config.tiles' keywords (the Triton kernels' shared-memory sizes)."""
+    """The call's tiles, for q and k as the primitive has them (``pack_heads`` packs q's side
+    after). ``tile_args``: config.tiles' keywords (the Triton kernels' shared-memory sizes)."""
     sq, hq, _ = q.shape[-3:]
     skv, hkv, _ = k.shape[-3:]
-    block_q, block_kv = config.tiles(name, sq, skv, impl, **tile_args)
+    group = hq // hkv
+    pack = group if config.packs_gqa(sq, group, impl) else 1
+    block_q, block_kv = config.tiles(name, sq * pack, skv, impl, **tile_args)
     precise = q.dtype.itemsize >= 4  # f32/f64 products in full precision; bf16/f16 on tensor cores
-    return Geometry(sq, skv, block_q, block_kv, hq // hkv, scale, accumulation_dtype(q.dtype), "highest" if precise else None)
+    acc, precision = accumulation_dtype(q.dtype), "highest" if precise else None
+    return Geometry(sq, skv, block_q, block_kv, group // pack, scale, acc, precision, pack)
+
+
+def pack_heads(geo: Geometry, x, rows: bool = False):
+    """A query-side array ``(*batch, Sq, Hq, D)`` (``rows``: ``(*batch, Sq, Hq)``, lse-like) as the
+    kernels see it under GQA packing: ``(*batch, Sq * pack, Hq / pack, ...)``, row ``s * pack + g``
+    of packed head ``h`` holding query ``s`` of head ``h * pack + g`` (kernel.Geometry)."""
+    if geo.pack == 1:
+        return x
+    seq = x.ndim - (2 if rows else 3)
+    s, h = x.shape[seq : seq + 2]
+    x = x.reshape(*x.shape[:seq], s, h // geo.pack, geo.pack, *x.shape[seq + 2 :])
+    x = jnp.swapaxes(x, seq + 1, seq + 2)
+    return x.reshape(*x.shape[:seq], s * geo.pack, h // geo.pack, *x.shape[seq + 3 :])
+
+
+def unpack_heads(geo: Geometry, x, rows: bool = False):
+    """The inverse of :func:`pack_heads`."""
+    if geo.pack == 1:
+        return x
+    seq = x.ndim - (2 if rows else 3)
+    r, h = x.shape[seq : seq + 2]
+    x = x.reshape(*x.shape[:seq], r // geo.pack, geo.pack, h, *x.shape[seq + 2 :])
+    x = jnp.swapaxes(x, seq + 1, seq + 2)
+    return x.reshape(*x.shape[:seq], r // geo.pack, h * geo.pack, *x.shape[seq + 3 :])
 
 
 def heads_first(x, padded: int, group: int | None = None):
@@ -70,7 +100,7 @@ def _mask_tiles(geo: Geometry, mods: Mods, b, mask_c) -> MaskTiles:
     """The mask's operands of batch item ``b``, its positional arrays padded to whole tiles."""
     item = mods.item_mask(b, mask_c)
     pad = lambda x, size: jnp.pad(x, (0, size - x.shape[0]))
-    rows = [pad(r, geo.num_q_tiles * geo.block_q) for r in item.rows]
+    rows = [pad(jnp.repeat(r, geo.pack), geo.num_q_tiles * geo.block_q) for r in item.rows]
     cols = [pad(c, geo.num_kv_tiles * geo.block_kv) for c in item.cols]
     return MaskTiles(
         item.consts,
@@ -87,11 +117,12 @@ def _split(consts, mods: Mods):
 
 def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head_offset):
     """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped;
-    ``b`` and ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h``."""
+    ``b`` and ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h`` (packed
+    heads: ``head_offset / pack + local h``)."""
     per_g = jax.vmap(fn, in_axes=(None, 0) + (0,) * len(head_args) + (None,) * len(kv_args))
     per_hk = jax.vmap(per_g, in_axes=(None, 0) + (0,) * len(head_args) + (0,) * len(kv_args))
     per_b = jax.vmap(per_hk, in_axes=(0, None) + (0,) * len(head_args) + (0,) * len(kv_args))
-    heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset).reshape(hkv, geo.group)
+    heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset // geo.pack).reshape(hkv, geo.group)
     return per_b(batch_ids, heads, *head_args, *kv_args)
 
 
@@ -111,12 +142,12 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
         one_head,
         geo,
         hkv,
-        [heads_first(q, sq_pad, geo.group)],
+        [heads_first(pack_heads(geo, q), sq_pad, geo.group)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
         batch_ids,
         head_offset,
     )
-    return _back(out, batch, geo.sq).astype(q.dtype), _back(lse, batch, geo.sq)
+    return unpack_heads(geo, _back(out, batch, geo.rows)).astype(q.dtype), unpack_heads(geo, _back(lse, batch, geo.rows), rows=True)
 
 
 def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
@@ -141,12 +172,13 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         one_head,
         geo,
         hkv,
-        [heads_first(x, sq_pad, geo.group) for x in (q, dq, out)] + [seq_last(lse, sq_pad, geo.group)],
+        [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, out)]
+        + [seq_last(pack_heads(geo, lse, rows=True), sq_pad, geo.group)],
         [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
-    return _back(dout, batch, geo.sq).astype(out.dtype), _back(dlse, batch, geo.sq)
+    return unpack_heads(geo, _back(dout, batch, geo.rows)).astype(out.dtype), unpack_heads(geo, _back(dlse, batch, geo.rows), rows=True)
 
 
 def bwd_delta(out, g_out, g_lse, acc_dtype):
@@ -189,7 +221,8 @@ def attention_bwd_xla(
         one_head,
         geo,
         hkv,
-        [heads_first(x, sq_pad, geo.group) for x in (q, g_out)] + [seq_last(x, sq_pad, geo.group) for x in (lse, delta)],
+        [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, g_out)]
+        + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, delta)],
         [heads_first(k, skv_pad), heads_first(v, skv_pad)],
         batch_ids,
         head_offset,
@@ -197,7 +230,7 @@ def attention_bwd_xla(
     gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
     g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
-    return (_back(gq, batch, geo.sq).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
+    return (unpack_heads(geo, _back(gq, batch, geo.rows)).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
 
 
 def attention_tangent_bwd_xla(
@@ -230,13 +263,14 @@ def attention_tangent_bwd_xla(
         one_head,
         geo,
         hkv,
-        [heads_first(x, sq_pad, geo.group) for x in (q, dq, g_dout)] + [seq_last(x, sq_pad, geo.group) for x in (lse, c)],
+        [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, g_dout)]
+        + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, c)],
         [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
-    rows_back = lambda x: _back(x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:]), batch, geo.sq)  # noqa: E731
-    gq, glse, gc = rows_back(gq), rows_back(glse), rows_back(gc)
+    rows_back = lambda x: _back(x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:]), batch, geo.rows)  # noqa: E731
+    gq, glse, gc = unpack_heads(geo, rows_back(gq)), unpack_heads(geo, rows_back(glse), rows=True), unpack_heads(geo, rows_back(gc), rows=True)
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
     gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
     return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), gout.astype(out.dtype), glse.astype(lse.dtype)
