@@ -117,22 +117,26 @@ def evaluate(eval_loss, params, data: Packed, batch: int, max_batches: int = 4) 
 
 
 def generate(params, prompt: bytes, length: int, *, window: int, temperature: float = 0.8, seed: int = 0) -> bytes:
-    """``prompt`` and ``length`` bytes sampled after it, each from the logits of the last ``window`` tokens."""
-    tokens = [BOS, *prompt]
+    """``prompt`` and ``length`` bytes sampled after it, each token attending to the last ``window``
+    (the context the model was trained on) through a KV cache: the prompt prefilled, then one
+    token a step. (Sliding-window attention: past the first layer the cached keys carry what
+    their own windows saw, so a token's context reaches further back than ``window``.)"""
+    tokens = jnp.asarray([[BOS, *prompt]], jnp.int32)
+    cache = nn.init_kv_cache(params["blocks"]["attention"], (1,), tokens.shape[1] + length)
 
     @jax.jit
-    def next_token(params, context, size, key):
-        logits = nn.transformer(params, context)[size - 1]  # causal: padding after `size` is never seen
-        return jax.random.categorical(key, logits[:256] / temperature)  # bytes only, never BOS
+    def step(params, tokens, cache, key):
+        within_window = ~jf.masks.causal(cache["length"] - window)  # keys after q - window (causal: added)
+        logits, cache = nn.transformer(params, tokens, mask=within_window, cache=cache)
+        return jax.random.categorical(key, logits[:, -1, :256] / temperature), cache  # bytes only, never BOS
 
-    key = jax.random.key(seed)
+    key, sampled = jax.random.key(seed), []
     for _ in range(length):
-        context = tokens[-window:]
-        padded = np.zeros(window, np.int32)
-        padded[: len(context)] = context
         key, sub = jax.random.split(key)
-        tokens.append(int(next_token(params, padded, len(context), sub)))
-    return bytes(tokens[1:])
+        token, cache = step(params, tokens, cache, sub)
+        sampled.append(int(token[0]))
+        tokens = token[:, None]
+    return prompt + bytes(sampled)
 
 
 @dataclasses.dataclass

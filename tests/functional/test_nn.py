@@ -289,6 +289,44 @@ def test_transformer_is_causal_and_respects_documents():
     np.testing.assert_array_equal(moved, np.isin(np.arange(10), [3, 4]))
 
 
+def test_decoding_with_a_kv_cache_matches_the_full_forward():
+    """A prompt prefilled into the per-block caches, then one token a step under jit (GQA heads
+    packed, causal over the cache): every step's logits are the full forward's at that position."""
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    full = nn.transformer(params, TOKENS)
+    cache = nn.init_kv_cache(params["blocks"]["attention"], TOKENS.shape[:1], 12)
+    assert cache["k"].shape == (CONFIG["depth"], TOKENS.shape[0], 12, CONFIG["num_kv_heads"], CONFIG["features"] // CONFIG["num_heads"])
+    logits, cache = nn.transformer(params, TOKENS[:, :4], cache=cache)
+    np.testing.assert_allclose(logits, full[:, :4], rtol=1e-12, atol=1e-12)
+    step = jax.jit(lambda params, token, cache: nn.transformer(params, token, cache=cache))
+    for i in range(4, TOKENS.shape[1]):
+        logits, cache = step(params, TOKENS[:, i : i + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, i], rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(cache["length"], TOKENS.shape[1])
+
+
+def test_decoding_prompts_of_different_lengths_in_one_batch():
+    """Prompts padded to one length are prefilled together, ``length`` set to each one's own; the
+    next steps write over the padding, each item at its own position (runtime causal offsets and
+    rotary positions): each item's logits are those of its own sequence run alone."""
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    lengths, tokens = np.asarray([3, 6, 1]), np.random.default_rng(1).integers(0, 13, (3, 6))
+    padded = jnp.asarray(np.where(np.arange(6) < lengths[:, None], tokens, 0))
+    cache = nn.init_kv_cache(params["blocks"]["attention"], (3,), 10)
+    _, cache = nn.transformer(params, padded, cache=cache)
+    cache = cache | {"length": jnp.asarray(lengths, jnp.int32)}
+    step = jax.jit(lambda params, token, cache: nn.transformer(params, token, cache=cache))
+    sequences = [list(tokens[b, : lengths[b]]) for b in range(3)]
+    for _ in range(4):
+        nxt = jnp.asarray([[s[-1] * 7 % 13] for s in sequences])  # any next tokens
+        logits, cache = step(params, nxt, cache)
+        for b, s in enumerate(sequences):
+            s.append(int(nxt[b, 0]))
+            alone = nn.transformer(params, jnp.asarray(s))
+            np.testing.assert_allclose(logits[b, 0], alone[-1], rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(cache["length"], lengths + 4)
+
+
 def test_transformer_vmap_and_jit_match():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
     batched = jax.jit(nn.transformer)(params, TOKENS)

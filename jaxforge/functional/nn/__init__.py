@@ -4,6 +4,7 @@ its params as a plain dict, so optax optimisers, ``jax.tree`` and ``jf.shard`` s
 Signatures carry shapes (jaxtyping); the test suite checks them at run time with beartype.
 """
 
+from jaxforge.functional.nn.attention import init_kv_cache as init_kv_cache
 from jaxforge.functional.nn.attention import init_multi_head_attention as init_multi_head_attention
 from jaxforge.functional.nn.attention import multi_head_attention as multi_head_attention
 from jaxforge.functional.nn.attention import rotary_embedding as rotary_embedding
@@ -31,6 +32,7 @@ __all__ = [
     "gru",
     "init_embedding",
     "init_gru",
+    "init_kv_cache",
     "init_layer_norm",
     "init_linear",
     "init_lstm",

@@ -8,10 +8,11 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from jaxforge.functional import masks
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.layers import Params, check_features
 
-__all__ = ["init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
+__all__ = ["init_kv_cache", "init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
 
 
 def rotary_embedding(
@@ -75,6 +76,17 @@ def init_multi_head_attention(
     return params | {"sinks": jnp.zeros((num_heads,), dtype)} if sinks else params
 
 
+def init_kv_cache(params: Params, batch_shape: tuple[int, ...], max_len: int, *, dtype=None) -> Params:
+    """An empty key/value cache of :func:`multi_head_attention` for decoding: ``k``, ``v`` zeros
+    ``(*batch_shape, max_len, Hkv, D)`` (params ``k``/``v`` stacked over layers give one per layer,
+    leading), and ``length``, int32 zeros ``batch_shape``: how many positions each item holds.
+    ``dtype`` defaults to the params'."""
+    *layers, _, hkv, d = params["k"].shape
+    dtype = params["k"].dtype if dtype is None else dtype
+    zeros = jnp.zeros((*layers, *batch_shape, max_len, hkv, d), dtype)
+    return {"k": zeros, "v": zeros, "length": jnp.zeros(batch_shape, jnp.int32)}
+
+
 def multi_head_attention(
     params: Params,
     x: Float[ArrayLike, "*batch seq features"],
@@ -83,7 +95,8 @@ def multi_head_attention(
     positions: Int[ArrayLike, "*#batch seq"] | None = None,
     rotary_base: float | None = 10000.0,
     attention_fn: Callable = attention,
-) -> Float[Array, "*batch seq features"]:
+    cache: Params | None = None,
+):
     r"""Self-attention :math:`\sum_h \operatorname{attn}(R x W^q_h, R x W^k_{g(h)}, x W^v_{g(h)})\, W^o_h`.
 
     Args:
@@ -91,17 +104,45 @@ def multi_head_attention(
       x: ``(..., seq, features)``.
       mask: any ``mask=`` of :func:`jf.attention <jaxforge.attention>`, e.g.
         ``jf.masks.causal() & jf.masks.document(segment_ids)``.
-      positions: ``(..., seq)`` token positions for the rotary embedding (default ``arange(seq)``).
+      positions: ``(..., seq)`` token positions for the rotary embedding (default ``arange(seq)``,
+        with a cache ``length + arange(seq)``).
       rotary_base: the rotary base; None for no rotary embedding.
       attention_fn: ``attention_fn(q, k, v, mask=mask)`` (and ``sinks=params["sinks"]`` where the
         params have sinks); :func:`jf.attention` by default. Swap in another implementation to
         compare against it.
+      cache: decoding (:func:`init_kv_cache`): ``x`` is the next ``seq`` tokens of each item, its
+        keys and values go into the cache at the item's ``length`` (which must leave room: past
+        ``max_len`` the write would be clipped), and its queries attend causally to the cache,
+        ``jf.masks.causal(length)``, and ``mask``: its ``q_idx`` counts this call's tokens, its
+        ``kv_idx`` the cache's positions (the last ``w`` keys: ``~jf.masks.causal(length - w)``).
+        A batch of prompts of different lengths is prefilled padded, then ``length`` set to the
+        true ones: the next steps overwrite the padding.
+
+    Returns:
+      ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more.
     """
     x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
+    if cache is not None:
+        length = cache["length"]
+        positions = length[..., None] + jnp.arange(x.shape[-2]) if positions is None else positions
     if rotary_base is not None:
         if positions is None:
             positions = jnp.arange(x.shape[-2])
         q, k = (rotary_embedding(t, positions, base=rotary_base) for t in (q, k))
+    if cache is not None:
+        k, v = (_written(cache[name], new, length) for name, new in (("k", k), ("v", v)))
+        mask = masks.causal(length) if mask is None else masks.causal(length) & mask
     out = attention_fn(q, k, v, mask=mask, **({"sinks": params["sinks"]} if "sinks" in params else {}))
-    return jnp.einsum("...shd,hdf->...sf", out, params["o"])
+    out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
+    if cache is None:
+        return out
+    return out, {"k": k, "v": v, "length": length + x.shape[-2]}
+
+
+def _written(cache, new, length):
+    """``cache (*batch, max_len, H, D)`` with ``new (*batch, seq, H, D)`` at each item's ``length``."""
+    batch = length.shape
+    write = lambda c, n, at: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), at, axis=0)  # noqa: E731
+    flat = jax.vmap(write)(*(x.reshape(-1, *x.shape[len(batch) :]) for x in (cache, new, length)))
+    return flat.reshape(cache.shape)

@@ -72,7 +72,8 @@ def transformer(
     mask=None,
     positions: Int[ArrayLike, "*#batch seq"] | None = None,
     attention_fn: Callable = attention,
-) -> Float[Array, "*batch seq vocab"]:
+    cache: NestedParams | None = None,
+):
     r"""Next-token logits of a pre-norm decoder: for each block,
     :math:`x \mathrel{+}= \text{attn}(\text{rms}(x))`, :math:`x \mathrel{+}= \text{mlp}(\text{rms}(x))`.
 
@@ -83,20 +84,38 @@ def transformer(
         ``jf.masks.causal() & jf.masks.document(segment_ids)``.
       positions: rotary positions, default ``arange(seq)``.
       attention_fn: passed to :func:`multi_head_attention`.
+      cache: decoding: ``init_kv_cache(params["blocks"]["attention"], batch_shape, max_len)``, a
+        cache per block; ``tokens`` are the next ones of each item (a prompt to prefill, then one a
+        step), ``mask`` only adds to the causal mask over the cache (see :func:`multi_head_attention`).
+
+    Returns:
+      ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``.
 
     The blocks run as one ``lax.scan`` over depth, so compile time does not grow with depth.
     """
-    mask = masks.causal() if mask is None else mask
+    if cache is None:
+        mask = masks.causal() if mask is None else mask
     x = embedding(params["embedding"], tokens)
 
-    def block(x, p):
-        x = x + multi_head_attention(
-            p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn
-        )
-        return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), None
+    def block(x, layer):
+        p, kv = layer
+        layer_cache = None if kv is None else {**kv, "length": cache["length"]}
+        attended = multi_head_attention(
+            p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn,
+            cache=layer_cache,
+        )  # fmt: skip
+        if cache is not None:
+            attended, layer_cache = attended
+            layer_cache = {"k": layer_cache["k"], "v": layer_cache["v"]}
+        x = x + attended
+        return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), layer_cache
 
-    x, _ = jax.lax.scan(block, x, params["blocks"])
-    return linear(params["head"], rms_norm(params["norm"], x))
+    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    x, kv = jax.lax.scan(block, x, (params["blocks"], kv))
+    logits = linear(params["head"], rms_norm(params["norm"], x))
+    if cache is None:
+        return logits
+    return logits, {**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}
 
 
 def cross_entropy(
