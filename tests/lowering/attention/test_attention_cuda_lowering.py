@@ -70,25 +70,26 @@ def test_document_masks_hand_the_triton_kernels_tile_bounds_not_whole_span_array
 
 def test_decoding_packs_gqa_heads_and_splits_keys_in_the_triton_forward_once_validated(monkeypatch):
     """One decoding step over KV caches of 65536 (GQA 4:1, the caches' fill levels runtime data):
-    the forward's grid is (items, key/value heads, splits) — each program a tile of its group's
-    packed query heads and 1/17 of the keys (2 x 8 programs would leave an H200's 132 SMs idle) —
-    and the default runs it once config.TRITON_DECODING_VALIDATED."""
+    the forward's and the tangent's grids are (items, key/value heads, splits) — each program a
+    tile of its group's packed query heads and 1/17 of the keys (2 x 8 programs would leave an
+    H200's 132 SMs idle) — and the default runs them once config.TRITON_DECODING_VALIDATED."""
 
     def grids(implementation=None):
         q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((2, 65536, 8, 128), jnp.bfloat16)
         lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
         mask = lambda n: jf.masks.causal(n - 1) & jf.masks.padding(n)  # noqa: E731
-        f = lambda q, k, v, n: jf.attention(q, k, v, mask=mask(n), implementation=implementation)
+        att = lambda q, k, v, n: jf.attention(q, k, v, mask=mask(n), implementation=implementation)  # noqa: E731
+        f = lambda q, k, v, n: jax.jvp(lambda q: att(q, k, v, n), (q,), (q,))
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
         text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, lengths).mlir_module()
         return [tuple(map(int, g)) for g in re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)]
 
-    assert grids("pallas_triton") == [(2, 8, 17)]
-    assert grids(jf.functional.attention.Implementation("pallas_triton", pack_gqa=False, kv_splits=1)) == [(2, 32, 1)]
-    assert grids() == [(2, 32, 1)]
+    assert grids("pallas_triton") == [(2, 8, 17)] * 2
+    assert grids(jf.functional.attention.Implementation("pallas_triton", pack_gqa=False, kv_splits=1)) == [(2, 32, 1)] * 2
+    assert grids() == [(2, 32, 1)] * 2
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
-    assert grids() == [(2, 8, 17)]
+    assert grids() == [(2, 8, 17)] * 2
 
 
 def test_masks_reading_captured_arrays_at_points_run_the_triton_kernels_once_validated(monkeypatch):

@@ -45,7 +45,8 @@ def run(implementation, mask, **kw):
     return lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), implementation=implementation, **kw)
 
 
-# Split-KV: each program's 2 key tiles over 2 programs, some of which see no key (window, padding)
+# Split-KV (forward and tangent): each program's key tiles over 2 (3) programs, some of which see
+# no key (window, padding)
 SPLIT = Implementation("pallas_triton", block_q=8, block_kv=16, kv_splits=2)
 SPLIT_PACKED = Implementation("pallas_triton", block_q=8, block_kv=8, pack_gqa=True, kv_splits=3)
 VARIANTS = {

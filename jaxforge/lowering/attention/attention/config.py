@@ -83,16 +83,17 @@ def packs_gqa(sq: int, group: int, impl: Implementation) -> bool:
 # a call naming "pallas_triton" does).
 TRITON_DECODING_VALIDATED = False
 
-# Split-KV (flash-decoding) in the Triton forward: where its programs (batch x heads x query tiles)
-# are fewer than the GPU's SMs, each program's key tiles are shared out over up to
-# KV_SPLIT_WAVES x SMs programs in all, MIN_SPLIT_TILES tiles a split at least; the splits' partial
-# results merge through their log-sum-exps. Without a GPU (interpret mode) the H200's 132 SMs.
+# Split-KV (flash-decoding) in the Triton forward and tangent: where a call's programs (batch x
+# heads x query tiles) are fewer than the GPU's SMs, each program's key tiles are shared out over
+# up to KV_SPLIT_WAVES x SMs programs in all, MIN_SPLIT_TILES tiles a split at least; the forward's
+# partial results merge through their log-sum-exps, the tangent's add up. Without a GPU (interpret
+# mode) the H200's 132 SMs.
 KV_SPLIT_WAVES = 2
 MIN_SPLIT_TILES = 4
 
 
 def kv_splits(programs: int, num_kv_tiles: int, impl: Implementation, sm_count: int | None) -> int:
-    """How many programs share each forward program's ``num_kv_tiles`` key tiles:
+    """How many programs share each forward (tangent) program's ``num_kv_tiles`` key tiles:
     ``impl.kv_splits`` (at most one a tile), else enough to fill the GPU's SMs twice over."""
     if impl.kv_splits is not None:
         return min(impl.kv_splits, num_kv_tiles)

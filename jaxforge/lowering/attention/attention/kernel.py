@@ -137,9 +137,12 @@ class Geometry:
         """``(lo, hi, full_lo, full_hi)``: the query tiles key tile ``j`` visits, as :meth:`row_bounds`."""
         return (*self.q_tiles(mods, j, data), *self.full_q_tiles(mods, j, data))
 
-    def row_tiles(self, mods: Mods, i, mask: MaskTiles):
-        """``(kv_tiles, full_kv_tiles)`` of query tile ``i``."""
+    def row_tiles(self, mods: Mods, i, mask: MaskTiles, kv_range=None):
+        """``(kv_tiles, full_kv_tiles)`` of query tile ``i``; only those in ``kv_range = (start,
+        stop)`` if given (a split of split-KV)."""
         lo, hi, full_lo, full_hi = mask.row_bounds(i) if mask.row_bounds else self.row_bounds(mods, i, mask.span)
+        if kv_range is not None:
+            lo, hi = jnp.maximum(lo, kv_range[0]), jnp.minimum(hi, kv_range[1])
         return (lo, hi), (full_lo, full_hi)
 
     def col_tiles(self, mods: Mods, j, mask: MaskTiles):
@@ -227,18 +230,18 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
     )
-    (lo, hi), full = geo.row_tiles(mods, i, mask)
-    if kv_range is not None:
-        lo, hi = jnp.maximum(lo, kv_range[0]), jnp.minimum(hi, kv_range[1])
-    m, l, acc = tile_loop((lo, hi), full, body, init)
+    m, l, acc = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
     return out, lse
 
 
-def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore):
-    """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts."""
+def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore, kv_range=None):
+    """``(dout, dlse)`` of query tile ``i``; ``load(j) -> (k, v, dk, dv)``; ``dscore`` for float consts.
+
+    Linear in each key's terms (``lse`` is the whole row's), so the results over the splits of
+    ``kv_range`` (as :func:`fwd_rows`) add up."""
     mask = mask.rows_loaded(i)
 
     def body(j, carry, masked):
@@ -254,7 +257,7 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
-    r, acc = tile_loop(*geo.row_tiles(mods, i, mask), body, init)
+    r, acc = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
     return acc - r[:, None] * out.astype(geo.acc_dtype), r
 
 

@@ -112,8 +112,8 @@ def _kv_whole(geo: Geometry, s: int, d: int):  # a head's whole key/value sequen
     return pl.BlockSpec((_SQ, s, _SQ, d), lambda b, h, i: (b, 0, h // geo.group, 0))
 
 
-def _row_block(geo: Geometry):  # lse/delta rows (B, Hq, S) of one query tile
-    return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, i: (b, h, i))
+def _row_block(geo: Geometry, splits: int = 1):  # lse/delta rows (B, Hq, S) of one query tile
+    return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, p: (b, h, p // splits))
 
 
 def _item_block(x):  # one local batch item's row of (B, ...), whole
@@ -222,40 +222,73 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m = consts[n_mask:], len(mask_ops)
-    splits = config.kv_splits(bsz * hq * geo.num_q_tiles, geo.num_kv_tiles, implementation, build.gpu_sm_count())
-    per_split = -(-geo.num_kv_tiles // splits)
+    split = _Split.of(geo, bsz * hq, implementation)
 
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         *in_refs, out_ref, lse_ref = refs
         mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
-        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2) // splits
+        (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        split = pl.program_id(2) % splits
-        kv_range = None if splits == 1 else (split * per_split, (split + 1) * per_split)
         out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range)
         out_ref[...] = out.astype(out_ref.dtype)
         lse_ref[...] = lse
 
-    # program (b, h, i * splits + s): query tile i, split s; a split's output unrounded
-    out_dtype = q.dtype if splits == 1 else geo.acc_dtype
+    out_specs, out_shapes = split.outputs(bsz, hq, dv, q.dtype, geo.acc_dtype)
     out, lse = _call(
         kernel,
         interpret,
-        (bsz, hq, geo.num_q_tiles * splits),
-        [_whole(offset), _q_block(geo, d, splits), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
+        (bsz, hq, geo.num_q_tiles * split.count),
+        [_whole(offset), _q_block(geo, d, split.count), _kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
         + mask_specs
         + [_whole(c) for c in score_c],
-        [
-            pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, dv), lambda b, h, p: (b, p % splits, p // splits, h, 0)),
-            pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % splits, h, p // splits)),
-        ],
-        [jax.ShapeDtypeStruct((bsz, splits, sq_pad, hq, dv), out_dtype), jax.ShapeDtypeStruct((bsz, splits, hq, sq_pad), geo.acc_dtype)],
+        out_specs,
+        out_shapes,
         (offset, qp, kp, vp, *mask_ops, *score_c),
         "jaxforge_attention_fwd",
         compiler,
     )
     out, lse = _merge_splits(out, lse)
     return _queries_back(geo, batch, out.astype(q.dtype), v.shape[-1]), _queries_back(geo, batch, lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Split:
+    """Split-KV of a forward or tangent call: each query tile's key tiles shared out over
+    ``count`` programs, ``per_split`` tiles each; program ``(b, h, i * count + s)`` holds query
+    tile ``i``, split ``s``. Their outputs, unrounded (``acc_dtype``) where ``count > 1``, get a
+    split axis: ``(B, count, rows, H, D)`` and rows ``(B, count, H, rows)``."""
+
+    geo: Geometry
+    count: int
+    per_split: int
+
+    @staticmethod
+    def of(geo: Geometry, heads: int, implementation: Implementation) -> _Split:
+        """``heads``: the call's (batch item, head) pairs."""
+        count = config.kv_splits(heads * geo.num_q_tiles, geo.num_kv_tiles, implementation, build.gpu_sm_count())
+        return _Split(geo, count, -(-geo.num_kv_tiles // count))
+
+    def program(self):
+        """This program's query tile and key-tile range (None: all)."""
+        p = pl.program_id(2)
+        if self.count == 1:
+            return p, None
+        s = p % self.count
+        return p // self.count, (s * self.per_split, (s + 1) * self.per_split)
+
+    def outputs(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
+        """``(specs, shapes)`` of a call's outputs: ``d`` wide rows of ``dtype``, and row values."""
+        c, geo = self.count, self.geo
+        specs = [
+            pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p % c, p // c, h, 0)),
+            pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % c, h, p // c)),
+        ]
+        rows = geo.num_q_tiles * geo.block_q
+        shapes = [
+            jax.ShapeDtypeStruct((bsz, c, rows, hq, d), dtype if c == 1 else acc_dtype),
+            jax.ShapeDtypeStruct((bsz, c, hq, rows), acc_dtype),
+        ]
+        return specs, shapes
 
 
 def _merge_splits(out, lse):
@@ -289,34 +322,38 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m, n_s = consts[n_mask:], len(mask_ops), len(consts) - n_mask
+    split = _Split.of(geo, bsz * hq, implementation)
 
     def kernel(offset_ref, q_ref, dq_ref, out_ref, lse_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
         *in_refs, dout_ref, dlse_ref = refs
         mask, values = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
-        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
+        (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
         load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
         dout, dlse = tangent_rows(
             geo, mods, q_ref[...], dq_ref[...], out_ref[...], lse_ref[...], load, b, h, i,
-            mask, values[:n_s], values[n_s:],
+            mask, values[:n_s], values[n_s:], kv_range,
         )  # fmt: skip
         dout_ref[...] = dout.astype(dout_ref.dtype)
         dlse_ref[...] = dlse
 
+    q_block = lambda d: _q_block(geo, d, split.count)  # noqa: E731
+    out_specs, out_shapes = split.outputs(bsz, hq, dvp, out.dtype, lse.dtype)
     dout, dlse = _call(
         kernel,
         interpret,
-        (bsz, hq, geo.num_q_tiles),
-        [_whole(offset), _q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo)]
+        (bsz, hq, geo.num_q_tiles * split.count),
+        [_whole(offset), q_block(d), q_block(d), q_block(dvp), _row_block(geo, split.count)]
         + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
         + mask_specs
         + [_whole(c) for c in (*score_c, *dscore)],
-        [_q_block(geo, dvp), _row_block(geo)],
-        [jax.ShapeDtypeStruct((bsz, sq_pad, hq, dvp), out.dtype), jax.ShapeDtypeStruct((bsz, hq, sq_pad), lse.dtype)],
+        out_specs,
+        out_shapes,
         (offset, *rows, *cols, *mask_ops, *score_c, *dscore),
         "jaxforge_attention_tangent",
         compiler,
     )
-    return _queries_back(geo, batch, dout, out.shape[-1]), _queries_back(geo, batch, dlse)
+    dout, dlse = dout.sum(axis=1), dlse.sum(axis=1)  # linear in the splits' terms
+    return _queries_back(geo, batch, dout.astype(out.dtype), out.shape[-1]), _queries_back(geo, batch, dlse)
 
 
 def attention_bwd_pallas(
