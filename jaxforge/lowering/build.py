@@ -195,13 +195,18 @@ def load(kernel: Kernel, library: pathlib.Path) -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="CUDA")
 
 
-def gpu_arch() -> str | None:
-    """``sm_XY`` of the first CUDA device, or None without one."""
+def _first_gpu():
+    """The first CUDA device, or None without one."""
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
         return None
-    capability = getattr(devices[0], "compute_capability", None) if devices else None
+    return devices[0] if devices else None
+
+
+def gpu_arch() -> str | None:
+    """``sm_XY`` of the first CUDA device, or None without one."""
+    capability = getattr(_first_gpu(), "compute_capability", None)
     if not capability:
         return None
     major, minor = capability.split(".")
@@ -210,11 +215,7 @@ def gpu_arch() -> str | None:
 
 def gpu_sm_count() -> int | None:
     """The streaming multiprocessors of the first CUDA device, or None without one."""
-    try:
-        devices = jax.devices("gpu")
-    except RuntimeError:
-        return None
-    return getattr(devices[0], "core_count", None) if devices else None
+    return getattr(_first_gpu(), "core_count", None)
 
 
 _LOADED: dict[str, bool] = {}

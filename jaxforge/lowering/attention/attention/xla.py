@@ -92,6 +92,12 @@ def _back(x, batch, s: int):
     return jnp.swapaxes(x, 1, 2).reshape(*batch, s, hkv * group, *rest)
 
 
+def _queries_back(geo: Geometry, x, batch, rows: bool = False):
+    """A query-side result ``(B, Hkv, G, tiles, tile, ...)`` as ``(*batch, Sq, Hq, ...)``: heads
+    unpacked (``rows``: lse-like, no trailing dim)."""
+    return unpack_heads(geo, _back(x, batch, geo.rows), rows=rows)
+
+
 def _slice(x, i, size):
     return lax.dynamic_slice_in_dim(x, i * size, size, axis=0)
 
@@ -147,7 +153,7 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
         batch_ids,
         head_offset,
     )
-    return unpack_heads(geo, _back(out, batch, geo.rows)).astype(q.dtype), unpack_heads(geo, _back(lse, batch, geo.rows), rows=True)
+    return _queries_back(geo, out, batch).astype(q.dtype), _queries_back(geo, lse, batch, rows=True)
 
 
 def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
@@ -178,7 +184,7 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         batch_ids,
         head_offset,
     )
-    return unpack_heads(geo, _back(dout, batch, geo.rows)).astype(out.dtype), unpack_heads(geo, _back(dlse, batch, geo.rows), rows=True)
+    return _queries_back(geo, dout, batch).astype(out.dtype), _queries_back(geo, dlse, batch, rows=True)
 
 
 def bwd_delta(out, g_out, g_lse, acc_dtype):
@@ -230,7 +236,7 @@ def attention_bwd_xla(
     gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
     g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
-    return (unpack_heads(geo, _back(gq, batch, geo.rows)).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
+    return (_queries_back(geo, gq, batch).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
 
 
 def attention_tangent_bwd_xla(
@@ -269,8 +275,8 @@ def attention_tangent_bwd_xla(
         batch_ids,
         head_offset,
     )
-    rows_back = lambda x: _back(x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:]), batch, geo.rows)  # noqa: E731
-    gq, glse, gc = unpack_heads(geo, rows_back(gq)), unpack_heads(geo, rows_back(glse), rows=True), unpack_heads(geo, rows_back(gc), rows=True)
+    tiled = lambda x: x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:])  # noqa: E731
+    gq, glse, gc = _queries_back(geo, tiled(gq), batch), *(_queries_back(geo, tiled(x), batch, rows=True) for x in (glse, gc))
     gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
     gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
     return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), gout.astype(out.dtype), glse.astype(lse.dtype)
