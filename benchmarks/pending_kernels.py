@@ -76,7 +76,11 @@ PENDING = (
     Pending(  # GQA packing and split-KV: "jaxforge" runs the unpacked, unsplit Triton kernels until then
         "jaxforge.lowering.attention.attention.config:TRITON_DECODING_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_decoding_packs_gqa_heads_and_splits_keys",),
-        tuple(Row("attention", shape, "jaxforge-decoding", "jaxforge", "fwd") for shape in ("decode_gqa_8to1", "decode_long_kv")),
+        tuple(
+            Row("attention", shape, "jaxforge-decoding", "jaxforge", mode)
+            for shape in ("decode_gqa_8to1", "decode_long_kv")
+            for mode in ("fwd", "fwd+bwd", "jvp")  # the forward, tangent and dq kernels split
+        ),
     ),
     Pending(  # the gpu tests of the Mosaic forward (those of test_attention_mosaic_gpu.py run on CPU)
         "jaxforge.lowering.attention.attention.config:MOSAIC_VALIDATED",

@@ -102,9 +102,9 @@ class Implementation:
     Mosaic GPU takes ``block_kv`` (64 or 128) and ``num_stages``; its ``block_q`` is 64 a warpgroup.
     ``pack_gqa`` (XLA and Triton): the query heads sharing a key/value head go in the rows of one
     tile (kernel.Geometry); None packs where one head's queries fill less than a tile (decoding,
-    config.packs_gqa). ``kv_splits`` (the Triton forward and tangent): split-KV, each program's key tiles
-    shared out over that many programs whose results merge through their log-sum-exps
-    (flash-decoding); None splits where the programs would not fill the GPU (config.kv_splits).
+    config.packs_gqa). ``kv_splits`` (the Triton forward, tangent and backward's dq): split-KV, each
+    program's key tiles shared out over that many programs whose results merge through their
+    log-sum-exps (flash-decoding; the tangents and dq add up); None splits where the programs would not fill the GPU (config.kv_splits).
     """
 
     name: str | None = None

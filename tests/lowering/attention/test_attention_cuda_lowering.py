@@ -70,9 +70,10 @@ def test_document_masks_hand_the_triton_kernels_tile_bounds_not_whole_span_array
 
 def test_decoding_packs_gqa_heads_and_splits_keys_in_the_triton_forward_once_validated(monkeypatch):
     """One decoding step over KV caches of 65536 (GQA 4:1, the caches' fill levels runtime data):
-    the forward's and the tangent's grids are (items, key/value heads, splits) — each program a
-    tile of its group's packed query heads and 1/17 of the keys (2 x 8 programs would leave an
-    H200's 132 SMs idle) — and the default runs them once config.TRITON_DECODING_VALIDATED."""
+    the forward's, the tangent's and the backward dq's grids are (items, key/value heads, splits) —
+    each program a tile of its group's packed query heads and 1/17 of the keys (2 x 8 programs
+    would leave an H200's 132 SMs idle); the dk/dv kernel's, a program per key tile — and the
+    default runs them once config.TRITON_DECODING_VALIDATED."""
 
     def grids(implementation=None):
         q = jax.ShapeDtypeStruct((2, 1, 32, 128), jnp.bfloat16)
@@ -80,16 +81,21 @@ def test_decoding_packs_gqa_heads_and_splits_keys_in_the_triton_forward_once_val
         lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
         mask = lambda n: jf.masks.causal(n - 1) & jf.masks.padding(n)  # noqa: E731
         att = lambda q, k, v, n: jf.attention(q, k, v, mask=mask(n), implementation=implementation)  # noqa: E731
-        f = lambda q, k, v, n: jax.jvp(lambda q: att(q, k, v, n), (q,), (q,))
+        jvp = lambda q, k, v, n: jax.jvp(lambda q: att(q, k, v, n), (q,), (q,))  # noqa: E731
+        grad = jax.grad(lambda q, k, v, n: jnp.sum(att(q, k, v, n).astype(jnp.float32)), (0, 1, 2))
+        f = lambda *a: (jvp(*a), grad(*a))  # noqa: E731
         triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
         text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, lengths).mlir_module()
         return [tuple(map(int, g)) for g in re.findall(r"grid_x = (\d+) : i32, grid_y = (\d+) : i32, grid_z = (\d+)", text)]
 
-    assert grids("pallas_triton") == [(2, 8, 17)] * 2
-    assert grids(jf.functional.attention.Implementation("pallas_triton", pack_gqa=False, kv_splits=1)) == [(2, 32, 1)] * 2
-    assert grids() == [(2, 32, 1)] * 2
+    # the forward (jvp's and grad's), the tangent and dq, then dk/dv (a program per key tile)
+    split, whole = [(2, 8, 17)] * 4, [(2, 32, 1)] * 4
+    got = grids("pallas_triton")
+    assert len(got) == 5 and got[:4] == split and got[4][:2] == (2, 8)
+    assert grids(jf.functional.attention.Implementation("pallas_triton", pack_gqa=False, kv_splits=1))[:4] == whole
+    assert grids()[:4] == whole
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
-    assert grids() == [(2, 8, 17)] * 2
+    assert grids()[:4] == split
 
 
 def test_masks_reading_captured_arrays_at_points_run_the_triton_kernels_once_validated(monkeypatch):

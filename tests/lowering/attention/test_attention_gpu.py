@@ -90,9 +90,9 @@ def test_document_masks_run_in_the_triton_kernels(name):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_decoding_packs_gqa_heads_and_splits_keys(dtype):
     """Decoding steps (1 and 5 queries a head, GQA 4:1, a padded KV cache of 2000 keys), the
-    heads packed in a tile's rows and the keys of the forward and tangent split over 7 programs:
-    forward, lse, jvp and grad
-    against XLA in float32; and one item of the batch that sees no key (length 0)."""
+    heads packed in a tile's rows and the keys of the forward, tangent and backward's dq split over
+    7 programs: forward, lse, jvp and grad against XLA in float32; and one item of the batch that
+    sees no key (length 0)."""
     from jaxforge.functional.attention import Implementation
 
     for sq in (1, 5):

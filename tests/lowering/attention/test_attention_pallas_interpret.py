@@ -45,8 +45,8 @@ def run(implementation, mask, **kw):
     return lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), implementation=implementation, **kw)
 
 
-# Split-KV (forward and tangent): each program's key tiles over 2 (3) programs, some of which see
-# no key (window, padding)
+# Split-KV (forward, tangent, backward's dq): each program's key tiles over 2 (3) programs, some of
+# which see no key (window, padding)
 SPLIT = Implementation("pallas_triton", block_q=8, block_kv=16, kv_splits=2)
 SPLIT_PACKED = Implementation("pallas_triton", block_q=8, block_kv=8, pack_gqa=True, kv_splits=3)
 VARIANTS = {
@@ -232,10 +232,12 @@ def test_float32_kernel_matches_the_float64_reference():
     np.testing.assert_allclose(out, want, atol=2e-6)
 
 
-def test_decoding_steps_pack_gqa_heads_and_match_xla():
+@pytest.mark.parametrize("impl", [PALLAS, Implementation("pallas_triton", block_q=8, block_kv=8, kv_splits=3)], ids=["whole", "split"])
+def test_decoding_steps_pack_gqa_heads_and_match_xla(impl):
     """Three queries a head, GQA 3:1: packed by default (config.packs_gqa), each tile of 8 rows
     splits some query's heads; ALiBi reads its slopes at a column of heads, and the dq kernel adds
-    their cotangents there. Forward, jvp and grad against XLA's unpacked tiles."""
+    their cotangents there (split: from 3 programs a tile). Forward, jvp and grad against XLA's
+    unpacked tiles."""
     r = np.random.default_rng(9)
     q, k, v = (jnp.asarray(r.standard_normal(s)) for s in ((B, 3, 6, D), (B, SKV, 2, D), (B, SKV, 2, DV)))
     slopes = jnp.asarray(r.random(6))
@@ -249,7 +251,7 @@ def test_decoding_steps_pack_gqa_heads_and_match_xla():
     args, unpacked = (q, k, v, slopes), Implementation("xla", pack_gqa=False)
     tangents = tuple(jnp.asarray(r.standard_normal(a.shape)) for a in args)
     loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))
-    got, want = [(f(i)(*args), jax.jvp(f(i), args, tangents)[1], *jax.grad(loss(i), (0, 1, 2, 3))(*args)) for i in (PALLAS, unpacked)]
+    got, want = [(f(i)(*args), jax.jvp(f(i), args, tangents)[1], *jax.grad(loss(i), (0, 1, 2, 3))(*args)) for i in (impl, unpacked)]
     for n, (a, b) in enumerate(zip(got, want)):
         np.testing.assert_allclose(a, b, atol=1e-12 if n == 0 else 1e-11)
 

@@ -93,7 +93,7 @@ MIN_SPLIT_TILES = 4
 
 
 def kv_splits(programs: int, num_kv_tiles: int, impl: Implementation, sm_count: int | None) -> int:
-    """How many programs share each forward (tangent) program's ``num_kv_tiles`` key tiles:
+    """How many programs share each forward (tangent, backward dq) program's ``num_kv_tiles`` key tiles:
     ``impl.kv_splits`` (at most one a tile), else enough to fill the GPU's SMs twice over."""
     if impl.kv_splits is not None:
         return min(impl.kv_splits, num_kv_tiles)

@@ -327,8 +327,9 @@ def _wanted(score_c, const_grads):
     return [bool(w) for w in const_grads] + [False] * (n - len(const_grads))
 
 
-def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask: MaskTiles, score_c):
-    """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``."""
+def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, i, mask: MaskTiles, score_c, kv_range=None):
+    """``gq`` of query tile ``i``; ``delta = rowsum(g_out * out) - g_lse``. A sum over keys: the
+    results over the splits of ``kv_range`` (as :func:`fwd_rows`) add up."""
     mask = mask.rows_loaded(i)
 
     def body(j, gq, masked):
@@ -336,7 +337,7 @@ def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, 
         _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, [], masked)
         return gq + _dot(geo, g_raw, k) * geo.scale
 
-    return tile_loop(*geo.row_tiles(mods, i, mask), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, jnp.zeros(q.shape, geo.acc_dtype))
 
 
 def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTiles, score_c, fused=None, const_grads=()):

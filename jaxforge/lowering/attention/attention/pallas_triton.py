@@ -253,7 +253,7 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
 
 @dataclasses.dataclass(frozen=True)
 class _Split:
-    """Split-KV of a forward or tangent call: each query tile's key tiles shared out over
+    """Split-KV of a forward, tangent or backward-dq call: each query tile's key tiles shared out over
     ``count`` programs, ``per_split`` tiles each; program ``(b, h, i * count + s)`` holds query
     tile ``i``, split ``s``. Their outputs, unrounded (``acc_dtype``) where ``count > 1``, get a
     split axis: ``(B, count, rows, H, D)`` and rows ``(B, count, H, rows)``."""
@@ -276,19 +276,18 @@ class _Split:
         s = p % self.count
         return p // self.count, (s * self.per_split, (s + 1) * self.per_split)
 
-    def outputs(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
-        """``(specs, shapes)`` of a call's outputs: ``d`` wide rows of ``dtype``, and row values."""
+    def rows_out(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
+        """``(spec, shape)`` of an output of ``d`` wide rows of ``dtype``."""
         c, geo = self.count, self.geo
-        specs = [
-            pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p % c, p // c, h, 0)),
-            pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % c, h, p // c)),
-        ]
-        rows = geo.num_q_tiles * geo.block_q
-        shapes = [
-            jax.ShapeDtypeStruct((bsz, c, rows, hq, d), dtype if c == 1 else acc_dtype),
-            jax.ShapeDtypeStruct((bsz, c, hq, rows), acc_dtype),
-        ]
-        return specs, shapes
+        spec = pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p % c, p // c, h, 0))
+        return spec, jax.ShapeDtypeStruct((bsz, c, geo.num_q_tiles * geo.block_q, hq, d), dtype if c == 1 else acc_dtype)
+
+    def outputs(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
+        """``(specs, shapes)`` of a forward's or tangent's outputs: rows, and row values."""
+        c, geo = self.count, self.geo
+        rows_spec, rows_shape = self.rows_out(bsz, hq, d, dtype, acc_dtype)
+        values_spec = pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % c, h, p // c))
+        return [rows_spec, values_spec], [rows_shape, jax.ShapeDtypeStruct((bsz, c, hq, geo.num_q_tiles * geo.block_q), acc_dtype)]
 
 
 def _merge_splits(out, lse):
@@ -375,27 +374,30 @@ def attention_bwd_pallas(
     wanted = _wanted_consts(score_c, const_grads)
     sums = [jnp.zeros(score_c[c].shape, _sum_dtype(score_c[c].dtype)) for c in wanted]
     n_in = 7 + n_m + len(score_c)
+    split = _Split.of(geo, bsz * hq, implementation)  # dk, dv have a program per key tile already
 
     def dq_kernel(offset_ref, q_ref, g_ref, lse_ref, delta_ref, k_ref, v_ref, *refs):
         in_refs, (gq_ref, *sum_refs) = refs[: n_in - 7], refs[n_in - 7 + len(sums) :]
         sum_of = dict(zip(wanted, (_Sum(r, interpret) for r in sum_refs)))
         mask = mask_tiles(in_refs[:n_m])
         score = [points.PointArray(r, cotangent=sum_of.get(c)) for c, r in enumerate(in_refs[n_m:])]
-        b, h, i = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1), pl.program_id(2)
+        (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        gq = bwd_dq_rows(geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score)
+        gq = bwd_dq_rows(geo, mods, q_ref[...], g_ref[...], lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score, kv_range)
         gq_ref[...] = gq.astype(gq_ref.dtype)
 
+    n = split.count
+    gq_spec, gq_shape = split.rows_out(bsz, hq, d, q.dtype, geo.acc_dtype)
     gq, *g_consts = _call(
         dq_kernel,
         interpret,
-        (bsz, hq, geo.num_q_tiles),
-        [_whole(offset), _q_block(geo, d), _q_block(geo, dv), _row_block(geo), _row_block(geo)]
+        (bsz, hq, geo.num_q_tiles * n),
+        [_whole(offset), _q_block(geo, d, n), _q_block(geo, dv, n), _row_block(geo, n), _row_block(geo, n)]
         + [_kv_whole(geo, skv_pad, d), _kv_whole(geo, skv_pad, dv)]
         + mask_specs
         + [_whole(c) for c in (*score_c, *sums)],
-        [_q_block(geo, d), *(_whole(x) for x in sums)],
-        [jax.ShapeDtypeStruct(qp.shape, q.dtype), *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sums)],
+        [gq_spec, *(_whole(x) for x in sums)],
+        [gq_shape, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sums)],
         (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c, *sums),
         "jaxforge_attention_bwd_dq",
         compiler,
@@ -432,7 +434,7 @@ def attention_bwd_pallas(
         compiler,
     )
     return (
-        _queries_back(geo, batch, gq, q.shape[-1]),
+        _queries_back(geo, batch, gq.sum(axis=1).astype(q.dtype), q.shape[-1]),  # linear in the splits' terms
         _back(gk, batch, geo.skv, k.shape[-1]),
         _back(gv, batch, geo.skv, v.shape[-1]),
         *(g.astype(score_c[c].dtype) for c, g in zip(wanted, g_consts)),
