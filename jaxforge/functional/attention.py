@@ -17,6 +17,7 @@ from jaxforge.primitives.attention.attention import (
     accumulation_dtype,
     attention_fwd_p,
     check_operands,
+    merge_weights,
 )
 from jaxforge.primitives.attention.mods import Mods
 
@@ -104,17 +105,11 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     either part stay 0 with lse ``-inf`` (no NaN, zero gradients). ``out_b=None``: a part of value 0
     (an attention sink of logit ``lse_b``, which broadcasts to ``lse_a``).
     """
-    lse_b = jnp.broadcast_to(lse_b, lse_a.shape)
-    m = jnp.maximum(lse_a, lse_b)
-    m = jnp.where(jnp.isfinite(m), m, 0)
-    w_a, w_b = jnp.exp(lse_a - m), jnp.exp(lse_b - m)
-    total = w_a + w_b
-    seen = total > 0
-    safe = jnp.where(seen, total, 1)
-    out = out_a * (w_a / safe)[..., None]
+    weights, lse = merge_weights(jnp.stack([lse_a, jnp.broadcast_to(lse_b, lse_a.shape)], axis=-1), axis=-1)
+    out = out_a * weights[..., :1]
     if out_b is not None:
-        out = out + out_b * (w_b / safe)[..., None]
-    return out.astype(out_a.dtype), jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+        out = out + out_b * weights[..., 1:]
+    return out.astype(out_a.dtype), lse
 
 
 def _sinks(sinks, lse_shape):

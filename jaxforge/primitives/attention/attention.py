@@ -78,6 +78,7 @@ __all__ = [
     "attention_tangent_bwd_p",
     "attention_tangent_p",
     "lse_dtype",
+    "merge_weights",
     "second_order_operands",
     "tangent2_dense",
     "tangent_at",
@@ -147,6 +148,19 @@ def lse_dtype(dtype) -> np.dtype:
 def accumulation_dtype(dtype) -> np.dtype:
     """Scores and sums accumulate in float32 (float64 for float64 input)."""
     return lse_dtype(dtype)
+
+
+def merge_weights(lse, axis: int):
+    """Weights and log-sum-exp of attentions of the same queries over disjoint keys, ``lse`` theirs
+    along ``axis``: ``w_s = e^{lse_s - lse}``, ``lse = log Σ_s e^{lse_s}``, the merged output
+    ``Σ_s w_s out_s``. A row that no part sees: weights 0, lse ``-inf`` (no NaN, zero gradients)."""
+    top = jnp.max(lse, axis=axis, keepdims=True)
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    weights = jnp.exp(lse - top)  # a part that sees nothing: 0
+    total = jnp.sum(weights, axis=axis, keepdims=True)
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    return weights / safe, jnp.squeeze(jnp.where(seen, top + jnp.log(safe), -jnp.inf), axis)
 
 
 def _split(operands, mods: Mods):

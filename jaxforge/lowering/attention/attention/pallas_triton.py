@@ -38,6 +38,7 @@ from jaxforge.lowering.attention.attention.kernel import (
     tangent_rows,
 )
 from jaxforge.primitives.attention import points
+from jaxforge.primitives.attention.attention import merge_weights
 from jaxforge.primitives.attention.attention import Implementation
 from jaxforge.primitives.attention.mods import Mods
 
@@ -296,15 +297,8 @@ def _merge_splits(out, lse):
     with lse -inf."""
     if out.shape[1] == 1:
         return out[:, 0], lse[:, 0]
-    top = jnp.max(lse, axis=1)
-    top = jnp.where(jnp.isfinite(top), top, 0)
-    weights = jnp.exp(lse - top[:, None])  # a split that sees nothing: 0
-    total = jnp.sum(weights, axis=1)
-    seen = total > 0
-    safe = jnp.where(seen, total, 1)
-    rows = lambda x: jnp.swapaxes(x, -1, -2)[..., None]  # noqa: E731  (.., H, S) -> (.., S, H, 1)
-    out = jnp.sum(out * rows(weights), axis=1) / rows(safe)
-    return out, jnp.where(seen, top + jnp.log(safe), -jnp.inf)
+    weights, lse = merge_weights(lse, axis=1)
+    return jnp.sum(out * jnp.swapaxes(weights, -1, -2)[..., None], axis=1), lse  # (B, s, H, S) -> (B, s, S, H, 1)
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
