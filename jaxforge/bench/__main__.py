@@ -1,5 +1,5 @@
 """Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--budget S[,S]]
-[--variants BQxBKVwWsS,...] [--out DIR] [--tag TAG]``."""
+[--variants BQxBKVwWsS,...] [--modes fwd,fwd+bwd,jvp,hvp] [--out DIR] [--tag TAG]``."""
 
 from __future__ import annotations
 
@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         help="attention only: Triton configurations BQxBKVwWARPSsSTAGES, e.g. 128x64w4s2,128x128w8s3 "
         "('-' keeps config.py's), each timed as a contender beside the default",
     )
+    parser.add_argument(
+        "--modes",
+        type=lambda text: [m for m in text.split(",") if m],
+        help="attention only: comma-separated modes among fwd,fwd+bwd,jvp,hvp (default: fwd,fwd+bwd,jvp)",
+    )
     parser.add_argument("--tag", help="a word added to the file name and stored in the JSON")
     args = parser.parse_args(argv)
 
@@ -57,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
             options["variants"] = [parse_variant(v) for v in args.variants]
         except ValueError as e:
             parser.error(str(e))
+    if args.modes:
+        if args.family != "attention":
+            parser.error("--modes is for the attention family")
+        options["modes"] = args.modes
     start = time.perf_counter()
     try:
         records = run(
             args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar(), budget_s=budget, **options
         )
-    except ValueError as e:  # an unknown shape name: a usage error, not a crash
+    except ValueError as e:  # an unknown shape name or mode: a usage error, not a crash
         parser.error(str(e))
     path = write_results(records, args.family, args.out, quick=args.quick, tag=args.tag)
     print(format_table(records))

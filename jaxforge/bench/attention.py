@@ -6,7 +6,9 @@ GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes:
 * ``fwd``: ``attention(q, k, v)``;
 * ``fwd+bwd``: ``jax.grad`` of ``sum(out * do)`` with respect to q, k and v (torch: the same
   through ``torch.autograd.grad``);
-* ``jvp``: ``jax.jvp`` with respect to q, k and v, giving ``(out, dout)``.
+* ``jvp``: ``jax.jvp`` with respect to q, k and v, giving ``(out, dout)``;
+* ``hvp`` (asked for by ``modes``): ``jax.jvp`` of the ``fwd+bwd`` gradient along the jvp's
+  tangents, a Hessian-vector product (forward over reverse), giving the gradient's tangents.
 
 Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
@@ -52,9 +54,10 @@ from jaxforge.lowering import build
 from jaxforge.lowering.attention.attention import config
 from jaxforge.primitives.attention.attention import SHAPES
 
-__all__ = ["MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
+__all__ = ["ALL_MODES", "MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
 
-MODES = ("fwd", "fwd+bwd", "jvp")
+MODES = ("fwd", "fwd+bwd", "jvp")  # the default
+ALL_MODES = (*MODES, "hvp")
 WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
 DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
 BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
@@ -147,7 +150,7 @@ class _Op:
 
 
 def measure(
-    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None, variants=()
+    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None, variants=(), modes=MODES
 ) -> list[dict]:
     """Times every contender on each selected case in each mode; one record per triple.
 
@@ -157,11 +160,14 @@ def measure(
     before the others. ``budget_s``: ``(soft, hard)`` seconds (default: ``GPU_BUDGET_S`` on a GPU,
     none elsewhere). ``variants``: ``jf.attention`` Implementations (Triton tiles, warps, stages)
     measured as essential contenders beside the default one, named by ``variant_name``: a tuning
-    sweep. ``progress(done, total, label)`` is called before each measurement and at the end.
+    sweep. ``modes``: some of ``ALL_MODES``. ``progress(done, total, label)`` is called before each
+    measurement and at the end.
     """
     start = time.perf_counter()
     backend = jax.default_backend()
     op = OPS["attention"]
+    if not modes or set(modes) - set(ALL_MODES):
+        raise ValueError(f"modes {list(modes)}: each one of {list(ALL_MODES)}")
     if shapes is not None:
         unknown = sorted(set(shapes) - set(op.shapes))
         if unknown:
@@ -181,7 +187,7 @@ def measure(
     contenders[1:1] = [
         _jax_contender(variant_name(v), _jf_forward(v), essential=lambda case: True) for v in variants
     ]
-    total = len(cases) * len(MODES) * len(contenders)
+    total = len(cases) * len(modes) * len(contenders)
     measured: dict[tuple[str, str, str], dict] = {}
     # Two passes: the essential contenders (jaxforge and the anchors with targets) on every case,
     # then the others while the soft limit allows, so a budget cuts optional rows, not cases.
@@ -191,8 +197,8 @@ def measure(
             todo = [c for c in contenders if c.essential(case) == essential]
             in_time = bool(todo) and time.perf_counter() - start <= limit
             inputs = _make_inputs(case) if in_time else None
-            reference, ref_note = _reference(case, inputs) if in_time else (None, None)
-            for mode in MODES:
+            reference, ref_note = _reference(case, inputs, "hvp" in modes) if in_time else (None, None)
+            for mode in modes:
                 for contender in todo:
                     if progress:
                         progress(len(measured), total, f"{case.name} {mode} {contender.name}")
@@ -210,7 +216,7 @@ def measure(
     for case in cases:
         fraction = _visible_fraction(case, _segment_ids(case))
         case_records = []
-        for mode in MODES:
+        for mode in modes:
             group = []
             for contender in contenders:
                 record = dict(
@@ -350,7 +356,7 @@ def _make_inputs(case: Case) -> Inputs:
 
 # ---------------------------------------------------------------- reference and accuracy
 
-_ACCURACY_NAMES = {"fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout")}
+_ACCURACY_NAMES = {"fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout"), "hvp": ("hq", "hk", "hv")}
 
 
 @jax.jit
@@ -377,8 +383,8 @@ def _device_memory_bytes() -> int | None:
         return None
 
 
-def _reference(case: Case, x: Inputs) -> tuple[dict | None, str | None]:
-    """float32 ``out``, ``dq, dk, dv`` and ``dout``, or None and why there is none."""
+def _reference(case: Case, x: Inputs, hvp: bool = False) -> tuple[dict | None, str | None]:
+    """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv`` if ``hvp``), or None and why there is none."""
     # One (batch item, kv head) at a time: its scores, their tangents and cotangents in float32.
     item_bytes = 8 * (case.hq // case.hkv) * case.sq * case.skv * 4
     memory = _device_memory_bytes()
@@ -386,13 +392,13 @@ def _reference(case: Case, x: Inputs) -> tuple[dict | None, str | None]:
         return None, f"no accuracy: the float32 reference needs ~{item_bytes / 2**30:.0f} GiB per head, more than it may take"
     try:
         with jax.default_matmul_precision("highest"):
-            out, (gq, gk, gv), dout = _reference_fn(case)(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
-        return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout), None
+            out, (gq, gk, gv), dout, hvp = _reference_fn(case, hvp)(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
+        return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout, **dict(zip(("hq", "hk", "hv"), hvp))), None
     except Exception as e:  # e.g. out of memory: the timings still stand
         return None, f"no accuracy: the float32 reference failed ({type(e).__name__}: {str(e)[:150]})"
 
 
-def _reference_fn(case: Case):
+def _reference_fn(case: Case, hvp: bool):
     attend = _jnn_forward(case, "xla")
     bsz, hkv = case.batch, case.hkv
 
@@ -410,15 +416,16 @@ def _reference_fn(case: Case):
         fn = lambda q, k, v: attend(q, k, v, seg, slopes)  # noqa: E731
         out, vjp = jax.vjp(fn, q, k, v)
         _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
-        return out, vjp(do), dout
+        grad = lambda q, k, v: jax.vjp(fn, q, k, v)[1](do)  # noqa: E731
+        return out, vjp(do), dout, jax.jvp(grad, (q, k, v), (dq, dk, dv))[1] if hvp else ()
 
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):
         seg_items = None if seg is None else jnp.repeat(seg, hkv, axis=0)[:, None, :]
         slopes = jnp.tile(jnp.asarray(alibi_slopes(case.hq)).reshape(hkv, -1), (bsz, 1))  # each item's heads
         items = (split(q), split(k), split(v), seg_items, slopes, split(do), split(dq), split(dk), split(dv))
-        out, grads, dout = lax.map(one, items)
-        return merge(out), tuple(merge(g) for g in grads), merge(dout)
+        out, grads, dout, hvp = lax.map(one, items)
+        return merge(out), tuple(merge(g) for g in grads), merge(dout), tuple(merge(h) for h in hvp)
 
     return reference
 
@@ -458,6 +465,13 @@ def _jax_modes(attend: Callable, mode: str, x: Inputs) -> tuple[Callable, tuple]
             return jax.jvp(lambda q, k, v: attend(q, k, v, seg), (q, k, v), (dq, dk, dv))
 
         return jax.jit(jvp), (x.q, x.k, x.v, x.seg, x.dq, x.dk, x.dv)
+    if mode == "hvp":
+        grad, _ = _jax_modes(attend, "fwd+bwd", x)
+
+        def hvp(q, k, v, seg, do, dq, dk, dv):
+            return jax.jvp(lambda q, k, v: grad(q, k, v, seg, do), (q, k, v), (dq, dk, dv))[1]
+
+        return jax.jit(hvp), (x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -471,7 +485,7 @@ def _jax_contender(name: str, forward: Callable[[Case], Callable | str], *, no_j
         attend = forward(case)
         if isinstance(attend, str):
             return attend
-        if mode == "jvp" and no_jvp:
+        if mode in ("jvp", "hvp") and no_jvp:
             return no_jvp
         return _jax_modes(attend, mode, x)
 
@@ -667,7 +681,7 @@ def _torch_to_jax(t):
 
 
 def _torch_modes(torch, attend: Callable, mode: str, case: Case, x: Inputs) -> tuple[Callable, tuple] | str:
-    if mode == "jvp":
+    if mode in ("jvp", "hvp"):
         return _NO_TORCH_JVP
     q, k, v = (_torch_bhsd(torch, t) for t in (x.q, x.k, x.v))
     if mode == "fwd":
@@ -731,7 +745,7 @@ def _flex_contender(torch) -> Contender:
     def prepare(case, x, mode):
         if case.mask is None:
             return "flex_attention is measured on masked cases only (SDPA covers plain attention)"
-        if mode == "jvp":
+        if mode in ("jvp", "hvp"):
             return _NO_TORCH_JVP
         batch = None
         score_mod = None

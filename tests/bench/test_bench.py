@@ -187,6 +187,20 @@ def test_attention_variants_are_timed_beside_the_default():
     assert all(r["status"] == "ok" and all(v < 1e-4 for v in r["accuracy"].values()) for r in rows), rows
 
 
+def test_attention_hessian_vector_products_on_request():
+    """``modes`` picks among fwd, fwd+bwd, jvp and hvp (a jvp of the gradient, against the reference's)."""
+    records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=("fwd", "hvp"))
+    assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in ("fwd", "hvp") for i in ("jaxforge", "jax.nn-xla")}
+    for r in records:
+        assert r["status"] == "ok", r
+        assert set(r["accuracy"]) == ({"out"} if r["mode"] == "fwd" else {"hq", "hk", "hv"})
+        assert all(0 <= v < 1e-4 for v in r["accuracy"].values()), r
+        if r["mode"] == "hvp":
+            assert r["tflops"] is None and r["time_over_fwd"] > 0
+    with pytest.raises(ValueError, match="modes"):
+        run("attention", quick=True, shapes=["quick_causal"], modes=("fwd", "hessian"))
+
+
 def test_gpu_svd_algorithm_variants_are_accurate_and_gated_to_large_shapes():
     # On a GPU every choice of the large-SVD dispatch is timed beside jnp's default; those that need
     # no cuSOLVER-only algorithm (gesvd is LAPACK's, QDWH is jax ops) also run here.

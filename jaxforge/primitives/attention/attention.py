@@ -72,6 +72,7 @@ __all__ = [
     "Implementation",
     "SHAPES",
     "attention_bwd_p",
+    "attention_bwd_tangent_p",
     "attention_fwd_p",
     "attention_reference",
     "attention_tangent2_p",
@@ -245,6 +246,26 @@ def _bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const
     return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
 
 
+def _bwd_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads):
+    """The backward as the kernels compute it, densely: the transpose of :func:`tangent_at` in
+    ``(dq, dk, dv, float score-const tangents)`` at ``(g_out, g_lse)``; from the given ``(out, lse)``,
+    where :func:`_bwd_reference` recomputes them."""
+    *consts, g_out, g_lse = operands
+    _, score_c = _split(consts, mods)
+    at = lambda *d: tangent_at(q, k, v, out, lse, *consts, *d, mods=mods, scale=scale)  # noqa: E731
+    gq, gk, gv, *gscore = jax.vjp(at, *(jnp.zeros_like(x) for x in (q, k, v, *float_consts(score_c))))[1]((g_out, g_lse))
+    return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
+
+
+def _bwd_tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation=None):
+    """The jvp of :func:`_bwd_at` in ``(q, k, v, out, lse, g_out, g_lse)`` along the last seven operands."""
+    *consts, g_out, g_lse = operands[:-7]
+    at = lambda q, k, v, out, lse, g_out, g_lse: _bwd_at(  # noqa: E731
+        q, k, v, out, lse, *consts, g_out, g_lse, mods=mods, scale=scale, const_grads=const_grads
+    )
+    return jax.jvp(at, (q, k, v, out, lse, g_out, g_lse), tuple(operands[-7:]))[1]
+
+
 def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids=None, head_offset=0):
     """The tangent map as the kernels compute it, densely: from the given ``(out, lse)``,
     ``p = e^{s - lse}``, ``dlse = Σ_j p ds``, ``dout = Σ_j p (ds v + dv) - dlse·out``. Its partial
@@ -380,6 +401,10 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     return (*grads, *consts)
 
 
+def _bwd_tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+    return _bwd_abstract_eval(q, k, v, out, lse, *operands[:-7], mods=mods, scale=scale, const_grads=const_grads, implementation=implementation)
+
+
 def _tangent2_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
     check_operands("attention_tangent2", q, k, v)
     return _output_avals("attention_tangent2", q, k, v, [(out.shape, out.dtype, -2), (lse.shape, lse.dtype, -1)])
@@ -448,6 +473,41 @@ def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, 
     )
     return [None] * (5 + len(consts)) + [dout if _core.is_linear_input(g_out) else None,
                                           dlse if _core.is_linear_input(g_lse) else None]  # fmt: skip
+
+
+def _bwd_jvp(primals, tangents, *, mods: Mods, scale: float, const_grads, implementation):
+    """The backward's derivative in every operand (a Hessian-vector product, forward over reverse) is
+    attention_bwd_tangent: forward mode through the backward's tiles, O(S) memory. Where the float
+    score consts themselves move, the dense reference's derivative."""
+    params = dict(mods=mods, scale=scale, const_grads=const_grads, implementation=implementation)
+    n_mask, n = mods.num_mask_consts, mods.num_mask_consts + mods.num_score_consts
+    score_tangents = zip(primals[5 + n_mask : 5 + n], tangents[5 + n_mask : 5 + n])
+    if any(jnp.issubdtype(c.dtype, jnp.inexact) and not _core.is_symbolic_zero(t) for c, t in score_tangents):
+        return _reference_jvp(_bwd_reference)(primals, tangents, **params)
+    along = [_core.instantiate_zeros(t) for t in (*tangents[:5], *tangents[5 + n :])]
+    return attention_bwd_p.bind(*primals, **params), attention_bwd_tangent_p.bind(*primals, *along, **params)
+
+
+def _bwd_tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+    """Reverse over reverse, in the first-order primitives' tiles. With ``φ(x, d, g) = ⟨g, T(x; d)⟩``,
+    ``T`` the tangent map (linear in ``d``), the backward is ``∂φ/∂d``, so the pairing of cotangents
+    ``c`` with its jvp along ``(ẋ, ġ)`` is ``∂φ/∂x(x, c, g)·ẋ + ⟨ġ, T(x; c)⟩``: the cotangent of
+    ``x = (q, k, v, out, lse)`` is attention_tangent_bwd at ``(d, g) = (c, g)``, that of ``g``
+    attention_tangent along ``c``."""
+    params = dict(mods=mods, scale=scale, implementation=implementation)
+    n = mods.num_mask_consts + mods.num_score_consts
+    consts, (g_out, g_lse), along = list(operands[:n]), operands[n : n + 2], operands[n + 2 :]
+    _, score_c = _split(consts, mods)
+    cts = iter(_core.instantiate_zeros(c) for c in cts)
+    c = [next(cts), next(cts), next(cts)]
+    c += [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+    linear = [_core.is_linear_input(t) for t in along]
+    grads = [None] * 7
+    if any(linear[:5]):
+        grads[:5] = attention_tangent_bwd_p.bind(q, k, v, out, lse, *consts, *c[:3], g_out, g_lse, *c[3:], **params)
+    if any(linear[5:]):
+        grads[5:] = attention_tangent_p.bind(q, k, v, out, lse, *consts, *c, **params)
+    return [None] * (5 + n + 2) + [g if wanted else None for g, wanted in zip(grads, linear)]
 
 
 def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
@@ -533,7 +593,7 @@ def _batch_rule(n_leading: int, n_trailing: int):
         if prim in (attention_tangent_p, attention_tangent2_p, attention_tangent_bwd_p):
             for i, d in zip(float_idx, tail_d[n_trailing:]):
                 score_batched[i] |= d is not None
-        if prim is attention_bwd_p:
+        if prim in (attention_bwd_p, attention_bwd_tangent_p):
             for i, wanted in zip(float_idx, params["const_grads"]):
                 score_batched[i] |= wanted
 
@@ -588,6 +648,11 @@ def _example_bwd_args():
     return q, k, v, out, lse, out, lse
 
 
+def _example_bwd_tangent_args():
+    q, k, v, out, lse, g_out, g_lse = _example_bwd_args()
+    return q, k, v, out, lse, g_out, g_lse, 0.5 * q, -k, v, out, 2.0 * lse, -g_out, g_lse
+
+
 def _example_tangent2_args():
     q, k, v, out, lse, *_ = _example_tangent_args()
     return q, k, v, out, lse, q, k, v, q, k, v, out, lse
@@ -625,7 +690,7 @@ attention_tangent_p = _core.define_primitive(
 attention_bwd_p = _core.define_primitive(
     "jaxforge_attention_bwd",
     abstract_eval=_bwd_abstract_eval,
-    jvp=_reference_jvp(_bwd_reference),
+    jvp=_bwd_jvp,
     transpose=_bwd_transpose,
     reference=_bwd_reference,
     example_args=_example_bwd_args,
@@ -633,7 +698,21 @@ attention_bwd_p = _core.define_primitive(
     batch=_batch_rule(5, 2),
     **_COMMON,
 )
-# Second order: the tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad
+# Second order. The backward's derivative (forward over reverse: a Hessian-vector product), in its
+# tiles (O(S) memory), and its transpose (reverse over reverse), in the tangent's and tangent_bwd's;
+# third order forward through it, dense.
+attention_bwd_tangent_p = _core.define_primitive(
+    "jaxforge_attention_bwd_tangent",
+    abstract_eval=_bwd_tangent_abstract_eval,
+    jvp=_reference_jvp(_bwd_tangent_reference),
+    transpose=_bwd_tangent_transpose,
+    reference=_bwd_tangent_reference,
+    example_args=_example_bwd_tangent_args,
+    example_params=dict(mods=Mods(), scale=0.5, const_grads=(), implementation=Implementation()),
+    batch=_batch_rule(5, 9),
+    **_COMMON,
+)
+# The tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad
 # through a jvp runs the transpose, in XLA's tiles (O(S) memory); a jvp of a jvp, the dense form.
 attention_tangent2_p = _core.define_primitive(
     "jaxforge_attention_tangent2",

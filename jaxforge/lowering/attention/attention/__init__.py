@@ -16,6 +16,7 @@ GPU's interpreter).
 """
 
 import dataclasses
+import functools
 import math
 
 import jax.numpy as jnp
@@ -32,6 +33,7 @@ from jaxforge.lowering.attention.attention import (
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     attention_bwd_p,
+    attention_bwd_tangent_p,
     attention_fwd_p,
     attention_tangent2_p,
     attention_tangent_bwd_p,
@@ -184,24 +186,30 @@ for _prim in IMPLEMENTATIONS:
         )
 
 
-def _second_order(impl):
+def _second_order(impl, empty):
     """Second order runs XLA on every platform (no kernels): ``impl`` at global batch and head
-    indices; no queries or no keys, zeros (a fully masked tangent map)."""
+    indices; no queries or no keys, ``empty(args, mods, params)``: zeros (a fully masked map)."""
 
     def lowering(*args, mods, implementation, shards, **params):
-        q, k, v, out, lse = args[:5]
+        q, k = args[:2]
         if q.shape[-3] == 0 or k.shape[-3] == 0:
-            shapes = (out, lse) if impl is tangent2_dense else (q, k, v, out, lse)
-            return tuple(jnp.zeros_like(x) for x in shapes)
+            return empty(args, mods, params)
         batch_ids, head_offset = _global_indices(q.shape, shards)
         return impl(*args, mods=mods, implementation=implementation, batch_ids=batch_ids, head_offset=head_offset, **params)
 
     return lowering
 
 
-# A jvp of a jvp runs the dense form (O(Sq·Skv) memory, as the spec); a grad through a jvp, tiles.
-for _prim, _impl, _shared in (
-    (attention_tangent2_p, tangent2_dense, shared_operands(5, 8)),
-    (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, shared_operands(5, 5)),
+def _zeros_like(*positions: int):
+    """Zeros shaped like the operands at ``positions``."""
+    return lambda args, mods, params: tuple(jnp.zeros_like(args[i]) for i in positions)
+
+
+# A jvp of a jvp runs the dense form (O(Sq·Skv) memory, as the spec); a grad through a jvp and a
+# jvp of a grad (a Hessian-vector product), tiles.
+for _prim, _impl, _empty, _shared in (
+    (attention_tangent2_p, tangent2_dense, _zeros_like(3, 4), shared_operands(5, 8)),  # (dout, dlse)
+    (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, _zeros_like(0, 1, 2, 3, 4), shared_operands(5, 5)),
+    (attention_bwd_tangent_p, xla.attention_bwd_tangent_xla, functools.partial(_empty_sequence, attention_bwd_p), shared_operands(5, 9)),
 ):
-    _core.register_lowering(_prim, _second_order(_impl), shards=True, shared_operands=_shared)
+    _core.register_lowering(_prim, _second_order(_impl, _empty), shards=True, shared_operands=_shared)

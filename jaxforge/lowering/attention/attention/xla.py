@@ -239,6 +239,23 @@ def attention_bwd_xla(
     return (_queries_back(geo, gq, batch).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
 
 
+def attention_bwd_tangent_xla(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, batch_ids, head_offset
+):
+    """The backward's jvp in (q, k, v, out, lse, g_out, g_lse) — a Hessian-vector product, forward
+    over reverse: forward mode through attention_bwd_xla's loops, which carry each tangent beside its
+    value and keep no residuals (O(S) memory)."""
+    *consts, g_out, g_lse = operands[:-7]
+
+    def bwd(q, k, v, out, lse, g_out, g_lse):
+        return attention_bwd_xla(
+            q, k, v, out, lse, *consts, g_out, g_lse, mods=mods, scale=scale, const_grads=const_grads,
+            implementation=implementation, batch_ids=batch_ids, head_offset=head_offset,
+        )  # fmt: skip
+
+    return jax.jvp(bwd, (q, k, v, out, lse, g_out, g_lse), tuple(operands[-7:]))[1]
+
+
 def attention_tangent_bwd_xla(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset
 ):
