@@ -416,8 +416,8 @@ def _reference_fn(case: Case, hvp: bool):
         fn = lambda q, k, v: attend(q, k, v, seg, slopes)  # noqa: E731
         out, vjp = jax.vjp(fn, q, k, v)
         _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
-        grad = lambda q, k, v: jax.vjp(fn, q, k, v)[1](do)  # noqa: E731
-        return out, vjp(do), dout, jax.jvp(grad, (q, k, v), (dq, dk, dv))[1] if hvp else ()
+        hv = jax.jvp(lambda *a: jax.vjp(fn, *a)[1](do), (q, k, v), (dq, dk, dv))[1] if hvp else ()
+        return out, vjp(do), dout, hv
 
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):

@@ -459,18 +459,28 @@ def _tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: flo
     return [None] * (5 + len(consts)) + grads
 
 
-def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
-    *consts, g_out, g_lse = operands
+def _as_direction(cts, consts, mods: Mods, const_grads) -> list:
+    """Cotangents of the backward's outputs ``(gq, gk, gv, wanted score-const grads)`` as a direction
+    of the tangent map: ``[dq, dk, dv, every float score const's tangent]`` (zeros where unwanted)."""
     _, score_c = _split(consts, mods)
     cts = iter(_core.instantiate_zeros(c) for c in cts)
-    dq, dk, dv = next(cts), next(cts), next(cts)
-    dscore = [
-        next(cts) if wanted else jnp.zeros(c.shape, c.dtype)
-        for c, wanted in zip(float_consts(score_c), const_grads)
-    ]
+    d = [next(cts), next(cts), next(cts)]
+    return d + [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+
+
+def _score_consts_move(primals, tangents, mods: Mods) -> bool:
+    """Whether a float score const (after the five leading operands) has a nonzero tangent."""
+    first, stop = 5 + mods.num_mask_consts, 5 + mods.num_mask_consts + mods.num_score_consts
+    pairs = zip(primals[first:stop], tangents[first:stop])
+    return any(jnp.issubdtype(c.dtype, jnp.inexact) and not _core.is_symbolic_zero(t) for c, t in pairs)
+
+
+def _bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+    *consts, g_out, g_lse = operands
     dout, dlse = attention_tangent_p.bind(
-        q, k, v, out, lse, *consts, dq, dk, dv, *dscore, mods=mods, scale=scale, implementation=implementation
-    )
+        q, k, v, out, lse, *consts, *_as_direction(cts, consts, mods, const_grads),
+        mods=mods, scale=scale, implementation=implementation,
+    )  # fmt: skip
     return [None] * (5 + len(consts)) + [dout if _core.is_linear_input(g_out) else None,
                                           dlse if _core.is_linear_input(g_lse) else None]  # fmt: skip
 
@@ -480,10 +490,9 @@ def _bwd_jvp(primals, tangents, *, mods: Mods, scale: float, const_grads, implem
     attention_bwd_tangent: forward mode through the backward's tiles, O(S) memory. Where the float
     score consts themselves move, the dense reference's derivative."""
     params = dict(mods=mods, scale=scale, const_grads=const_grads, implementation=implementation)
-    n_mask, n = mods.num_mask_consts, mods.num_mask_consts + mods.num_score_consts
-    score_tangents = zip(primals[5 + n_mask : 5 + n], tangents[5 + n_mask : 5 + n])
-    if any(jnp.issubdtype(c.dtype, jnp.inexact) and not _core.is_symbolic_zero(t) for c, t in score_tangents):
+    if _score_consts_move(primals, tangents, mods):
         return _reference_jvp(_bwd_reference)(primals, tangents, **params)
+    n = mods.num_mask_consts + mods.num_score_consts
     along = [_core.instantiate_zeros(t) for t in (*tangents[:5], *tangents[5 + n :])]
     return attention_bwd_p.bind(*primals, **params), attention_bwd_tangent_p.bind(*primals, *along, **params)
 
@@ -497,10 +506,7 @@ def _bwd_tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale:
     params = dict(mods=mods, scale=scale, implementation=implementation)
     n = mods.num_mask_consts + mods.num_score_consts
     consts, (g_out, g_lse), along = list(operands[:n]), operands[n : n + 2], operands[n + 2 :]
-    _, score_c = _split(consts, mods)
-    cts = iter(_core.instantiate_zeros(c) for c in cts)
-    c = [next(cts), next(cts), next(cts)]
-    c += [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+    c = _as_direction(cts, consts, mods, const_grads)
     linear = [_core.is_linear_input(t) for t in along]
     grads = [None] * 7
     if any(linear[:5]):
@@ -516,10 +522,9 @@ def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation)
     grad through a jvp) runs in O(S) memory. Where the float score consts themselves move, the
     dense reference's derivative."""
     params = dict(mods=mods, scale=scale, implementation=implementation)
-    n_mask, n = mods.num_mask_consts, mods.num_mask_consts + mods.num_score_consts
-    score_tangents = zip(primals[5 + n_mask : 5 + n], tangents[5 + n_mask : 5 + n])
-    if any(jnp.issubdtype(c.dtype, jnp.inexact) and not _core.is_symbolic_zero(t) for c, t in score_tangents):
+    if _score_consts_move(primals, tangents, mods):
         return _reference_jvp(_tangent_reference)(primals, tangents, **params)
+    n = mods.num_mask_consts + mods.num_score_consts
     q, k, v, out, lse, *operands = primals
     consts, d = operands[:n], operands[n:]  # d: dq, dk, dv and the float score consts' tangents
     outs = attention_tangent_p.bind(*primals, **params)

@@ -38,8 +38,7 @@ from jaxforge.lowering.attention.attention.kernel import (
     tangent_rows,
 )
 from jaxforge.primitives.attention import points
-from jaxforge.primitives.attention.attention import merge_weights
-from jaxforge.primitives.attention.attention import Implementation
+from jaxforge.primitives.attention.attention import Implementation, merge_weights
 from jaxforge.primitives.attention.mods import Mods
 
 __all__ = [
