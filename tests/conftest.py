@@ -1,8 +1,10 @@
 """Test set-up: float64 on, 8 CPU devices in one process for sharding tests, the `gpu` marker,
 and jf.nn's shape annotations checked at run time (the hook must precede any import of jaxforge)."""
 
+import gc
 import importlib.util
 import os
+from pathlib import Path
 
 from jaxtyping import install_import_hook
 
@@ -15,6 +17,34 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
+
+
+def _mapping_count() -> int | None:
+    """This process's memory mappings (None off Linux)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return None
+
+
+try:
+    _MAPPING_LIMIT = int(Path("/proc/sys/vm/max_map_count").read_text())
+except (OSError, ValueError):
+    _MAPPING_LIMIT = 65530  # Linux's default
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each compiled CPU program keeps its JIT code in memory mappings of its own, and jax's caches
+    keep the programs: an xdist worker that had run ~1200 tests' programs reached the kernel's
+    vm.max_map_count, where LLVM's next allocation fails ("LLVM compilation error: Cannot allocate
+    memory") and the worker dies. Past half that limit the caches go (later tests recompile)."""
+    yield
+    mappings = _mapping_count()
+    if mappings is not None and mappings > _MAPPING_LIMIT // 2:
+        jax.clear_caches()
+        gc.collect()
 
 
 def pytest_collection_modifyitems(config, items):
