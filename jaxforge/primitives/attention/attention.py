@@ -464,8 +464,9 @@ def _as_direction(cts, consts, mods: Mods, const_grads) -> list:
     of the tangent map: ``[dq, dk, dv, every float score const's tangent]`` (zeros where unwanted)."""
     _, score_c = _split(consts, mods)
     cts = iter(_core.instantiate_zeros(c) for c in cts)
-    d = [next(cts), next(cts), next(cts)]
-    return d + [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+    dq, dk, dv = next(cts), next(cts), next(cts)
+    d_score = [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+    return [dq, dk, dv, *d_score]
 
 
 def _score_consts_move(primals, tangents, mods: Mods) -> bool:
