@@ -2,7 +2,8 @@
 
 Batch items and heads are vmapped, query (or key) tiles are scanned, and the inner loop visits only
 the tiles the mask's span allows, so memory is O(S · tile) per head and causal masks skip half the
-work. Runs on every platform; it is also the GPU fallback.
+work. The key side keeps its (S, H, D) layout: the loops read its tiles, and the backward writes
+its gradients' tiles, in place. Runs on every platform; it is also the GPU fallback.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ __all__ = [
 
 def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -> Geometry:
     """The call's tiles, for q and k as the primitive has them (``pack_heads`` packs q's side
-    after). ``tile_args``: config.tiles' keywords (the Triton kernels' shared-memory sizes)."""
+    after). ``tile_args``: config.tiles' keywords (XLA: whether the call is masked; Triton: the
+    kernels' shared-memory sizes)."""
     sq, hq, _ = q.shape[-3:]
     skv, hkv, _ = k.shape[-3:]
     group = hq // hkv
@@ -121,25 +123,73 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
+def kv_rows(x, padded: int):
+    """``(*batch, S, H, D)`` -> ``(B, padded, H, D)``: the key side keeps its layout (the loops
+    read its tiles in place, :func:`_over_heads`); it is copied only to pad S to whole tiles."""
+    s, h, d = x.shape[-3:]
+    x = x.reshape(-1, s, h, d)
+    return x if padded == s else jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
+
+
 def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head_offset):
-    """Runs ``fn(b, h, *head_args[b, hk, g], *kv_args[b, hk])`` for every (b, hk, g), vmapped;
-    ``b`` and ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h`` (packed
-    heads: ``head_offset / pack + local h``)."""
-    per_g = jax.vmap(fn, in_axes=(None, 0) + (0,) * len(head_args) + (None,) * len(kv_args))
-    per_hk = jax.vmap(per_g, in_axes=(None, 0) + (0,) * len(head_args) + (0,) * len(kv_args))
-    per_b = jax.vmap(per_hk, in_axes=(0, None) + (0,) * len(head_args) + (0,) * len(kv_args))
+    """Runs ``fn(b, h, *head_args[b, hk, g], load_kv)`` for every (b, hk, g), vmapped; ``b`` and
+    ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h`` (packed heads:
+    ``head_offset / pack + local h``). ``load_kv(j)``: key tile ``j`` of each of ``kv_args``
+    (``kv_rows`` layout) for the lane's (b, hk), read in place: a transposed copy of the whole key
+    side would cost more than the loops' reads on CPU, where each key is read once when decoding."""
+
+    def lane(b_local, hk, b, h, *head):
+        def load_kv(j):
+            start = tuple(jnp.asarray(i, jnp.int32) for i in (b_local, j * geo.block_kv, hk, 0))  # one index dtype
+            return tuple(lax.dynamic_slice(x, start, (1, geo.block_kv, 1, x.shape[-1]))[0, :, 0] for x in kv_args)
+
+        return fn(b, h, *head, load_kv)
+
+    per_g = jax.vmap(lane, in_axes=(None, None, None, 0) + (0,) * len(head_args))
+    per_hk = jax.vmap(per_g, in_axes=(None, 0, None, 0) + (0,) * len(head_args))
+    per_b = jax.vmap(per_hk, in_axes=(0, None, 0, None) + (0,) * len(head_args))
     heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset // geo.pack).reshape(hkv, geo.group)
-    return per_b(batch_ids, heads, *head_args, *kv_args)
+    local = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
+    return per_b(local(batch_ids.shape[0]), local(hkv), batch_ids, heads, *head_args)
+
+
+def _over_key_tiles(cols, geo: Geometry, hkv: int, head_args, fused, kv_args, batch_ids, head_offset):
+    """Scans key tiles ``j``, running ``cols(b, h, *head_args, fused, *kv_tiles, j) -> (gk, gv,
+    fused)`` for every (b, hk, g) as :func:`_over_heads`; ``fused`` (leading dims (B, Hkv, G)) is
+    the lanes' carry. Each tile's gk, gv, summed over the group, go in place into accumulators of
+    ``kv_args[:2]``'s layout and dtype, returned with the last carry: no per-tile stack and no
+    transposed copy of the key side on the way back."""
+
+    def tile(carry, j):
+        fused, gk, gv = carry
+
+        def lane(b, h, *args):
+            *head, fused, load_kv = args
+            return cols(b, h, *head, fused, *load_kv(j), j)
+
+        gk_t, gv_t, fused = _over_heads(lane, geo, hkv, [*head_args, fused], kv_args, batch_ids, head_offset)
+        put = lambda acc, t: lax.dynamic_update_slice_in_dim(  # noqa: E731
+            acc, jnp.swapaxes(t.sum(axis=2), 1, 2).astype(acc.dtype), j * geo.block_kv, axis=1
+        )
+        return (fused, put(gk, gk_t), put(gv, gv_t)), None
+
+    init = (fused, *(jnp.zeros(x.shape, x.dtype) for x in kv_args[:2]))
+    (fused, gk, gv), _ = lax.scan(tile, init, jnp.arange(geo.num_kv_tiles))
+    return fused, gk, gv
+
+
+def _keys_back(x, batch, s: int):
+    """A key-side result in ``kv_rows`` layout as ``(*batch, s, H, D)``."""
+    return x[:, :s].reshape(*batch, s, *x.shape[2:])
 
 
 def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
-    geo = geometry("xla", q, k, scale, implementation)
+    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
     mask_c, score_c = _split(consts, mods)
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
 
-    def one_head(b, h, q_h, k_h, v_h):
-        load_kv = lambda j: (_slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv))
+    def one_head(b, h, q_h, load_kv):
         mask = _mask_tiles(geo, mods, b, mask_c)
         tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask, score_c)
         return lax.map(tile, jnp.arange(geo.num_q_tiles))
@@ -149,7 +199,7 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
         geo,
         hkv,
         [heads_first(pack_heads(geo, q), sq_pad, geo.group)],
-        [heads_first(k, skv_pad), heads_first(v, skv_pad)],
+        [kv_rows(k, skv_pad), kv_rows(v, skv_pad)],
         batch_ids,
         head_offset,
     )
@@ -157,15 +207,14 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
 
 
 def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
-    geo = geometry("xla", q, k, scale, implementation)
+    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
     dq, dk, dv, *dscore = operands[n_consts:]
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
 
-    def one_head(b, h, q_h, dq_h, out_h, lse_h, k_h, v_h, dk_h, dv_h):
-        load = lambda j: tuple(_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h))
+    def one_head(b, h, q_h, dq_h, out_h, lse_h, load):
         mask = _mask_tiles(geo, mods, b, mask_c)
 
         def tile(i):
@@ -180,7 +229,7 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         hkv,
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, out)]
         + [seq_last(pack_heads(geo, lse, rows=True), sq_pad, geo.group)],
-        [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
+        [kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
@@ -197,8 +246,8 @@ def attention_bwd_xla(
 ):
     """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
-    GQA heads are vmapped like the others and their gk, gv summed over the group at the end."""
-    geo = geometry("xla", q, k, scale, implementation)
+    GQA heads are vmapped like the others and their gk, gv summed over the group tile by tile."""
+    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
     per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
@@ -207,36 +256,28 @@ def attention_bwd_xla(
     delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
     wanted_consts = [c for c, w in zip(float_consts(score_c), const_grads) if w]
 
-    def one_head(b, h, q_h, g_out_h, lse_h, delta_h, k_h, v_h):
-        def load_q(_, i):
-            return tuple(_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h))
-
+    def cols(b, h, q_h, g_out_h, lse_h, delta_h, fused, k_t, v_t, j):
+        load_q = lambda _, i: tuple(_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h))  # noqa: E731
         mask = _mask_tiles(geo, mods, b, mask_c)
+        return bwd_dkv_cols(per_head, mods, k_t, v_t, load_q, b, h, j, mask, score_c, fused=fused, const_grads=const_grads)
 
-        def tile(fused, j):
-            k_t, v_t = _slice(k_h, j, geo.block_kv), _slice(v_h, j, geo.block_kv)
-            gk, gv, fused = bwd_dkv_cols(
-                per_head, mods, k_t, v_t, load_q, b, h, j, mask, score_c, fused=fused, const_grads=const_grads
-            )
-            return fused, (gk, gv)
-
-        init = (jnp.zeros((1, *q_h.shape), geo.acc_dtype), [jnp.zeros(c.shape, c.dtype) for c in wanted_consts])
-        return lax.scan(tile, init, jnp.arange(geo.num_kv_tiles))
-
-    (gq, g_consts), (gk, gv) = _over_heads(
-        one_head,
+    lanes = (batch_ids.shape[0], hkv, geo.group)
+    fused = (jnp.zeros((*lanes, 1, sq_pad, q.shape[-1]), geo.acc_dtype), [jnp.zeros((*lanes, *c.shape), c.dtype) for c in wanted_consts])
+    (gq, g_consts), gk, gv = _over_key_tiles(
+        cols,
         geo,
         hkv,
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, g_out)]
         + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, delta)],
-        [heads_first(k, skv_pad), heads_first(v, skv_pad)],
+        fused,
+        [kv_rows(k, skv_pad), kv_rows(v, skv_pad)],
         batch_ids,
         head_offset,
     )
     gq = gq.reshape(*gq.shape[:3], geo.num_q_tiles, geo.block_q, gq.shape[-1])
-    gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
+    gk, gv = _keys_back(gk, batch, geo.skv), _keys_back(gv, batch, geo.skv)
     g_consts = [g.sum(axis=(0, 1, 2)) for g in g_consts]
-    return (_queries_back(geo, gq, batch).astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), *g_consts)
+    return (_queries_back(geo, gq, batch).astype(q.dtype), gk, gv, *g_consts)
 
 
 def attention_bwd_tangent_xla(
@@ -261,7 +302,7 @@ def attention_tangent_bwd_xla(
 ):
     """The tangent map's transpose in (q, k, v, out, lse) — a grad through a jvp — as attention_bwd_xla:
     one pass over key tiles per (batch item, query head), the query side in the loop carry."""
-    geo = geometry("xla", q, k, scale, implementation)
+    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
     per_head = dataclasses.replace(geo, group=1)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
@@ -270,31 +311,27 @@ def attention_tangent_bwd_xla(
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     c = -bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
 
-    def one_head(b, h, q_h, dq_h, g_dout_h, lse_h, c_h, k_h, v_h, dk_h, dv_h):
-        load_q = lambda i: tuple(_slice(x, i, geo.block_q) for x in (q_h, dq_h, lse_h, c_h, g_dout_h))
+    def cols(b, h, q_h, dq_h, g_dout_h, lse_h, c_h, fused, k_t, v_t, dk_t, dv_t, j):
+        load_q = lambda i: tuple(_slice(x, i, geo.block_q) for x in (q_h, dq_h, lse_h, c_h, g_dout_h))  # noqa: E731
         mask = _mask_tiles(geo, mods, b, mask_c)
+        return tangent_bwd_cols(per_head, mods, k_t, v_t, dk_t, dv_t, load_q, b, h, j, mask, score_c, dscore, fused)
 
-        def tile(fused, j):
-            kv = [_slice(x, j, geo.block_kv) for x in (k_h, v_h, dk_h, dv_h)]
-            gk, gv, fused = tangent_bwd_cols(per_head, mods, *kv, load_q, b, h, j, mask, score_c, dscore, fused)
-            return fused, (gk, gv)
-
-        rows = jnp.zeros(lse_h.shape, geo.acc_dtype)
-        return lax.scan(tile, (jnp.zeros(q_h.shape, geo.acc_dtype), rows, rows), jnp.arange(geo.num_kv_tiles))
-
-    (gq, glse, gc), (gk, gv) = _over_heads(
-        one_head,
+    lanes = (batch_ids.shape[0], hkv, geo.group)
+    rows = jnp.zeros((*lanes, sq_pad), geo.acc_dtype)
+    (gq, glse, gc), gk, gv = _over_key_tiles(
+        cols,
         geo,
         hkv,
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, g_dout)]
         + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, c)],
-        [heads_first(x, skv_pad) for x in (k, v, dk, dv)],
+        (jnp.zeros((*lanes, sq_pad, q.shape[-1]), geo.acc_dtype), rows, rows),
+        [kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
     tiled = lambda x: x.reshape(*x.shape[:3], geo.num_q_tiles, geo.block_q, *x.shape[4:])  # noqa: E731
     gq, glse, gc = _queries_back(geo, tiled(gq), batch), *(_queries_back(geo, tiled(x), batch, rows=True) for x in (glse, gc))
-    gk, gv = (_back(x.sum(axis=2, keepdims=True), batch, geo.skv) for x in (gk, gv))
+    gk, gv = _keys_back(gk, batch, geo.skv), _keys_back(gv, batch, geo.skv)
     gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
-    return gq.astype(q.dtype), gk.astype(k.dtype), gv.astype(v.dtype), gout.astype(out.dtype), glse.astype(lse.dtype)
+    return gq.astype(q.dtype), gk, gv, gout.astype(out.dtype), glse.astype(lse.dtype)
 
