@@ -46,6 +46,11 @@ def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -
     return Geometry(sq, skv, block_q, block_kv, group // pack, scale, acc, precision, pack)
 
 
+def _geometry(q, k, scale: float, impl: Implementation, mods: Mods) -> Geometry:
+    """The XLA lowering's geometry: its tiles depend on whether the call is masked."""
+    return geometry("xla", q, k, scale, impl, masked=mods.mask is not None)
+
+
 def pack_heads(geo: Geometry, x, rows: bool = False):
     """A query-side array ``(*batch, Sq, Hq, D)`` (``rows``: ``(*batch, Sq, Hq)``, lse-like) as the
     kernels see it under GQA packing: ``(*batch, Sq * pack, Hq / pack, ...)``, row ``s * pack + g``
@@ -70,13 +75,12 @@ def unpack_heads(geo: Geometry, x, rows: bool = False):
     return x.reshape(*x.shape[:seq], r // geo.pack, h * geo.pack, *x.shape[seq + 3 :])
 
 
-def heads_first(x, padded: int, group: int | None = None):
-    """``(*batch, S, H, D)`` -> ``(B, H, padded, D)``, or ``(B, H/group, group, padded, D)``."""
+def heads_first(x, padded: int, group: int):
+    """A query-side ``(*batch, S, H, D)`` -> ``(B, H/group, group, padded, D)``."""
     s, h, d = x.shape[-3:]
     x = x.reshape(-1, s, h, d)
     x = jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
-    x = jnp.swapaxes(x, 1, 2)
-    return x if group is None else x.reshape(x.shape[0], h // group, group, padded, d)
+    return jnp.swapaxes(x, 1, 2).reshape(x.shape[0], h // group, group, padded, d)
 
 
 def seq_last(x, padded: int, group: int | None = None):
@@ -123,7 +127,7 @@ def _split(consts, mods: Mods):
     return list(consts[:n]), list(consts[n : n + mods.num_score_consts])
 
 
-def kv_rows(x, padded: int):
+def _kv_rows(x, padded: int):
     """``(*batch, S, H, D)`` -> ``(B, padded, H, D)``: the key side keeps its layout (the loops
     read its tiles in place, :func:`_over_heads`); it is copied only to pad S to whole tiles."""
     s, h, d = x.shape[-3:]
@@ -135,7 +139,7 @@ def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head
     """Runs ``fn(b, h, *head_args[b, hk, g], load_kv)`` for every (b, hk, g), vmapped; ``b`` and
     ``h`` are global indices: ``batch_ids[local b]``, ``head_offset + local h`` (packed heads:
     ``head_offset / pack + local h``). ``load_kv(j)``: key tile ``j`` of each of ``kv_args``
-    (``kv_rows`` layout) for the lane's (b, hk), read in place: a transposed copy of the whole key
+    (``_kv_rows`` layout) for the lane's (b, hk), read in place: a transposed copy of the whole key
     side would cost more than the loops' reads on CPU, where each key is read once when decoding."""
 
     def lane(b_local, hk, b, h, *head):
@@ -179,12 +183,12 @@ def _over_key_tiles(cols, geo: Geometry, hkv: int, head_args, fused, kv_args, ba
 
 
 def _keys_back(x, batch, s: int):
-    """A key-side result in ``kv_rows`` layout as ``(*batch, s, H, D)``."""
+    """A key-side result in ``_kv_rows`` layout as ``(*batch, s, H, D)``."""
     return x[:, :s].reshape(*batch, s, *x.shape[2:])
 
 
 def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
-    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
+    geo = _geometry(q, k, scale, implementation, mods)
     mask_c, score_c = _split(consts, mods)
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -199,7 +203,7 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
         geo,
         hkv,
         [heads_first(pack_heads(geo, q), sq_pad, geo.group)],
-        [kv_rows(k, skv_pad), kv_rows(v, skv_pad)],
+        [_kv_rows(k, skv_pad), _kv_rows(v, skv_pad)],
         batch_ids,
         head_offset,
     )
@@ -207,7 +211,7 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
 
 
 def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
-    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
+    geo = _geometry(q, k, scale, implementation, mods)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
     dq, dk, dv, *dscore = operands[n_consts:]
@@ -229,7 +233,7 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         hkv,
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, out)]
         + [seq_last(pack_heads(geo, lse, rows=True), sq_pad, geo.group)],
-        [kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
+        [_kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
@@ -247,7 +251,7 @@ def attention_bwd_xla(
     """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
     GQA heads are vmapped like the others and their gk, gv summed over the group tile by tile."""
-    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
+    geo = _geometry(q, k, scale, implementation, mods)
     per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
@@ -270,7 +274,7 @@ def attention_bwd_xla(
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, g_out)]
         + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, delta)],
         fused,
-        [kv_rows(k, skv_pad), kv_rows(v, skv_pad)],
+        [_kv_rows(k, skv_pad), _kv_rows(v, skv_pad)],
         batch_ids,
         head_offset,
     )
@@ -302,7 +306,7 @@ def attention_tangent_bwd_xla(
 ):
     """The tangent map's transpose in (q, k, v, out, lse) — a grad through a jvp — as attention_bwd_xla:
     one pass over key tiles per (batch item, query head), the query side in the loop carry."""
-    geo = geometry("xla", q, k, scale, implementation, masked=mods.mask is not None)
+    geo = _geometry(q, k, scale, implementation, mods)
     per_head = dataclasses.replace(geo, group=1)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
@@ -325,7 +329,7 @@ def attention_tangent_bwd_xla(
         [heads_first(pack_heads(geo, x), sq_pad, geo.group) for x in (q, dq, g_dout)]
         + [seq_last(pack_heads(geo, x, rows=True), sq_pad, geo.group) for x in (lse, c)],
         (jnp.zeros((*lanes, sq_pad, q.shape[-1]), geo.acc_dtype), rows, rows),
-        [kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
+        [_kv_rows(x, skv_pad) for x in (k, v, dk, dv)],
         batch_ids,
         head_offset,
     )
