@@ -35,11 +35,14 @@ masks = jf.masks
 # Every lowering the tests run. Small tiles make the tile loops run several iterations and make the
 # causal / window spans skip whole tiles (the default XLA tiles cover these short sequences in one).
 # A new implementation (e.g. "pallas_triton") is appended here.
-# pack_gqa puts each GQA group's query heads in the rows of one tile (HQ / HKV = 2 here).
+# pack_gqa puts each GQA group's query heads in the rows of one tile (HQ / HKV = 2 here). XLA lays
+# tiles of few query rows keys-major (config.xla_keys_major), these short sequences' included; 64
+# rows keep queries in rows.
 IMPLEMENTATIONS = [
     "xla",
     Implementation("xla", block_q=8, block_kv=16),
     Implementation("xla", block_q=8, block_kv=16, pack_gqa=True),
+    Implementation("xla", block_q=64, block_kv=16),
 ]
 
 

@@ -80,11 +80,17 @@ class Geometry:
     acc_dtype: jnp.dtype  # scores, sums and accumulators
     precision: str | None  # of the dot products ("highest" for f32/f64 on CPU)
     pack: int = 1
+    keys_major: bool = False  # score tiles (block_kv, block_q): keys in rows (XLA, config.py)
 
     @property
     def rows(self) -> int:
         """Query rows per (packed) head: ``sq * pack``."""
         return self.sq * self.pack
+
+    @property
+    def key_axis(self) -> int:
+        """The axis of a score tile along which its keys lie."""
+        return 0 if self.keys_major else 1
 
     @property
     def num_q_tiles(self) -> int:
@@ -125,7 +131,8 @@ class Geometry:
             lo, hi = 0, self.sq
         else:
             lo, hi = mods.span.full_q(kv_lo, jnp.minimum(kv_lo + self.block_kv, self.skv), self.sq, data)
-        hi = jnp.where(kv_lo + self.block_kv <= self.skv, jnp.asarray(hi, jnp.int32), jnp.asarray(lo, jnp.int32))
+        if self.skv % self.block_kv:  # else no tile holds padded keys: static bounds (XLA drops 1-step loops)
+            hi = jnp.where(kv_lo + self.block_kv <= self.skv, jnp.asarray(hi, jnp.int32), jnp.asarray(lo, jnp.int32))
         return (lo * self.pack + self.block_q - 1) // self.block_q, hi * self.pack // self.block_q
 
     def row_bounds(self, mods: Mods, i, data=()):
@@ -185,6 +192,39 @@ def _t_dot(geo, a, b):  # a.T @ b
     return _dot(geo, a, b, ((0,), (0,)))
 
 
+# A score tile pairs query-side rows with key-side rows; these keep the products and broadcasts
+# in the geometry's orientation (``Geometry.keys_major``), so each algorithm is written once.
+def _scores(geo: Geometry, a, b):
+    """The tile ``a · bᵀ`` of query-side ``a`` and key-side ``b``."""
+    return _dot_t(geo, b, a) if geo.keys_major else _dot_t(geo, a, b)
+
+
+def _over_keys(geo: Geometry, t, x):
+    """``Σ_key t[query, key] x[key]``: query-side rows from a tile and key-side ``x``."""
+    return _t_dot(geo, t, x) if geo.keys_major else _dot(geo, t, x)
+
+
+def _over_queries(geo: Geometry, t, x):
+    """``Σ_query t[query, key] x[query]``: key-side rows from a tile and query-side ``x``."""
+    return _dot(geo, t, x) if geo.keys_major else _t_dot(geo, t, x)
+
+
+def _per_query(geo: Geometry, x):
+    """A per-query vector broadcast along the tile's keys."""
+    return x[None, :] if geo.keys_major else x[:, None]
+
+
+def _per_key(geo: Geometry, x):
+    """A per-key vector broadcast along the tile's queries."""
+    return x[:, None] if geo.keys_major else x[None, :]
+
+
+def _positions(geo: Geometry, start, n: int, along_keys: bool):
+    """``start + [0, n)`` laid along a score tile's key axis or its query axis."""
+    axis = geo.key_axis if along_keys else 1 - geo.key_axis
+    return start + lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis)
+
+
 def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: bool = True):
     """``(h, q_idx, kv_idx, visible)`` of tile (i, j): the query head and index of each row (the
     head a scalar unless packed), the key indices, and the mask: user mask and sequence bounds.
@@ -192,13 +232,14 @@ def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: boo
     ``masked=False``: a wholly visible tile (``Geometry.full_kv_tiles``), inside the keys; only
     padded query rows are hidden (they must not overflow in the backward).
     """
-    row = i * geo.block_q + lax.broadcasted_iota(jnp.int32, (geo.block_q, 1), 0)
+    row = _positions(geo, i * geo.block_q, geo.block_q, along_keys=False)
     q_idx, h = (row, h) if geo.pack == 1 else (row // geo.pack, h * geo.pack + row % geo.pack)
-    kv_idx = j * geo.block_kv + lax.broadcasted_iota(jnp.int32, (1, geo.block_kv), 1)
+    kv_idx = _positions(geo, j * geo.block_kv, geo.block_kv, along_keys=True)
     if not masked:
-        return h, q_idx, kv_idx, jnp.broadcast_to(row < geo.rows, (geo.block_q, geo.block_kv))
+        tile = (geo.block_kv, geo.block_q) if geo.keys_major else (geo.block_q, geo.block_kv)
+        return h, q_idx, kv_idx, jnp.broadcast_to(row < geo.rows, tile)
     visible = (row < geo.rows) & (kv_idx < geo.skv)
-    rows, cols = [r[:, None] for r in mask.rows(i)], [c[None, :] for c in mask.cols(j)]
+    rows, cols = [_per_query(geo, r) for r in mask.rows(i)], [_per_key(geo, c) for c in mask.cols(j)]
     user = mods.allowed(b, h, q_idx, kv_idx, mask.consts, rows, cols)
     if user is not None:
         visible = visible & user
@@ -217,13 +258,13 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         m, l, acc = carry
         k, v = load_kv(j)
         h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
-        s = mods.modify(_dot_t(geo, q, k) * geo.scale, b, h_row, q_idx, kv_idx, score_c)
+        s = mods.modify(_scores(geo, q, k) * geo.scale, b, h_row, q_idx, kv_idx, score_c)
         s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        m_new = jnp.maximum(m, jnp.max(s, axis=geo.key_axis))
         shift = jnp.where(m_new == -jnp.inf, 0, m_new)  # all -inf so far: keep exp() finite
         alpha = jnp.exp(m - shift)
-        p = jnp.exp(s - shift[:, None])
-        return m_new, alpha * l + jnp.sum(p, axis=1), alpha[:, None] * acc + _dot(geo, p, v)
+        p = jnp.exp(s - _per_query(geo, shift))
+        return m_new, alpha * l + jnp.sum(p, axis=geo.key_axis), alpha[:, None] * acc + _over_keys(geo, p, v)
 
     init = (
         jnp.full((rows,), -jnp.inf, geo.acc_dtype),
@@ -248,12 +289,12 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
         r, acc = carry
         k, v, dk, dv = load(j)
         h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
-        raw = _dot_t(geo, q, k) * geo.scale
-        draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
+        raw = _scores(geo, q, k) * geo.scale
+        draw = (_scores(geo, dq, k) + _scores(geo, q, dk)) * geo.scale
         s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
-        p = jnp.where(visible, jnp.exp(s - lse_safe[:, None]), 0)
+        p = jnp.where(visible, jnp.exp(s - _per_query(geo, lse_safe)), 0)
         p_ds = p * jnp.where(visible, ds, 0)
-        return r + jnp.sum(p_ds, axis=1), acc + _dot(geo, p, dv) + _dot(geo, p_ds, v)
+        return r + jnp.sum(p_ds, axis=geo.key_axis), acc + _over_keys(geo, p, dv) + _over_keys(geo, p_ds, v)
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
     init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
@@ -283,7 +324,7 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     the float score consts whose cotangents are returned.
     """
     h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
-    raw = _dot_t(geo, q, k) * geo.scale
+    raw = _scores(geo, q, k) * geo.scale
     floats = float_consts(score_c)
     modify = lambda raw, floats: mods.modify(raw, b, h_row, q_idx, kv_idx, with_floats(score_c, floats))
     if any(c.cotangent is not None for c in floats if isinstance(c, PointArray)):
@@ -293,9 +334,9 @@ def _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_
     else:
         s, vjp_raw = jax.vjp(lambda raw: modify(raw, floats), raw)
         vjp = lambda g: (*vjp_raw(g), [])
-    p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0)[:, None]), 0)
+    p = jnp.where(visible, jnp.exp(s - _per_query(geo, jnp.where(jnp.isfinite(lse), lse, 0))), 0)
     # Masked entries get exactly 0, even where an infinite lse cotangent makes delta infinite.
-    g_raw, g_floats = vjp(jnp.where(visible, p * (_dot_t(geo, g_out, v) - delta[:, None]), 0))
+    g_raw, g_floats = vjp(jnp.where(visible, p * (_scores(geo, g_out, v) - _per_query(geo, delta)), 0))
     return p, g_raw, [g for g, w in zip(g_floats, wanted) if w]
 
 
@@ -335,7 +376,7 @@ def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, 
     def body(j, gq, masked):
         k, v = load_kv(j)
         _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, [], masked)
-        return gq + _dot(geo, g_raw, k) * geo.scale
+        return gq + _over_keys(geo, g_raw, k) * geo.scale
 
     return tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, jnp.zeros(q.shape, geo.acc_dtype))
 
@@ -360,12 +401,12 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
             p, g_raw, g_floats = _score_grads(
                 geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, wanted, masked
             )
-            gk, gv = gk + _t_dot(geo, g_raw, q) * geo.scale, gv + _t_dot(geo, p, g_out)
+            gk, gv = gk + _over_queries(geo, g_raw, q) * geo.scale, gv + _over_queries(geo, p, g_out)
             if fused is not None:
                 gq, g_consts = fused
                 rows = tuple(jnp.asarray(x, jnp.int32) for x in (g, i * geo.block_q, 0))  # one index dtype
                 tile = lax.dynamic_slice(gq, rows, (1, geo.block_q, gq.shape[-1]))
-                tile = tile + (_dot(geo, g_raw, k) * geo.scale)[None]
+                tile = tile + (_over_keys(geo, g_raw, k) * geo.scale)[None]
                 fused = lax.dynamic_update_slice(gq, tile, rows), [a + c for a, c in zip(g_consts, g_floats)]
             return gk, gv, fused
 
@@ -399,12 +440,12 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
         seen = jnp.isfinite(lse)  # rows that see no key pair nothing
 
         def pairing(q, k, v, lse, c):
-            raw = _dot_t(geo, q, k) * geo.scale
-            draw = (_dot_t(geo, dq, k) + _dot_t(geo, q, dk)) * geo.scale
+            raw = _scores(geo, q, k) * geo.scale
+            draw = (_scores(geo, dq, k) + _scores(geo, q, dk)) * geo.scale
             s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
-            p = jnp.exp(jnp.where(visible, s, -jnp.inf) - lse[:, None])
-            w = _dot_t(geo, g_dout, v) + c[:, None]
-            return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _dot_t(geo, g_dout, dv)))
+            p = jnp.exp(jnp.where(visible, s, -jnp.inf) - _per_query(geo, lse))
+            w = _scores(geo, g_dout, v) + _per_query(geo, c)
+            return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _scores(geo, g_dout, dv)))
 
         _, pullback = jax.vjp(pairing, q, k, v, jnp.where(seen, lse, 0), jnp.where(seen, c, 0))
         g_q, g_k, g_v, g_lse, g_c = pullback(jnp.ones((), geo.acc_dtype))

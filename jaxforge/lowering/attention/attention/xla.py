@@ -47,8 +47,10 @@ def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -
 
 
 def _geometry(q, k, scale: float, impl: Implementation, mods: Mods) -> Geometry:
-    """The XLA lowering's geometry: its tiles depend on whether the call is masked."""
-    return geometry("xla", q, k, scale, impl, masked=mods.mask is not None)
+    """The XLA lowering's geometry: its tiles depend on whether the call is masked; few query rows
+    a tile lay their scores keys-major."""
+    geo = geometry("xla", q, k, scale, impl, masked=mods.mask is not None)
+    return dataclasses.replace(geo, keys_major=config.xla_keys_major(geo.block_q))
 
 
 def pack_heads(geo: Geometry, x, rows: bool = False):
