@@ -46,9 +46,11 @@ def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -
     return Geometry(sq, skv, block_q, block_kv, group // pack, scale, acc, precision, pack)
 
 
-def _geometry(q, k, scale: float, impl: Implementation, mods: Mods) -> Geometry:
+def _geometry(q, k, scale: float, impl: Implementation, mods: Mods, backward: bool = False) -> Geometry:
     """The XLA lowering's geometry: its tiles depend on whether the call is masked; few query rows
-    a tile lay their scores keys-major."""
+    a tile lay their scores keys-major; an unmasked ``backward`` packs GQA groups (config.py)."""
+    if backward and mods.mask is None and impl.pack_gqa is None and config.XLA_BWD_PACKS_UNMASKED:
+        impl = dataclasses.replace(impl, pack_gqa=True)
     geo = geometry("xla", q, k, scale, impl, masked=mods.mask is not None)
     return dataclasses.replace(geo, keys_major=config.xla_keys_major(geo.block_q))
 
@@ -253,7 +255,7 @@ def attention_bwd_xla(
     """One pass over key tiles per (batch item, query head): gk and gv per tile, gq and the score
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
     GQA heads are vmapped like the others and their gk, gv summed over the group tile by tile."""
-    geo = _geometry(q, k, scale, implementation, mods)
+    geo = _geometry(q, k, scale, implementation, mods, backward=True)
     per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
