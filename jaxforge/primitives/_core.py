@@ -372,7 +372,9 @@ def _eval_without_varying_casts(jaxpr, consts, args) -> list:
     return [read(var) for var in jaxpr.outvars]
 
 
-@functools.lru_cache(maxsize=None)
+# Bounded: params hold score_mod jaxprs and their captured constants, which a notebook re-creating
+# its score_mod each call would otherwise keep alive for good.
+@functools.lru_cache(maxsize=256)
 def _jitted_bind(prim: Primitive, params: tuple) -> Callable:
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
 

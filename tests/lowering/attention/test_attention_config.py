@@ -64,12 +64,16 @@ def test_tuned_starts_are_per_call_and_head_dim():
 
 def test_gqa_heads_pack_below_a_tile_of_queries_unless_told():
     """Decoding (fewer queries than a tile) packs a GQA group's heads into one tile's rows; longer
-    sequences, plain multi-head attention and an Implementation saying otherwise do not."""
+    sequences do only where told any_length; plain multi-head attention and an Implementation saying
+    otherwise never do."""
     default, never, always = Implementation(), Implementation(pack_gqa=False), Implementation(pack_gqa=True)
     below = config.PACK_GQA_BELOW
     assert config.packs_gqa(1, 8, default) and config.packs_gqa(below - 1, 4, default)
     assert not config.packs_gqa(below, 4, default) and not config.packs_gqa(1, 1, default)
     assert not config.packs_gqa(1, 8, never) and config.packs_gqa(4096, 8, always) and not config.packs_gqa(1, 1, always)
+    # the XLA backward without a mask: every length, still never without a group or when told not to
+    assert config.packs_gqa(4096, 8, default, any_length=True) and not config.packs_gqa(4096, 8, default)
+    assert not config.packs_gqa(4096, 1, default, any_length=True) and not config.packs_gqa(1, 8, never, any_length=True)
 
 
 def test_packed_geometry_maps_rows_to_queries_and_heads():

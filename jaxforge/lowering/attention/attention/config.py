@@ -70,18 +70,16 @@ _TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False
 PACK_GQA_BELOW = 16
 
 
-# The XLA backward without a mask packs GQA groups at any length: each lane's key tile is then
-# loaded once for the group and gk, gv need no sum over its heads. Measured (2 cores, float32, backward
-# alone): 2 x 1024 x 1024, 8 heads on 2, d64: 310 -> 290 ms; 4 x 16 x 8192, 32 on 8, d128: 2094 -> 684.
-# Not the forward (those: 102 -> 86 but 277 -> 341 ms) nor masked calls, whose packed tiles span more
-# keys (causal backward 173 -> 252, document 57 -> 63).
-XLA_BWD_PACKS_UNMASKED = True
-
-
-def packs_gqa(sq: int, group: int, impl: Implementation) -> bool:
+# The XLA backward without a mask packs GQA groups at any length (xla.py passes ``any_length``):
+# each lane's key tile is then loaded once for the group and gk, gv need no sum over its heads.
+# Measured (2 cores, float32, backward alone): 2 x 1024 x 1024, 8 heads on 2, d64: 310 -> 290 ms;
+# 4 x 16 x 8192, 32 on 8, d128: 2094 -> 684. Not the forward (those: 102 -> 86 but 277 -> 341 ms)
+# nor masked calls, whose packed tiles span more keys (causal backward 173 -> 252, document 57 -> 63).
+def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = False) -> bool:
     """Whether the query heads of each GQA group share tiles: ``impl.pack_gqa``, else for short
-    query sequences (``sq < PACK_GQA_BELOW``); never without a group to pack."""
-    wanted = impl.pack_gqa if impl.pack_gqa is not None else sq < PACK_GQA_BELOW
+    query sequences (``sq < PACK_GQA_BELOW``) or, told ``any_length``, at every length; never
+    without a group to pack."""
+    wanted = impl.pack_gqa if impl.pack_gqa is not None else any_length or sq < PACK_GQA_BELOW
     return wanted and group > 1
 
 

@@ -32,14 +32,16 @@ __all__ = [
 ]
 
 
-def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -> Geometry:
+def geometry(
+    name: str, q, k, scale: float, impl: Implementation, pack_any_length: bool = False, **tile_args
+) -> Geometry:
     """The call's tiles, for q and k as the primitive has them (``pack_heads`` packs q's side
-    after). ``tile_args``: config.tiles' keywords (XLA: whether the call is masked; Triton: the
-    kernels' shared-memory sizes)."""
+    after). ``pack_any_length``: config.packs_gqa's ``any_length``. ``tile_args``: config.tiles'
+    keywords (XLA: whether the call is masked; Triton: the kernels' shared-memory sizes)."""
     sq, hq, _ = q.shape[-3:]
     skv, hkv, _ = k.shape[-3:]
     group = hq // hkv
-    pack = group if config.packs_gqa(sq, group, impl) else 1
+    pack = group if config.packs_gqa(sq, group, impl, pack_any_length) else 1
     block_q, block_kv = config.tiles(name, sq * pack, skv, impl, **tile_args)
     precise = q.dtype.itemsize >= 4  # f32/f64 products in full precision; bf16/f16 on tensor cores
     acc, precision = accumulation_dtype(q.dtype), "highest" if precise else None
@@ -49,9 +51,8 @@ def geometry(name: str, q, k, scale: float, impl: Implementation, **tile_args) -
 def _geometry(q, k, scale: float, impl: Implementation, mods: Mods, backward: bool = False) -> Geometry:
     """The XLA lowering's geometry: its tiles depend on whether the call is masked; few query rows
     a tile lay their scores keys-major; an unmasked ``backward`` packs GQA groups (config.py)."""
-    if backward and mods.mask is None and impl.pack_gqa is None and config.XLA_BWD_PACKS_UNMASKED:
-        impl = dataclasses.replace(impl, pack_gqa=True)
-    geo = geometry("xla", q, k, scale, impl, masked=mods.mask is not None)
+    masked = mods.mask is not None
+    geo = geometry("xla", q, k, scale, impl, pack_any_length=backward and not masked, masked=masked)
     return dataclasses.replace(geo, keys_major=config.xla_keys_major(geo.block_q))
 
 
