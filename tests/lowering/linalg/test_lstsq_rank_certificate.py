@@ -45,7 +45,16 @@ def test_a_well_conditioned_1024_column_problem_is_certified_in_float32():
     r = np.linalg.qr(a, mode="r")
     rcond = default_rcond(np.float32, 16384, n)
     assert certificate(r, rcond, 2) and not certificate(r, rcond, 0)  # 1/rcond = 512: the tight rung
-    assert certificate(r, default_rcond(np.float32, n, n), 0)  # 1/rcond = 8192: the cheap one
+    assert certificate(r, default_rcond(np.float32, n, n), 0)  # 1/rcond = 8192: one product a factor
+    assert not certificate(r, default_rcond(np.float32, n, n), -1)  # but not the Frobenius norms
+    assert certificate(r.astype(np.float64), default_rcond(np.float64, n, n), -1)  # 1/rcond = 4e12
+
+
+@pytest.mark.parametrize("m,n", [(64, 16), (512, 128)])
+def test_few_columns_in_float32_are_certified_by_the_frobenius_norms(m, n):
+    # The CPU benchmark's batched float32 shapes (condition 100): no product past R⁻¹.
+    a = with_singular_values(np.random.default_rng(m), (), m, n, np.geomspace(1, 1e-2, n)).astype(np.float32)
+    assert certificate(np.linalg.qr(a, mode="r"), default_rcond(np.float32, m, n), -1)
 
 
 def test_rank_deficient_and_non_finite_r_are_not_certified():
@@ -73,7 +82,7 @@ def fused_in_jnp(marker=0.0, proven=None):
             q, r = jnp.linalg.qr(jnp.swapaxes(a, -1, -2).conj())
             x, factor = q @ solve_triangular(r, b, adjoint=True), None
         r_inv = solve_triangular(r, jnp.broadcast_to(jnp.eye(r.shape[-1], dtype=r.dtype), r.shape))
-        certified = _full_rank_certificate(r, r_inv, rcond, CERTIFICATE_SQUARINGS[0])
+        certified = _full_rank_certificate(r, r_inv, rcond, 0)  # qr_solve's rung
         return r, x + marker, certified if proven is None else jnp.full_like(certified, proven), factor
 
     return fused

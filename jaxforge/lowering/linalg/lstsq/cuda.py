@@ -4,8 +4,8 @@ Tiny tall real problems, once config admits it (QR_SOLVE_WARP_VALIDATED): csrc/q
 same fused solve by one warp per matrix held in registers. Small problems, once config admits the
 kernels (QR_KERNELS_FASTER): csrc/qr_solve.cuh solves in one kernel, the Householder QR of
 ``[A | b]`` (of ``Aᴴ`` when wide) in shared memory, one block per matrix, Q never formed, the
-substitutions and the first rung of the full-rank certificate; a batch it certifies needs nothing
-else. Large and batched tall float32 problems: CholeskyQR2 (cholesky_qr.py), matrix products in
+substitutions and a rung of the full-rank certificate (block: the Gram rung, 0; warp: the
+Frobenius one, -1); a batch it certifies needs nothing else. Large and batched tall float32 problems: CholeskyQR2 (cholesky_qr.py), matrix products in
 float64, with Householder as its on-device fallback; the Householder kernel alone (csrc/qr_r.cuh)
 factors what fits it. Elsewhere, or where the kernel cannot be built, cuSOLVER's geqrf runs as in
 the default. The derivative rule factors nothing in full rank:
@@ -114,7 +114,8 @@ def thin_qr(x):
 def lstsq_cuda(a, b, *, rcond: float):
     *batch, m, n = a.shape
     if config.use_qr_solve_warp(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
-        return lstsq_xla(a, b, rcond=rcond, fused=functools.partial(qr_solve_cuda, targets=QR_SOLVE_WARP_TARGETS))
+        fused = functools.partial(qr_solve_cuda, targets=QR_SOLVE_WARP_TARGETS)
+        return lstsq_xla(a, b, rcond=rcond, fused=fused, fused_rung=-1)
     if config.use_qr_solve(m, n, b.shape[-1], a.dtype) and build.ensure_loaded(KERNEL):
         return lstsq_xla(a, b, rcond=rcond, fused=qr_solve_cuda)
     householder = augmented_qr(qr_r_cuda)

@@ -8,7 +8,7 @@
   proves full rank. The bounds come in rungs (``CERTIFICATE_SQUARINGS``), each tighter and dearer
   than the last; only when some matrix of the batch lacks every certificate does a ``lax.cond``
   (decided on device) run the SVD of ``R`` for the exact rank and the truncated-SVD solution of
-  the rank-deficient ones. A GPU kernel may take the first rung along with the QR and the solve
+  the rank-deficient ones. A GPU kernel may take a rung along with the QR and the solve
   (``fused``); then a batch it certifies costs that one kernel.
 * ``s``, the singular values of ``R`` (those of ``A``), are computed after the ``lax.cond`` and
   apart from it, so XLA drops them when the caller does not use them. They are tied to ``x`` so
@@ -26,10 +26,13 @@ from jaxforge.primitives.linalg._checks import real_dtype
 from jaxforge.primitives.linalg._ops import after, ct, mm, positive_diagonal, solve_triangular, truncated_pinv
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
-# The certificate's rungs, as squarings of the Gram in ``_two_norm_bound``: 0 costs one product per
-# factor and certifies a 4096² float32 problem of condition 100 (its bound is 3.9x the norm there,
-# 1/rcond is 2048); 2 costs three and is within k^(1/16), for what the first cannot certify.
-CERTIFICATE_SQUARINGS = (0, 2)
+# The certificate's rungs, as squarings of the Gram in ``_two_norm_bound``. -1, the Frobenius norms,
+# costs no product past R⁻¹ and is within √k: it certifies nearly every float64 problem (1/rcond ~
+# 1e12) and float32 ones of few columns (of condition κ, geometric spectrum, the bound is about
+# κ·k/9: 8192 x 64 x 16 and 256 x 512 x 128 at κ = 100, where 1/rcond is 1.3e5 and 1.6e4). 0 costs
+# one product per factor and certifies a 4096² float32 problem of condition 100 (its bound is 3.9x
+# the norm there, 1/rcond is 2048); 2 costs three and is within k^(1/16), for what 0 cannot certify.
+CERTIFICATE_SQUARINGS = (-1, 0, 2)
 
 
 def qr_r_lapack(x):
@@ -49,12 +52,12 @@ def augmented_qr(qr_r=qr_r_lapack):
     return factor
 
 
-def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
+def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None, fused_rung: int = 0):
     """The algorithm above. ``factor(a, b) -> (R, Qᴴb)`` serves m >= n. A GPU lowering may replace
-    it, or pass a kernel that also solves and takes the first rung itself:
+    it, or pass a kernel that also solves and takes the rung ``fused_rung`` itself:
     ``fused(a, b, rcond) -> (R, x, certified, factor)``, with R of ``A`` (of ``Aᴴ`` when wide),
     ``x`` the full-rank solution, ``certified`` per matrix, and the ``factor`` (or None when wide)
-    that the later rungs use where the batch is not certified."""
+    that the tighter rungs use where the batch is not certified."""
     *batch, m, n = a.shape
     k = min(m, n)
     if k == 0:  # numpy: x = 0, rank 0, no singular values
@@ -69,13 +72,17 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None):
         rank, x = lax.cond(
             jnp.all(certified),
             lambda: (jnp.full(batch, k, jnp.int32), x_fused),
-            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=CERTIFICATE_SQUARINGS[1:]),
+            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=_tighter(fused_rung)),
         )
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)
     r = poison(bad_a, positive_diagonal(r))
     return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s), r
+
+
+def _tighter(rung: int) -> tuple[int, ...]:
+    return tuple(squarings for squarings in CERTIFICATE_SQUARINGS if squarings > rung)
 
 
 def _factored(a, b, factor):
@@ -132,10 +139,13 @@ def _two_norm_bound(x, squarings: int):
 
     With ``G = XᴴX``: ``‖X‖₂² = λ_max(G) <= ‖G^m‖_F^(1/m) <= k^(1/(2m)) λ_max(G)``. ``G^m`` comes from
     repeated squaring of ``G`` scaled to unit Frobenius norm, the scales kept as factors
-    (``‖G^m‖_F^(1/m) = c₀ c₁^(1/2) ⋯ c_p^(1/2^p)``), so nothing overflows.
+    (``‖G^m‖_F^(1/m) = c₀ c₁^(1/2) ⋯ c_p^(1/2^p)``), so nothing overflows. ``squarings = -1``
+    (``m = 1/2``, no Gram): ``‖X‖_F``, within ``√k``.
     """
     frobenius = lambda y: jnp.sqrt(jnp.sum(jnp.abs(y) ** 2, axis=(-2, -1)))  # noqa: E731
     scale = frobenius(x)
+    if squarings < 0:
+        return scale
     y = x / scale[..., None, None]
     g = mm(ct(y), y)
     bound, exponent = jnp.ones_like(scale), 1.0

@@ -1,6 +1,6 @@
 // Batched least squares of small problems in one kernel, one thread block per matrix: Householder
 // QR in shared memory (qr_r.cuh), then, in the same block, the solution and the full-rank
-// certificate of lstsq's first rung (lowering/linalg/lstsq/xla.py), so that a batch whose every
+// certificate of lstsq's Gram rung (squarings 0, lowering/linalg/lstsq/xla.py), so that a batch whose every
 // matrix is certified needs nothing else. Q is never formed. Framework-free: raw device pointers.
 //
 // Layout contract (row-major, matrices packed back to back; T real or complex as in qr_r.cuh),

@@ -11,8 +11,8 @@
 //   solution (batch, n, k): R⁻¹ Qᴴb, where A has full rank n.
 //   certified (batch,) int32: 1 where ‖R‖_F ‖R⁻¹‖_F rcond < 1, which proves s_n > rcond s_1
 //     (‖X‖₂ <= ‖X‖_F); else 0, also for NaN, Inf or a zero pivot. The Frobenius bound is looser
-//     than qr_solve's (within √n of the 2-norm per factor, not n^(1/4)); lstsq's later rungs
-//     certify what it leaves.
+//     than qr_solve's (within √n of the 2-norm per factor, not n^(1/4)): lstsq's rung -1; its
+//     tighter rungs certify what it leaves.
 //
 // Layout: lane l holds rows l + 32 s (s < kSlots) of [A | b], all columns, in registers indexed by
 // compile-time constants (the loops over columns are unrolled to kCols, guarded by the runtime
