@@ -11,6 +11,7 @@ import pytest
 
 from jaxforge.lowering.linalg.lstsq.xla import (
     CERTIFICATE_SQUARINGS,
+    _can_certify,
     _full_rank_certificate,
     _two_norm_bound,
     augmented_qr,
@@ -48,6 +49,14 @@ def test_a_well_conditioned_1024_column_problem_is_certified_in_float32():
     assert certificate(r, default_rcond(np.float32, n, n), 0)  # 1/rcond = 8192: one product a factor
     assert not certificate(r, default_rcond(np.float32, n, n), -1)  # but not the Frobenius norms
     assert certificate(r.astype(np.float64), default_rcond(np.float64, n, n), -1)  # 1/rcond = 4e12
+
+
+def test_the_frobenius_rung_is_skipped_where_it_cannot_certify():
+    # ‖R‖_F ‖R⁻¹‖_F >= k: with k·rcond >= 1 even an orthogonal factor fails the Frobenius rung.
+    k, rcond = 64, 1 / 60
+    q = np.linalg.qr(random(np.random.default_rng(4), (k, k)))[0]
+    assert not certificate(q, rcond, -1) and certificate(q, rcond, 0)
+    assert not _can_certify(-1, k, rcond) and _can_certify(-1, k, 1 / 70) and _can_certify(0, k, rcond)
 
 
 @pytest.mark.parametrize("m,n", [(64, 16), (512, 128)])

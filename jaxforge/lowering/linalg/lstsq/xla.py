@@ -85,6 +85,12 @@ def _tighter(rung: int) -> tuple[int, ...]:
     return tuple(squarings for squarings in CERTIFICATE_SQUARINGS if squarings > rung)
 
 
+def _can_certify(squarings: int, k: int, rcond: float) -> bool:
+    """Whether the rung can certify some k x k factor: ``‖R‖_F·‖R⁻¹‖_F >= k`` (Cauchy–Schwarz on the
+    singular values), so the Frobenius rung cannot when ``k·rcond >= 1`` (float32 4096², 16384 x 1024)."""
+    return squarings >= 0 or k * rcond < 1
+
+
 def _factored(a, b, factor):
     """``(R, solve, factors, rhs)``: the triangular factor; ``solve(R)``, the full-rank solution;
     ``factors(U_R, V_Rᴴ) -> (U, V)``, the thin SVD of ``A`` from that of ``R``, with ``U`` in the basis
@@ -116,6 +122,7 @@ def _rank_and_solution(r, solve, factors, rhs, *, rcond: float, rungs):
     r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
 
     def certify(rungs):
+        rungs = [squarings for squarings in rungs if _can_certify(squarings, k, rcond)]
         if not rungs:
             return exact()
         proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
