@@ -29,10 +29,10 @@ is recomputed: matrix products with ``A`` and ``R⁻¹``, linear in ``(da, db)``
 them for reverse mode and full-rank gradients never meet an SVD singularity. The forward's ``R``
 carries its own tangent, :math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\operatorname{diag}(H))\,R` with
 :math:`H = R^{-H}(A^H dA + dA^H A)R^{-1}`, so second derivatives flow. Rank-deficient inputs use the
-truncated pseudo-inverse from the SVD of a recomputed ``R``; that branch runs only when some matrix
-in the batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from the
-SVD of the forward's ``R`` (:math:`U = AVS^{-1}`; off CPU, only where a tangent of ``s`` needs
-them). The residuals follow
+truncated pseudo-inverse from the SVD of the forward's ``R``, computed only when some matrix in the
+batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from that SVD
+(:math:`U = AVS^{-1}`), and ds's own SVD of ``R`` runs only where a tangent of ``s`` is used (XLA
+drops it from a gradient of ``x`` alone). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
 
@@ -136,20 +136,29 @@ def _jvp(primals, tangents, *, rcond: float):
     if k == 0:
         dx, ds, dr = jnp.zeros_like(x), jnp.zeros_like(s), jnp.zeros_like(r)
     else:
-        # On CPU every LAPACK call is chained after the previous one (_ops.after): ds's SVD waits for
-        # the forward's, R⁻¹'s solve for ds's SVD. Off CPU nothing ties them, so XLA drops both SVDs
-        # where s has no tangent (a gradient of x alone).
-        ds, u = _singular_value_tangent(a, after_on_cpu(after(r, x), s[..., None]), rank, da)
+        # On CPU every LAPACK call is chained after the previous one (_ops.after): R⁻¹'s solve after
+        # the forward's solution, the rank-deficient branch's SVD of R after that solve, and last the
+        # SVD of R that gives ds and s itself (recomputed, so that nothing waits for the forward's):
+        # XLA drops it, on every platform, where neither is used (a gradient of x alone).
+        r_tied = after(r, x)
         full = (rank == k)[..., None, None]
+        all_full = jnp.all(full)
         eye = jnp.eye(k, dtype=r.dtype)
-        r_safe = jnp.where(full, after_on_cpu(r, u), eye)  # finite where deficient
+        r_safe = jnp.where(full, r_tied, eye)  # finite where deficient
         r_inv = solve_triangular(r_safe, jnp.zeros_like(r) + eye)  # keeps r's batch sharding
         dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
-        dx = lax.cond(
-            jnp.all(full),
-            lambda: _seminormal_tangent(a, b, x, r_inv, da, db),
-            lambda: _mixed_rank_tangent(a, b, x, rank, da, db),
+        s_r, v_r = lax.cond(  # the SVD only for a batch holding a rank-deficient matrix
+            all_full,
+            lambda: (jnp.zeros_like(s), jnp.zeros_like(r)),
+            lambda: _right_svd(after_on_cpu(r_tied, r_inv)),
         )
+        dx = lax.cond(
+            all_full,
+            lambda: _seminormal_tangent(a, b, x, r_inv, da, db),
+            lambda: _mixed_rank_tangent(a, b, x, rank, r_inv, s_r, v_r, da, db),
+        )
+        s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
+        ds = _singular_value_tangent(a, s, v_r, rank, da)
     dres = jnp.zeros_like(residuals)
     if m > n:
         dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
@@ -157,18 +166,29 @@ def _jvp(primals, tangents, *, rcond: float):
     return (x, residuals, rank, s, r), (dx, dres, drank, ds, dr)
 
 
-def _singular_value_tangent(a, r, rank, da):
-    """``(ds, U)`` with ``ds = Re diag(Uᴴ dA V)`` from the SVD of the forward's factor ``R``, whose
-    ``Q = AR⁻¹`` (``AᴴR⁻¹`` when wide) maps ``U_R`` to ``Q U_R = A V_R S⁻¹``. Singular values past the
-    rank, zero up to rounding and without a derivative, get zero vectors and ``ds = 0``."""
+def _right_svd(r):
+    """``(s, V_R)`` of the forward's factor ``R = U_R S V_Rᴴ``: the singular values of ``A`` and what
+    :func:`_singular_vectors` needs of the rest."""
+    s, _, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    return s, ct(vh_r)
+
+
+def _singular_vectors(a, s, v_r, rank):
+    """``(U, V)`` of the thin SVD of ``A`` from ``(s, V_R)`` of its factor ``R``: ``A = QR`` with
+    ``Q = AR⁻¹`` maps ``U_R`` to ``Q U_R = A V_R S⁻¹``, so ``U = A V_R S⁻¹, V = V_R``; when wide,
+    ``Aᴴ = QR`` and ``U = V_R, V = Aᴴ V_R S⁻¹``. Vectors past the rank, whose singular values are
+    zero up to rounding, are zero."""
     wide = a.shape[-2] < a.shape[-1]
+    kept = jnp.arange(s.shape[-1]) < rank[..., None]
+    q_u = mm(ct(a) if wide else a, v_r) * kept_reciprocal(s, kept).astype(a.dtype)[..., None, :]
+    return (v_r, q_u) if wide else (q_u, v_r)
 
-    def q_times_u(_, s, v_r):
-        kept = jnp.arange(s.shape[-1]) < rank[..., None]
-        return mm(ct(a) if wide else a, v_r) * kept_reciprocal(s, kept).astype(a.dtype)[..., None, :]
 
-    u, _, v = _singular_vectors(r, q_times_u, wide=wide)
-    return jnp.real(diagonal(mm(mm(ct(u), da), v))), u
+def _singular_value_tangent(a, s, v_r, rank, da):
+    """``ds = Re diag(Uᴴ dA V)``, the vectors from ``(s, V_R)`` of the forward's ``R``; 0 past the rank,
+    where the singular values have no derivative."""
+    u, v = _singular_vectors(a, s, v_r, rank)
+    return jnp.real(diagonal(mm(mm(ct(u), da), v)))
 
 
 def _seminormal_tangent(a, b, x, r_inv, da, db):
@@ -208,42 +228,14 @@ def _factor_tangent(a, r, r_inv, da):
     return mm(jnp.triu(h, 1) + 0.5 * h * jnp.eye(h.shape[-1], dtype=h.dtype), r)
 
 
-def _full_rank_tangent(a, b, x, q, r, da, db):
-    """The full-rank tangent from a thin QR of ``A`` (of ``Aᴴ`` when wide)."""
-    m, n = a.shape[-2:]
-    if m >= n:  # A = QR: dx = R⁻¹[Qᴴ(db - dA x) + R⁻ᴴ dAᴴ (b - A x)]; the last term vanishes when m = n
-        rhs = mm(ct(q), db - mm(da, x))
-        if m > n:
-            rhs = rhs + solve_triangular(r, mm(ct(da), b - mm(a, x)), adjoint=True)
-        return solve_triangular(r, rhs)
-    # Aᴴ = QR: dx = Q R⁻ᴴ(db - dA x) + (I - QQᴴ) dAᴴ z, z = R⁻¹R⁻ᴴ b
-    z = solve_triangular(r, solve_triangular(r, b, adjoint=True))
-    w = mm(ct(da), z)
-    return mm(q, solve_triangular(after(r, z), db - mm(da, x), adjoint=True)) + w - mm(q, mm(ct(q), w))
-
-
-def _singular_vectors(r, q_times_u, *, wide: bool):
-    """``(U, s, V)``, the thin SVD of ``A`` from that of its small factor ``R = U_R S V_Rᴴ``: ``A = QR``,
-    or ``Aᴴ = QR`` when ``wide``, and ``q_times_u(U_R, s, V_R) = Q U_R``."""
-    s, u_r, vh_r = svd_p.bind(r, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    v_r = ct(vh_r)
-    q_u = q_times_u(u_r, s, v_r)
-    return (v_r, s, q_u) if wide else (q_u, s, v_r)
-
-
-def _mixed_rank_tangent(a, b, x, rank, da, db):
-    """Per matrix: the full-rank tangent where the rank is full, the pseudo-inverse one elsewhere, from
-    a recomputed QR of ``A`` (of ``Aᴴ`` when wide) and the SVD of its ``R``."""
-    m, n = a.shape[-2:]
-    q, r = lax.linalg.qr(a if m >= n else ct(a), full_matrices=False)  # with jax's derivative rules
-    u, s, v = _singular_vectors(after(r, q), lambda u_r, *_: mm(q, u_r), wide=m < n)
-    r = after(r, u)  # the solves wait for the SVD
-    k = r.shape[-1]
-    full = (rank == k)[..., None, None]
-    r_safe = jnp.where(full, r, jnp.eye(k, dtype=r.dtype))  # keeps the unselected branch finite
+def _mixed_rank_tangent(a, b, x, rank, r_inv, s, v_r, da, db):
+    """Per matrix: the seminormal tangent where the rank is full, Golub–Pereyra's with the truncated
+    pseudo-inverse from the SVD of the forward's ``R`` (``(s, V_R)``) elsewhere."""
+    full = (rank == r_inv.shape[-1])[..., None, None]
+    u, v = _singular_vectors(a, s, v_r, rank)
     return jnp.where(
         full,
-        _full_rank_tangent(a, b, x, q, r_safe, da, db),
+        _seminormal_tangent(a, b, x, r_inv, da, db),
         _pinv_tangent(a, b, x, u, s, v, rank, da, db),
     )
 

@@ -106,15 +106,17 @@ def test_the_cpu_only_tie_leaves_other_platforms_free_to_drop_its_dependency():
     assert "stablehlo.sine" in lowered["cpu"] and "stablehlo.sine" not in lowered["cuda"]
 
 
+@pytest.mark.parametrize("tie", ["cpu", "lifted"])
 @pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
-def test_without_the_cpu_tie_a_gradient_of_the_solution_factors_a_once(m, n, monkeypatch):
-    """Off CPU (the tie lifted, as ``after_on_cpu`` does there), a compiled gradient of the solution
-    reuses the forward's R: outside the conditionals (the rank certificate, the rank-deficient
-    branch), the only QR is the forward's and no SVD runs (neither the forward's singular values nor
-    ds's vectors, which nothing uses)."""
+def test_a_gradient_of_the_solution_factors_a_once(m, n, tie, monkeypatch):
+    """A compiled gradient of the solution reuses the forward's R: outside the conditionals (the
+    rank certificate, the rank-deficient branch), the only QR is the forward's and no SVD runs
+    (neither the forward's singular values nor ds's vectors, which nothing uses); on CPU, its LAPACK
+    calls chained, as where the tie is lifted (``after_on_cpu`` off CPU)."""
     from jaxforge.primitives.linalg import lstsq as lstsq_rule
 
-    monkeypatch.setattr(lstsq_rule, "after_on_cpu", lambda x, dep: x)
+    if tie == "lifted":
+        monkeypatch.setattr(lstsq_rule, "after_on_cpu", lambda x, dep: x)
     a, b = jnp.ones((4, m, n)), jnp.ones((4, m, 2))
     hlo = jax.jit(lstsq_programs(m, n)["grad"]).lower(a, b).compile().as_text()
     entry_name = re.search(r"^ENTRY %?([\w.\-]+) ", hlo, re.MULTILINE).group(1)
