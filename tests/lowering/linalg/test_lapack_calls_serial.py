@@ -66,15 +66,17 @@ def independent_lapack_calls(hlo: str) -> list[tuple[str, str, str]]:
 
 def lstsq_programs(m, n):
     solve = lambda a, b: jf.linalg.lstsq(a, b).solution  # noqa: E731
+    grad = jax.grad(lambda a, b: jnp.sum(solve(a, b) ** 2), (0, 1))
     return {
         "forward": lambda a, b: jf.linalg.lstsq(a, b),
-        "grad": jax.grad(lambda a, b: jnp.sum(solve(a, b) ** 2), (0, 1)),
+        "grad": grad,
         "jvp": lambda a, b: jax.jvp(solve, (a, b), (a, b)),
+        "hvp": lambda a, b: jax.jvp(grad, (a, b), (a, b)),  # forward over reverse
     }
 
 
 @pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
-@pytest.mark.parametrize("program", ["forward", "grad", "jvp"])
+@pytest.mark.parametrize("program", ["forward", "grad", "jvp", "hvp"])
 def test_lstsq_programs_run_their_lapack_calls_one_at_a_time(m, n, program):
     a, b = jnp.ones((4, m, n)), jnp.ones((4, m, 2))
     hlo = jax.jit(lstsq_programs(m, n)[program]).lower(a, b).compile().as_text()
