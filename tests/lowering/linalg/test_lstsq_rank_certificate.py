@@ -14,6 +14,7 @@ from jaxforge.lowering.linalg.lstsq.xla import (
     _can_certify,
     _full_rank_certificate,
     _two_norm_bound,
+    _upper_gram,
     augmented_qr,
     lstsq_xla,
 )
@@ -23,15 +24,22 @@ from tests.linalg_inputs import random, well_conditioned, with_singular_values
 
 
 @pytest.mark.parametrize("squarings", CERTIFICATE_SQUARINGS)
-@pytest.mark.parametrize("n", [1, 7, 64, 300])
+@pytest.mark.parametrize("n", [1, 7, 64, 300, 600])
 def test_two_norm_bound_is_an_upper_bound_within_its_factor(n, squarings):
     rng = np.random.default_rng(n)
     factor = n ** (1 / (4 * 2**squarings))
     for s in (np.ones(n), np.geomspace(1, 1e-6, n), np.r_[1e3, np.ones(n - 1)], rng.uniform(0, 5, n)):
-        x = with_singular_values(rng, (3,), n, n, s)
+        x = np.linalg.qr(with_singular_values(rng, (3,), n, n, s), mode="r")  # triangular, as R and R⁻¹
         bound, true = np.asarray(_two_norm_bound(x, squarings)), np.linalg.norm(x, 2, axis=(-2, -1))
         assert np.all(bound >= true * (1 - 1e-12)), (bound, true)
         assert np.all(bound <= true * factor * (1 + 1e-12)), (bound / true, factor)
+
+
+@pytest.mark.parametrize("n", [5, 257, 600])
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+def test_the_gram_of_a_triangular_factor_by_blocks_is_the_product(n, dtype):
+    y = np.triu(random(np.random.default_rng(n), (2, n, n), dtype))
+    np.testing.assert_allclose(_upper_gram(y), np.swapaxes(y, -1, -2).conj() @ y, rtol=1e-12, atol=1e-11)
 
 
 def certificate(r, rcond, squarings):

@@ -142,7 +142,8 @@ def _full_rank_certificate(r, r_inv, rcond: float, squarings: int):
 
 
 def _two_norm_bound(x, squarings: int):
-    """An upper bound of ``‖X‖₂`` within a factor ``k^(1/(4m))``, ``m = 2^squarings``.
+    """An upper bound of ``‖X‖₂`` within a factor ``k^(1/(4m))``, ``m = 2^squarings``, for an
+    upper-triangular ``X`` (R or R⁻¹).
 
     With ``G = XᴴX``: ``‖X‖₂² = λ_max(G) <= ‖G^m‖_F^(1/m) <= k^(1/(2m)) λ_max(G)``. ``G^m`` comes from
     repeated squaring of ``G`` scaled to unit Frobenius norm, the scales kept as factors
@@ -154,7 +155,7 @@ def _two_norm_bound(x, squarings: int):
     if squarings < 0:
         return scale
     y = x / scale[..., None, None]
-    g = mm(ct(y), y)
+    g = _upper_gram(y)
     bound, exponent = jnp.ones_like(scale), 1.0
     for _ in range(squarings):
         c = frobenius(g)
@@ -162,3 +163,23 @@ def _two_norm_bound(x, squarings: int):
         g = g / c[..., None, None]
         g = mm(g, g)
     return scale * jnp.sqrt(bound * frobenius(g) ** exponent)
+
+
+# Order below which the Gram of a triangular factor is one product. Above it, the products of its
+# blocks skip the zero one; two levels take 3/8 of the flops of one product. Measured (2 cores,
+# float32, the Gram alone, best of 10): 1024² 14.4 -> 7.3 ms, 2048² 137 -> 44.
+_GRAM_BLOCK = 256
+
+
+def _upper_gram(y):
+    """``YᴴY`` for an upper-triangular ``Y = [[A, B], [0, C]]``: ``[[AᴴA, AᴴB], [BᴴA, BᴴB + CᴴC]]``,
+    the diagonal blocks' Grams by recursion."""
+    k = y.shape[-1]
+    if k <= _GRAM_BLOCK:
+        return mm(ct(y), y)
+    h = k // 2
+    a, b, c = y[..., :h, :h], y[..., :h, h:], y[..., h:, h:]
+    ab = mm(ct(a), b)
+    top = jnp.concatenate([_upper_gram(a), ab], axis=-1)
+    bottom = jnp.concatenate([ct(ab), mm(ct(b), b) + _upper_gram(c)], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
