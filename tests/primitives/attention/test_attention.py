@@ -674,6 +674,7 @@ SECOND_ORDER = {
                            lambda s, b, h, i, j: s - 0.25 * (h + 1) * jnp.abs(i - j), None, True),
     "captured_bias": (SELF, lambda r: (masks.causal(), lambda b, h, i, j: j <= i),
                       lambda s, b, h, i, j: s + jnp.asarray(REL)[h, i - j + 37], None, True),
+    "unmasked_softcap": (CROSS, lambda r: (None, None), None, 2.0, True),  # XLA packs GQA heads backward
 }
 
 

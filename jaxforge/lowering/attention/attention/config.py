@@ -73,8 +73,10 @@ PACK_GQA_BELOW = 16
 # The XLA backward without a mask packs GQA groups at any length (xla.py passes ``any_length``):
 # each lane's key tile is then loaded once for the group and gk, gv need no sum over its heads.
 # Measured (2 cores, float32, backward alone): 2 x 1024 x 1024, 8 heads on 2, d64: 310 -> 290 ms;
-# 4 x 16 x 8192, 32 on 8, d128: 2094 -> 684. Not the forward (those: 102 -> 86 but 277 -> 341 ms)
-# nor masked calls, whose packed tiles span more keys (causal backward 173 -> 252, document 57 -> 63).
+# 4 x 16 x 8192, 32 on 8, d128: 2094 -> 684; attention_tangent_bwd alike (a gradient through a jvp,
+# whole: 2 x 16 x 4096, 32 on 8, d128 527 -> 317 ms; 2 x 1024 x 1024, 8 on 2, d64 551 -> 530). Not
+# the forward (those: 102 -> 86 but 277 -> 341 ms) nor masked calls, whose packed tiles span more
+# keys (causal backward 173 -> 252, document 57 -> 63).
 def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = False) -> bool:
     """Whether the query heads of each GQA group share tiles: ``impl.pack_gqa``, else for short
     query sequences (``sq < PACK_GQA_BELOW``) or, told ``any_length``, at every length; never

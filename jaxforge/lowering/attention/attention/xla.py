@@ -50,7 +50,8 @@ def geometry(
 
 def _geometry(q, k, scale: float, impl: Implementation, mods: Mods, backward: bool = False) -> Geometry:
     """The XLA lowering's geometry: its tiles depend on whether the call is masked; few query rows
-    a tile lay their scores keys-major; an unmasked ``backward`` packs GQA groups (config.py)."""
+    a tile lay their scores keys-major; an unmasked ``backward`` (a loop over key tiles with the
+    query side in its carry: attention_bwd, attention_tangent_bwd) packs GQA groups (config.py)."""
     masked = mods.mask is not None
     geo = geometry("xla", q, k, scale, impl, pack_any_length=backward and not masked, masked=masked)
     return dataclasses.replace(geo, keys_major=config.xla_keys_major(geo.block_q))
@@ -311,7 +312,7 @@ def attention_tangent_bwd_xla(
 ):
     """The tangent map's transpose in (q, k, v, out, lse) — a grad through a jvp — as attention_bwd_xla:
     one pass over key tiles per (batch item, query head), the query side in the loop carry."""
-    geo = _geometry(q, k, scale, implementation, mods)
+    geo = _geometry(q, k, scale, implementation, mods, backward=True)
     per_head = dataclasses.replace(geo, group=1)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
