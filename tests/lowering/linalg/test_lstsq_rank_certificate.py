@@ -11,8 +11,8 @@ import pytest
 
 from jaxforge.lowering.linalg.lstsq.xla import (
     CERTIFICATE_SQUARINGS,
-    _can_certify,
     _full_rank_certificate,
+    _rungs,
     _two_norm_bound,
     _upper_gram,
     augmented_qr,
@@ -64,7 +64,7 @@ def test_the_frobenius_rung_is_skipped_where_it_cannot_certify():
     k, rcond = 64, 1 / 60
     q = np.linalg.qr(random(np.random.default_rng(4), (k, k)))[0]
     assert not certificate(q, rcond, -1) and certificate(q, rcond, 0)
-    assert not _can_certify(-1, k, rcond) and _can_certify(-1, k, 1 / 70) and _can_certify(0, k, rcond)
+    assert _rungs(k, rcond) == (0, 2) and _rungs(k, 1 / 70) == (-1, 0, 2) and _rungs(k, 1 / 70, past=0) == (2,)
 
 
 @pytest.mark.parametrize("m,n", [(64, 16), (512, 128)])

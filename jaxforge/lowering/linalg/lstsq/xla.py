@@ -66,13 +66,13 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None, fused_ru
         return x, lstsq_residuals(a, b, x), jnp.zeros(batch, jnp.int32), no_values, no_factor
     if fused is None:
         r, *solvers = _factored(a, b, factor)
-        rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=CERTIFICATE_SQUARINGS)
+        rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=_rungs(k, rcond))
     else:
         r, x_fused, certified, factor = fused(a, b, rcond)
         rank, x = lax.cond(
             jnp.all(certified),
             lambda: (jnp.full(batch, k, jnp.int32), x_fused),
-            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=_tighter(fused_rung)),
+            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=_rungs(k, rcond, past=fused_rung)),
         )
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
@@ -81,14 +81,12 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None, fused_ru
     return x, lstsq_residuals(a, b, x), jnp.where(bad_a, 0, rank), poison(bad_a, s), r
 
 
-def _tighter(rung: int) -> tuple[int, ...]:
-    return tuple(squarings for squarings in CERTIFICATE_SQUARINGS if squarings > rung)
-
-
-def _can_certify(squarings: int, k: int, rcond: float) -> bool:
-    """Whether the rung can certify some k x k factor: ``‖R‖_F·‖R⁻¹‖_F >= k`` (Cauchy–Schwarz on the
-    singular values), so the Frobenius rung cannot when ``k·rcond >= 1`` (float32 4096², 16384 x 1024)."""
-    return squarings >= 0 or k * rcond < 1
+def _rungs(k: int, rcond: float, past: int | None = None) -> tuple[int, ...]:
+    """The rungs worth trying on a k x k factor, cheapest first: those tighter than ``past`` (the rung
+    a fused kernel took), less the Frobenius one where it cannot certify: ``‖R‖_F·‖R⁻¹‖_F >= k``
+    (Cauchy–Schwarz on the singular values), so not when ``k·rcond >= 1`` (float32 4096², 16384 x 1024)."""
+    tighter = [squarings for squarings in CERTIFICATE_SQUARINGS if past is None or squarings > past]
+    return tuple(squarings for squarings in tighter if squarings >= 0 or k * rcond < 1)
 
 
 def _factored(a, b, factor):
@@ -122,7 +120,6 @@ def _rank_and_solution(r, solve, factors, rhs, *, rcond: float, rungs):
     r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
 
     def certify(rungs):
-        rungs = [squarings for squarings in rungs if _can_certify(squarings, k, rcond)]
         if not rungs:
             return exact()
         proven = jnp.all(_full_rank_certificate(r, r_inv, rcond, rungs[0]))
