@@ -74,6 +74,15 @@ def test_few_columns_in_float32_are_certified_by_the_frobenius_norms(m, n):
     assert certificate(np.linalg.qr(a, mode="r"), default_rcond(np.float32, m, n), -1)
 
 
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-20, 1e20, 1e30])
+def test_float32_entries_whose_squares_leave_the_range_are_still_certified(magnitude):
+    # ‖R‖_F of entries ~1e±20 squares them past float32's range; scaled first, every rung holds.
+    a = with_singular_values(np.random.default_rng(5), (), 64, 16, np.geomspace(1, 1e-1, 16))
+    r = np.linalg.qr((magnitude * a).astype(np.float32), mode="r")
+    rcond = default_rcond(np.float32, 64, 16)
+    assert all(certificate(r, rcond, squarings) for squarings in CERTIFICATE_SQUARINGS)
+
+
 def test_rank_deficient_and_non_finite_r_are_not_certified():
     rng = np.random.default_rng(1)
     deficient = with_singular_values(rng, (), 40, 12, np.r_[np.ones(8), np.zeros(4)])

@@ -148,7 +148,7 @@ def _two_norm_bound(x, squarings: int):
     (``m = 1/2``, no Gram): ``‖X‖_F``, within ``√k``.
     """
     frobenius = lambda y: jnp.sqrt(jnp.sum(jnp.abs(y) ** 2, axis=(-2, -1)))  # noqa: E731
-    scale = frobenius(x)
+    scale = _scaled_frobenius(x)
     if squarings < 0:
         return scale
     y = x / scale[..., None, None]
@@ -160,6 +160,14 @@ def _two_norm_bound(x, squarings: int):
         g = g / c[..., None, None]
         g = mm(g, g)
     return scale * jnp.sqrt(bound * frobenius(g) ** exponent)
+
+
+def _scaled_frobenius(x):
+    """``‖X‖_F`` as ``p·‖X/p‖_F``, ``p = max|x_ij|``: the squares of float32 entries beyond ~1e±19
+    would overflow or underflow, fail the certificate and send a well-conditioned problem to the SVD."""
+    peak = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
+    peak = jnp.where(peak > 0, peak, 1)  # a zero X stays zero; NaN stays NaN (never certified)
+    return peak[..., 0, 0] * jnp.sqrt(jnp.sum(jnp.abs(x / peak) ** 2, axis=(-2, -1)))
 
 
 # Order below which the Gram of a triangular factor is one product. Above it, the products of its
