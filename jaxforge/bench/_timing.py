@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Hashable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -25,18 +25,33 @@ def timed_call(fn: Callable, *args) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def median_time(
-    fn: Callable, *args, min_repeats: int = 3, max_seconds: float = 2.0, max_repeats: int = 30
-) -> Timing:
-    """Median seconds of ``fn(*args)``, which must already be warm (compiled).
+def median_times(
+    calls: Mapping[Hashable, tuple[Callable, tuple]],
+    *,
+    min_repeats: int = 3,
+    max_seconds: float = 2.0,
+    max_repeats: int = 30,
+    once: Container[Hashable] = (),
+) -> dict[Hashable, Timing]:
+    """Median seconds of each warm (compiled) call ``fn(*args)`` of ``calls`` (name -> (fn, args)).
 
-    Times at least ``min_repeats`` calls, then more until the timed calls add up to
-    ``max_seconds`` or ``max_repeats`` calls are made.
+    The calls are timed in rounds, one call of each per round: the machine's drift (its clock,
+    other load) then falls on all of them alike, not on whichever ran through a slow stretch, so
+    their ratios hold. Each is timed at least ``min_repeats`` times (once if its name is in
+    ``once``: a slow call), then more while its timed calls add up to less than ``max_seconds``
+    and it has had fewer than ``max_repeats``.
     """
-    times: list[float] = []
-    while len(times) < max_repeats and (len(times) < min_repeats or sum(times) < max_seconds):
-        times.append(timed_call(fn, *args)[0])
-    return Timing(statistics.median(times), times)
+    times: dict[Hashable, list[float]] = {name: [] for name in calls}
+
+    def wants_more(name) -> bool:
+        done, least = times[name], 1 if name in once else min_repeats
+        return len(done) < max_repeats and (len(done) < least or sum(done) < max_seconds)
+
+    while active := [name for name in calls if wants_more(name)]:
+        for name in active:
+            fn, args = calls[name]
+            times[name].append(timed_call(fn, *args)[0])
+    return {name: Timing(statistics.median(done), done) for name, done in times.items()}
 
 
 def device_name() -> str:

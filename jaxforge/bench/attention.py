@@ -42,6 +42,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,7 @@ import numpy as np
 from jax import lax
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
+from jaxforge.bench._timing import median_times, timed_call, timed_record, untimed_record
 from jaxforge.lowering import build
 from jaxforge.lowering.attention.attention import config
 from jaxforge.primitives.attention.attention import SHAPES
@@ -189,25 +190,37 @@ def measure(
     ]
     total = len(cases) * len(modes) * len(contenders)
     measured: dict[tuple[str, str, str], dict] = {}
-    # Two passes: the essential contenders (jaxforge and the anchors with targets) on every case,
-    # then the others while the soft limit allows, so a budget cuts optional rows, not cases.
-    for essential in (True, False):
-        limit, which = (hard, "hard") if essential else (soft, "soft")
+    # Under a budget, two passes: the essential contenders (jaxforge and the anchors with targets)
+    # on every case, then the others while the soft limit allows, so that a budget cuts optional
+    # rows, not cases. Without one, a single pass: every contender of a case and mode is timed in
+    # the same interleaved rounds.
+    passes = ((True,), (False,)) if math.isfinite(soft) or math.isfinite(hard) else ((True, False),)
+    for kinds in passes:
         for case in cases:
-            todo = [c for c in contenders if c.essential(case) == essential]
-            in_time = bool(todo) and time.perf_counter() - start <= limit
+            todo = [c for c in contenders if c.essential(case) in kinds]
+            limits = {c.name: (hard, "hard") if c.essential(case) else (soft, "soft") for c in todo}
+            in_time = any(time.perf_counter() - start <= limit for limit, _ in limits.values())
             inputs = _make_inputs(case) if in_time else None
             reference, ref_note = _reference(case, inputs, "hvp" in modes) if in_time else (None, None)
             for mode in modes:
+                outcomes: dict[str, dict | _Ready] = {}  # compiled and checked first, then timed together
                 for contender in todo:
                     if progress:
-                        progress(len(measured), total, f"{case.name} {mode} {contender.name}")
-                    elapsed = time.perf_counter() - start
+                        progress(len(measured) + len(outcomes), total, f"{case.name} {mode} {contender.name}")
+                    elapsed, (limit, which) = time.perf_counter() - start, limits[contender.name]
                     if inputs is None or elapsed > limit:
                         reason = f"time budget: {elapsed:.0f} s into the run, past its {which} limit of {limit:.0f} s"
-                        record = _not_timed("skipped", reason)
+                        outcomes[contender.name] = _not_timed("skipped", reason)
                     else:
-                        record = _measure(contender, case, inputs, mode, reference, repeats)
+                        outcomes[contender.name] = _prepare(contender, case, inputs, mode, reference, repeats)
+                ready = {name: r for name, r in outcomes.items() if isinstance(r, _Ready)}
+                options = {k: v for k, v in repeats.items() if k != "warmups"}
+                slow = [name for name, r in ready.items() if r.warm_s > options["max_seconds"]]
+                timings = median_times({name: (r.fn, r.args) for name, r in ready.items()}, **options, once=slow)
+                for contender in todo:
+                    record = outcomes[contender.name]
+                    if isinstance(record, _Ready):
+                        record = timed_record(record.first_s, timings[contender.name], record.accuracy, tflops=None, time_over_fwd=None)
                     notes = [n for n in (contender.note(case), ref_note if record["status"] == "ok" else None) if n]
                     record["note"] = "; ".join(notes) or None
                     measured[case.name, mode, contender.name] = record
@@ -242,8 +255,18 @@ def measure(
 # ---------------------------------------------------------------- one measurement
 
 
-def _measure(contender: Contender, case: Case, inputs: Inputs, mode: str, reference, repeats: dict) -> dict:
-    """Timing and accuracy of one contender in one mode; skips and errors become records."""
+class _Ready(NamedTuple):
+    """A contender compiled, warmed up and checked in one case and mode, to be timed beside the others."""
+
+    fn: Callable
+    args: tuple
+    first_s: float
+    warm_s: float
+    accuracy: dict[str, float] | None
+
+
+def _prepare(contender: Contender, case: Case, inputs: Inputs, mode: str, reference, repeats: dict) -> dict | _Ready:
+    """Compiles, warms up and checks one contender in one mode; skips and errors become records."""
     try:
         prepared = contender.prepare(case, inputs, mode)
         if isinstance(prepared, str):
@@ -253,14 +276,10 @@ def _measure(contender: Contender, case: Case, inputs: Inputs, mode: str, refere
         warm_s = first_s
         for _ in range(repeats["warmups"]):
             warm_s = timed_call(fn, *args)[0]
-        options = {k: v for k, v in repeats.items() if k != "warmups"}
-        if warm_s > options["max_seconds"]:  # a slow call is timed once, to keep the run short
-            options["min_repeats"] = 1
-        timing = median_time(fn, *args, **options)
         accuracy = _accuracy(mode, [contender.to_jax(x) for x in outputs], reference)
     except Exception as e:  # a contender's limits (a shape it refuses, no JVP rule) are data
         return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-    return timed_record(first_s, timing, accuracy, tflops=None, time_over_fwd=None)
+    return _Ready(fn, args, first_s, warm_s, accuracy)
 
 
 def _not_timed(status: str, reason: str) -> dict:

@@ -2,7 +2,7 @@
 
 Anchors (shared/ANCHORS.md): jnp's own functions, a jnp QR + triangular-solve least squares,
 numpy (when running on CPU) and torch (on GPU, where importable), all timed in this process on
-the default device. Inputs are float32 ``U diag(s) Vᵀ`` with random orthonormal factors and
+the default device, in interleaved rounds (``median_times``). Inputs are float32 ``U diag(s) Vᵀ`` with random orthonormal factors and
 singular values spread geometrically over ``[1/COND, 1]``; the shapes are the ``SHAPES`` tables of
 ``jaxforge.primitives.linalg`` tagged ``bench_cpu`` or ``bench_gpu``. Accuracy is computed in
 float64 numpy from each implementation's float32 results.
@@ -15,14 +15,14 @@ import functools
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_time, timed_call, timed_record, untimed_record
+from jaxforge.bench._timing import median_times, timed_call, timed_record, untimed_record
 from jaxforge.primitives.linalg._ops import solve_triangular
 from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES, default_rcond
 from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
@@ -111,19 +111,29 @@ def measure(
     for op, name, shape, impls in plan:
         inputs = op.make_inputs(shape)
         host64 = tuple(np.asarray(x, np.float64) for x in inputs)
+        outcomes: dict[str, dict | _Ready] = {}  # compiled and checked first, then timed together
         for impl in impls:
             if progress:
-                progress(len(records), total, f"{op.name} {name} {impl.name}")
-            record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl.name)
+                progress(len(records) + len(outcomes), total, f"{op.name} {name} {impl.name}")
             elapsed = time.perf_counter() - start
             if not impl.applies(shape):
-                record.update(untimed_record("skipped", "not measured on this shape (it informs a dispatch choice on others)"))
+                outcomes[impl.name] = untimed_record("skipped", "not measured on this shape (it informs a dispatch choice on others)")
             elif elapsed > (limit := hard if impl.name == "jaxforge" else soft):
                 reason = f"time budget: {elapsed:.0f} s into the run, past its limit of {limit:.0f} s"
-                record.update(untimed_record("skipped", reason))
+                outcomes[impl.name] = untimed_record("skipped", reason)
             else:
-                record.update(_measure(op, impl, inputs, host64, repeats, batch_is_a_loop=on_cpu))
-            records.append(record)
+                outcomes[impl.name] = _prepare(op, impl, inputs, host64, repeats, batch_is_a_loop=on_cpu)
+        ready = {impl: r for impl, r in outcomes.items() if isinstance(r, _Ready)}
+        timings = median_times(
+            {impl: (r.fn, r.args) for impl, r in ready.items()},
+            **repeats,
+            once=[impl for impl, r in ready.items() if r.first_s > repeats["max_seconds"]],
+        )
+        for impl, outcome in outcomes.items():
+            record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl)
+            if isinstance(outcome, _Ready):
+                outcome = timed_record(outcome.first_s, timings[impl], outcome.accuracy)
+            records.append({**record, **outcome})
         _add_ratios(records[-len(impls):])
     if progress:
         progress(total, total, "done")
@@ -137,16 +147,25 @@ def _select_shapes(op: _Op, names, tag: str) -> dict[str, tuple[int, ...]]:
     return {name: op.shapes[name][0] for name in picked if name in op.shapes}
 
 
-def _measure(
+class _Ready(NamedTuple):
+    """An implementation compiled and checked on one shape, to be timed beside the others."""
+
+    fn: Callable
+    args: tuple
+    first_s: float
+    accuracy: dict[str, float]
+
+
+def _prepare(
     op: _Op, impl: Implementation, inputs, host64, repeats: dict, *, batch_is_a_loop: bool
-) -> dict:
-    """Timing and accuracy of one implementation; an anchor that fails or is too slow is skipped.
+) -> dict | _Ready:
+    """Compiles and checks one implementation; an anchor that fails or is too slow is skipped (a record).
 
     ``batch_is_a_loop``: a call costs its batch size times one matrix's call, so an anchor's cost
     is estimated from one matrix before the whole batch is run.
     """
     if impl.name == "jaxforge":  # the subject: always timed, and its errors surface
-        return _time_and_check(op, impl, impl.prepare(*inputs), host64, repeats)
+        return _first_call(op, impl, impl.prepare(*inputs), host64)
     try:
         args = impl.prepare(*inputs)
         batch = inputs[0].shape[0]
@@ -156,20 +175,17 @@ def _measure(
             estimate = timed_call(impl.fn, *one_matrix)[0] * batch
             if estimate > SKIP_SECONDS:
                 return untimed_record("skipped", f"estimated {estimate:.0f} s per call from one matrix")
-        return _time_and_check(op, impl, args, host64, repeats, skip_seconds=SKIP_SECONDS)
+        return _first_call(op, impl, args, host64, skip_seconds=SKIP_SECONDS)
     except Exception as e:  # an anchor's limits (e.g. a driver refusing a shape) are data
         return untimed_record("error", f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def _time_and_check(op: _Op, impl: Implementation, args, host64, repeats: dict, skip_seconds=None) -> dict:
+def _first_call(op: _Op, impl: Implementation, args, host64, skip_seconds=None) -> dict | _Ready:
     first_s, outputs = timed_call(impl.fn, *args)  # compiles, and gives the outputs to check
     if skip_seconds is not None and first_s > skip_seconds:
         return untimed_record("skipped", f"first call took {first_s:.0f} s", first_s)
-    if first_s > repeats["max_seconds"]:  # a slow implementation is timed once, to keep the run short
-        repeats = dict(repeats, min_repeats=1)
-    timing = median_time(impl.fn, *args, **repeats)
     accuracy = op.accuracy(host64, [impl.fetch(x).astype(np.float64) for x in outputs])
-    return timed_record(first_s, timing, accuracy)
+    return _Ready(impl.fn, args, first_s, accuracy)
 
 
 def _add_ratios(records: list[dict]) -> None:

@@ -6,12 +6,25 @@ import numpy as np
 import pytest
 
 from jaxforge.bench import format_table, run
+from jaxforge.bench._timing import median_times
 
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("results")
     return run("linalg", quick=True, out_dir=out_dir), out_dir
+
+
+def test_calls_are_timed_in_interleaved_rounds_until_each_has_its_repeats():
+    order = []
+    calls = {name: (lambda name=name: order.append(name), ()) for name in "abc"}
+    timings = median_times(calls, min_repeats=3, max_seconds=0.0, max_repeats=30, once=["c"])
+    assert order == ["a", "b", "c", "a", "b", "a", "b"]  # c, slow, once; then rounds of a and b
+    assert [len(timings[name].times) for name in "abc"] == [3, 3, 1]
+    assert all(timings[name].median == np.median(timings[name].times) for name in "abc")
+    order.clear()
+    assert [len(t.times) for t in median_times(calls, min_repeats=1, max_seconds=1e9, max_repeats=4).values()] == [4] * 3
+    assert order == list("abc") * 4
 
 
 def test_every_op_has_timed_accurate_records(quick_run):
