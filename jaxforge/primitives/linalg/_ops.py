@@ -37,6 +37,28 @@ def solve_triangular(r, y, *, adjoint: bool = False):
     )
 
 
+# Order up to which a triangular inverse is one solve against the identity. Above it the inverse
+# is built by halves, whose off-diagonal block is two matrix products: faster than a solve with as
+# many right-hand sides (2 cores, float32: 1024² 15.8 -> 9.8 ms, 2048² 95 -> 49), as accurate.
+_INVERSE_BLOCK = 128
+
+
+def upper_inverse(r):
+    """``R⁻¹`` for upper-triangular ``R = [[A, B], [0, C]]``: ``[[A⁻¹, −A⁻¹BC⁻¹], [0, C⁻¹]]``, the
+    diagonal blocks' inverses by recursion, each solve after the last (see ``after``), the corner
+    entries of the result after them all."""
+    k = r.shape[-1]
+    if k <= _INVERSE_BLOCK:
+        return solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+    h = k // 2
+    a_inv = upper_inverse(r[..., :h, :h])
+    c_inv = upper_inverse(after_on_cpu(r[..., h:, h:], a_inv[..., -1:, -1:]))  # after A⁻¹'s last solve
+    a_inv = after_on_cpu(a_inv, c_inv[..., -1:, -1:])  # so R⁻¹[0, 0], which a later `after` reads, waits too
+    top = jnp.concatenate([a_inv, -mm(a_inv, mm(r[..., :h, h:], c_inv))], axis=-1)
+    bottom = jnp.concatenate([jnp.zeros_like(r[..., h:, :h]), c_inv], axis=-1)
+    return jnp.concatenate([top, bottom], axis=-2)
+
+
 def after(x, dep):
     """``x``, with a data dependency on ``dep`` (same leading batch dims) so that it is computed later.
 

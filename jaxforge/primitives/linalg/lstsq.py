@@ -60,8 +60,8 @@ from jaxforge.primitives.linalg._ops import (
     kept_reciprocal,
     mm,
     positive_diagonal,
-    solve_triangular,
     truncated_pinv,
+    upper_inverse,
 )
 from jaxforge.primitives.linalg.svd import svd_p
 
@@ -145,7 +145,7 @@ def _jvp(primals, tangents, *, rcond: float):
         all_full = jnp.all(full)
         eye = jnp.eye(k, dtype=r.dtype)
         r_safe = jnp.where(full, r_tied, eye)  # finite where deficient
-        r_inv = solve_triangular(r_safe, jnp.zeros_like(r) + eye)  # keeps r's batch sharding
+        r_inv = upper_inverse(r_safe)
         dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
         s_r, v_r = lax.cond(  # the SVD only for a batch holding a rank-deficient matrix
             all_full,

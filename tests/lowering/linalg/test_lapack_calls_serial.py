@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxforge as jf
+from jaxforge.primitives.linalg._ops import upper_inverse
 
 
 def computations(hlo: str) -> dict[str, dict[str, tuple[str, list[str]]]]:
@@ -75,7 +76,7 @@ def lstsq_programs(m, n):
     }
 
 
-@pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
+@pytest.mark.parametrize("m,n", [(24, 8), (8, 24), (280, 260)])  # 260 columns: R⁻¹ by halves
 @pytest.mark.parametrize("program", ["forward", "grad", "jvp", "hvp"])
 def test_lstsq_programs_run_their_lapack_calls_one_at_a_time(m, n, program):
     a, b = jnp.ones((4, m, n)), jnp.ones((4, m, 2))
@@ -90,6 +91,11 @@ def test_svd_programs_run_their_lapack_calls_one_at_a_time(m, n):
     for program in programs:
         hlo = jax.jit(program).lower(jnp.ones((4, m, n))).compile().as_text()
         assert "lapack_" in hlo and not independent_lapack_calls(hlo)
+
+
+def test_a_triangular_inverse_by_halves_runs_its_solves_one_at_a_time():
+    hlo = jax.jit(upper_inverse).lower(jnp.ones((2, 300, 300))).compile().as_text()
+    assert hlo.count('custom_call_target="lapack_') == 4 and not independent_lapack_calls(hlo)  # 300 -> 150 -> 75
 
 
 def test_the_check_finds_two_independent_calls():

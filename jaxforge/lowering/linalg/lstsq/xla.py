@@ -23,7 +23,15 @@ from jax import lax
 
 from jaxforge.lowering.linalg._nonfinite import nonfinite_matrices, poison
 from jaxforge.primitives.linalg._checks import real_dtype
-from jaxforge.primitives.linalg._ops import after, ct, mm, positive_diagonal, solve_triangular, truncated_pinv
+from jaxforge.primitives.linalg._ops import (
+    after,
+    ct,
+    mm,
+    positive_diagonal,
+    solve_triangular,
+    truncated_pinv,
+    upper_inverse,
+)
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
 # The certificate's rungs, as squarings of the Gram in ``_two_norm_bound``. -1, the Frobenius norms,
@@ -117,7 +125,7 @@ def _rank_and_solution(r, solve, factors, rhs, *, rcond: float, rungs):
         full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
         return rank, jnp.where(full, full_rank, truncated)
 
-    r_inv = solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+    r_inv = upper_inverse(r)
 
     def certify(rungs):
         if not rungs:
