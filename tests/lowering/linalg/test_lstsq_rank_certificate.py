@@ -83,6 +83,31 @@ def test_float32_entries_whose_squares_leave_the_range_are_still_certified(magni
     assert all(certificate(r, rcond, squarings) for squarings in CERTIFICATE_SQUARINGS)
 
 
+SPECTRA = {  # the smallest singular value apart from the rest
+    "large_outlier": lambda k: np.r_[30.0, np.linspace(1, 0.5, k - 1)],  # ‖R‖_F is tight, ‖R⁻¹‖_F loose
+    "geometric": lambda k: np.geomspace(1, 1e-2, k),
+    "small_outlier": lambda k: np.r_[np.linspace(1, 0.5, k - 1), 1 / 30],  # ‖R⁻¹‖_F tight, ‖R‖_F loose
+    "both_outliers": lambda k: np.r_[30.0, np.linspace(1, 0.5, k - 2), 1 / 30],  # every bound within 1.4x
+}
+
+
+@pytest.mark.parametrize("spectrum", SPECTRA)
+@pytest.mark.parametrize("wide", [False, True])
+def test_at_the_cut_off_the_gram_rungs_certify_nothing_they_cannot_prove(spectrum, wide):
+    # 300 columns, float64: every rung is tried (-1, R's Gram with ‖R⁻¹‖_F, 0, 2), then the SVD. Just past
+    # s_k/s_1 the last singular value is cut (rank k - 1); just below it none is, proven or not.
+    k = 300
+    rng = np.random.default_rng(8)
+    s = SPECTRA[spectrum](k)
+    m, n = (k, k + 20) if wide else (k + 20, k)
+    a, b = with_singular_values(rng, (2,), m, n, s), random(rng, (2, m, 1))
+    for rcond, rank in ((s.min() / s.max() * 1.001, k - 1), (s.min() / s.max() / 1.001, k)):
+        x, _, got_rank, *_ = jax.jit(lambda a, b: lstsq_xla(a, b, rcond=rcond))(a, b)
+        assert np.all(np.asarray(got_rank) == rank)
+        want = np.stack([np.linalg.lstsq(a[i], b[i], rcond=rcond)[0] for i in range(2)])
+        np.testing.assert_allclose(x, want, rtol=1e-8, atol=1e-8 * np.abs(want).max())
+
+
 def test_rank_deficient_and_non_finite_r_are_not_certified():
     rng = np.random.default_rng(1)
     deficient = with_singular_values(rng, (), 40, 12, np.r_[np.ones(8), np.zeros(4)])
