@@ -32,26 +32,31 @@ def median_times(
     max_seconds: float = 2.0,
     max_repeats: int = 30,
     once: Container[Hashable] = (),
-) -> dict[Hashable, Timing]:
+) -> dict[Hashable, Timing | Exception]:
     """Median seconds of each warm (compiled) call ``fn(*args)`` of ``calls`` (name -> (fn, args)).
 
     The calls are timed in rounds, one call of each per round: the machine's drift (its clock,
     other load) then falls on all of them alike, not on whichever ran through a slow stretch, so
     their ratios hold. Each is timed at least ``min_repeats`` times (once if its name is in
     ``once``: a slow call), then more while its timed calls add up to less than ``max_seconds``
-    and it has had fewer than ``max_repeats``.
+    and it has had fewer than ``max_repeats``. A call that raises is not timed again: its exception
+    stands in for its Timing, and the others go on.
     """
     times: dict[Hashable, list[float]] = {name: [] for name in calls}
+    failed: dict[Hashable, Exception] = {}
 
     def wants_more(name) -> bool:
         done, least = times[name], 1 if name in once else min_repeats
-        return len(done) < max_repeats and (len(done) < least or sum(done) < max_seconds)
+        return name not in failed and len(done) < max_repeats and (len(done) < least or sum(done) < max_seconds)
 
     while active := [name for name in calls if wants_more(name)]:
         for name in active:
             fn, args = calls[name]
-            times[name].append(timed_call(fn, *args)[0])
-    return {name: Timing(statistics.median(done), done) for name, done in times.items()}
+            try:
+                times[name].append(timed_call(fn, *args)[0])
+            except Exception as e:  # e.g. out of memory on a later call: a record, not the end of the run
+                failed[name] = e
+    return {name: failed[name] if name in failed else Timing(statistics.median(done), done) for name, done in times.items()}
 
 
 def device_name() -> str:

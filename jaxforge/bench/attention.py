@@ -218,9 +218,11 @@ def measure(
                 slow = [name for name, r in ready.items() if r.warm_s > options["max_seconds"]]
                 timings = median_times({name: (r.fn, r.args) for name, r in ready.items()}, **options, once=slow)
                 for contender in todo:
-                    record = outcomes[contender.name]
-                    if isinstance(record, _Ready):
-                        record = timed_record(record.first_s, timings[contender.name], record.accuracy, tflops=None, time_over_fwd=None)
+                    record, timing = outcomes[contender.name], timings.get(contender.name)
+                    if isinstance(timing, Exception):
+                        record = _error(timing)
+                    elif isinstance(record, _Ready):
+                        record = timed_record(record.first_s, timing, record.accuracy, tflops=None, time_over_fwd=None)
                     notes = [n for n in (contender.note(case), ref_note if record["status"] == "ok" else None) if n]
                     record["note"] = "; ".join(notes) or None
                     measured[case.name, mode, contender.name] = record
@@ -278,8 +280,12 @@ def _prepare(contender: Contender, case: Case, inputs: Inputs, mode: str, refere
             warm_s = timed_call(fn, *args)[0]
         accuracy = _accuracy(mode, [contender.to_jax(x) for x in outputs], reference)
     except Exception as e:  # a contender's limits (a shape it refuses, no JVP rule) are data
-        return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return _error(e)
     return _Ready(fn, args, first_s, warm_s, accuracy)
+
+
+def _error(e: Exception) -> dict:
+    return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 def _not_timed(status: str, reason: str) -> dict:

@@ -132,7 +132,13 @@ def measure(
         for impl, outcome in outcomes.items():
             record = dict(op=op.name, shape_name=name, shape=list(shape), implementation=impl)
             if isinstance(outcome, _Ready):
-                outcome = timed_record(outcome.first_s, timings[impl], outcome.accuracy)
+                timing = timings[impl]
+                if isinstance(timing, Exception):
+                    if impl == "jaxforge":  # the subject's errors surface
+                        raise timing
+                    outcome = untimed_record("error", f"{type(timing).__name__}: {str(timing)[:200]}")
+                else:
+                    outcome = timed_record(outcome.first_s, timing, outcome.accuracy)
             records.append({**record, **outcome})
         _add_ratios(records[-len(impls):])
     if progress:

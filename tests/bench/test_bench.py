@@ -27,6 +27,12 @@ def test_calls_are_timed_in_interleaved_rounds_until_each_has_its_repeats():
     assert order == list("abc") * 4
 
 
+def test_a_call_that_raises_stops_only_itself():
+    calls = {"ok": (lambda: None, ()), "fails": (lambda: 1 / 0, ())}
+    timings = median_times(calls, min_repeats=3, max_seconds=0.0)
+    assert isinstance(timings["fails"], ZeroDivisionError) and len(timings["ok"].times) == 3
+
+
 def test_every_op_has_timed_accurate_records(quick_run):
     records, _ = quick_run
     assert {r["op"] for r in records} == {"svd", "lstsq", "lstsq_grad"}
