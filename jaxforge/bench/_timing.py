@@ -96,3 +96,8 @@ def untimed_record(status: str, reason: str, first_s: float | None = None, **ext
         accuracy=None,
         **extra,
     )
+
+
+def error_record(e: Exception, **extra) -> dict:
+    """The record of a call that raised: the exception's type and message, on one line, cut short."""
+    return untimed_record("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", **extra)

@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_times, timed_call, timed_record, untimed_record
+from jaxforge.bench._timing import error_record, median_times, timed_call, timed_record, untimed_record
 from jaxforge.lowering import build
 from jaxforge.lowering.attention.attention import config
 from jaxforge.primitives.attention.attention import SHAPES
@@ -285,7 +285,7 @@ def _prepare(contender: Contender, case: Case, inputs: Inputs, mode: str, refere
 
 
 def _error(e: Exception) -> dict:
-    return _not_timed("error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+    return error_record(e, tflops=None, time_over_fwd=None)
 
 
 def _not_timed(status: str, reason: str) -> dict:

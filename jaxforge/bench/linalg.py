@@ -2,10 +2,10 @@
 
 Anchors (shared/ANCHORS.md): jnp's own functions, a jnp QR + triangular-solve least squares,
 numpy (when running on CPU) and torch (on GPU, where importable), all timed in this process on
-the default device, in interleaved rounds (``median_times``). Inputs are float32 ``U diag(s) Vᵀ`` with random orthonormal factors and
-singular values spread geometrically over ``[1/COND, 1]``; the shapes are the ``SHAPES`` tables of
-``jaxforge.primitives.linalg`` tagged ``bench_cpu`` or ``bench_gpu``. Accuracy is computed in
-float64 numpy from each implementation's float32 results.
+the default device, in interleaved rounds (``median_times``). Inputs are float32 ``U diag(s) Vᵀ``
+with random orthonormal factors and singular values spread geometrically over ``[1/COND, 1]``;
+the shapes are the ``SHAPES`` tables of ``jaxforge.primitives.linalg`` tagged ``bench_cpu`` or
+``bench_gpu``. Accuracy is computed in float64 numpy from each implementation's float32 results.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxforge as jf
-from jaxforge.bench._timing import median_times, timed_call, timed_record, untimed_record
+from jaxforge.bench._timing import error_record, median_times, timed_call, timed_record, untimed_record
 from jaxforge.primitives.linalg._ops import solve_triangular
 from jaxforge.primitives.linalg.lstsq import SHAPES as LSTSQ_SHAPES, default_rcond
 from jaxforge.primitives.linalg.svd import SHAPES as SVD_SHAPES
@@ -136,7 +136,7 @@ def measure(
                 if isinstance(timing, Exception):
                     if impl == "jaxforge":  # the subject's errors surface
                         raise timing
-                    outcome = untimed_record("error", f"{type(timing).__name__}: {str(timing)[:200]}")
+                    outcome = error_record(timing)
                 else:
                     outcome = timed_record(outcome.first_s, timing, outcome.accuracy)
             records.append({**record, **outcome})
@@ -183,7 +183,7 @@ def _prepare(
                 return untimed_record("skipped", f"estimated {estimate:.0f} s per call from one matrix")
         return _first_call(op, impl, args, host64, skip_seconds=SKIP_SECONDS)
     except Exception as e:  # an anchor's limits (e.g. a driver refusing a shape) are data
-        return untimed_record("error", f"{type(e).__name__}: {str(e)[:200]}")
+        return error_record(e)
 
 
 def _first_call(op: _Op, impl: Implementation, args, host64, skip_seconds=None) -> dict | _Ready:
