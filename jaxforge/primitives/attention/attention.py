@@ -39,9 +39,9 @@ Second order. The tangent map's JVP is tangent itself along (dq, dk, dv) plus
            p_{ij}\,\big(ds_{ij}\,(g_{o,i}\cdot v_j + c_i) + g_{o,i}\cdot dv_j\big),
 
 so its lowering differentiates each tile's term (O(S) memory, kernel.tangent_bwd_cols); the
-cotangent of ``out`` is ``-g_c\, g_o``. tangent2 itself (a jvp of a jvp) runs densely, and the
-derivatives of bwd, of the two second-order primitives, and of the tangent where the float score
-consts themselves move differentiate the dense reference: correct, not fast.
+cotangent of ``out`` is ``-g_c\, g_o``. tangent2 itself (a jvp of a jvp) is forward mode through
+the tangent's tiles (O(S) memory). Third order, and the derivatives of bwd and of the tangent where
+the float score consts themselves move, differentiate the dense reference: correct, not fast.
 
 Operands are ``q (*batch, Sq, Hq, D)``, ``k (*batch, Skv, Hkv, D)``, ``v (*batch, Skv, Hkv, Dv)``,
 ``out (*batch, Sq, Hq, Dv)``, ``lse (*batch, Sq, Hq)`` (float32, float64 for float64 input).
@@ -81,7 +81,6 @@ __all__ = [
     "lse_dtype",
     "merge_weights",
     "second_order_operands",
-    "tangent2_dense",
     "tangent_at",
 ]
 
@@ -304,11 +303,10 @@ def second_order_operands(operands, mods: Mods, n_linear: int):
     return list(operands[: split[0]]), list(operands[split[0] : split[1]]), list(operands[split[1] : split[2]]), list(operands[split[2] :])
 
 
-def tangent2_dense(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None, **where):
-    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)``: attention_tangent2's spec, and its
-    lowering (``where``: a shard's global batch and head indices)."""
+def _tangent2_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
+    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)``."""
     consts, d, along, dscore = second_order_operands(operands, mods, 5)
-    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale, **where)  # noqa: E731
+    at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale)  # noqa: E731
     return jax.jvp(at, (q, k, v, out, lse), tuple(along))[1]
 
 
@@ -718,14 +716,14 @@ attention_bwd_tangent_p = _core.define_primitive(
     batch=_batch_rule(5, 9),
     **_COMMON,
 )
-# The tangent map's derivative in (q, k, v, out, lse) and its transpose. A grad
-# through a jvp runs the transpose, in XLA's tiles (O(S) memory); a jvp of a jvp, the dense form.
+# The tangent map's derivative in (q, k, v, out, lse) (a jvp of a jvp) and its transpose (a grad
+# through a jvp), both in XLA's tiles (O(S) memory); third order through them, dense.
 attention_tangent2_p = _core.define_primitive(
     "jaxforge_attention_tangent2",
     abstract_eval=_tangent2_abstract_eval,
-    jvp=_reference_jvp(tangent2_dense),
+    jvp=_reference_jvp(_tangent2_reference),
     transpose=_tangent2_transpose,
-    reference=tangent2_dense,
+    reference=_tangent2_reference,
     example_args=_example_tangent2_args,
     example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
     batch=_batch_rule(5, 8),

@@ -705,6 +705,31 @@ def test_grad_through_a_jvp_matches_dense(impl, name):
     assert ("attention_tangent_bwd" in str(jax.make_jaxpr(grad)(*args))) == tiled
 
 
+@over_impls
+@pytest.mark.parametrize("name", sorted(SECOND_ORDER))
+def test_jvp_of_a_jvp_matches_dense(impl, name):
+    """Forward over forward (Taylor mode; jacfwd of jacfwd): the jvp along (dq, dk, dv), differentiated
+    along another direction of (q, k, v), runs the tangent map's derivative (attention_tangent2)
+    in XLA's tiles (O(S) memory); against jax's second derivatives of the dense attention. A row
+    that sees no key has zero derivatives (the dense attention's lse tangents there are NaN)."""
+    args, attend, dense, tiled = _second_order_case(name, impl, seed=34)
+    x, d, along = args[:3], args[3:], tuple(jnp.cos(a) for a in args[3:])
+
+    def jvp_of_jvp(attend):
+        inner = lambda q, k, v: jax.jvp(attend, (q, k, v), d)[1]  # noqa: E731
+        return lambda *x: jax.jvp(inner, x, along)
+
+    (dout, dlse), (ddout, ddlse) = jax.jit(jvp_of_jvp(attend))(*x)
+    (dout_r, dlse_r), (ddout_r, ddlse_r) = jvp_of_jvp(dense)(*x)
+    seen = np.isfinite(attend(*x)[1])
+    assert_close(dout, dout_r, **DTOL)
+    assert_close(ddout, ddout_r, **DTOL)
+    for ours, ref in ((dlse, dlse_r), (ddlse, ddlse_r)):
+        assert np.isfinite(ours).all() and not np.asarray(ours)[~seen].any()
+        assert_close(np.where(seen, ours, 0), np.where(seen, ref, 0), **DTOL)
+    assert ("attention_tangent2" in str(jax.make_jaxpr(jvp_of_jvp(attend))(*x))) == tiled
+
+
 def _hvp(attend, argnums=(0, 1, 2)):
     """``(q, k, v, *tangents) -> (gradient, its jvp)`` of a loss on ``attend``'s (out, lse), forward
     over reverse; ``tangents`` of the arguments in ``argnums``."""
@@ -1020,20 +1045,23 @@ def test_sharded_batch_matches_unsharded(impl):
             assert not re.search(r"\b(bf16|f16|f32|f64)\[", line[: match.start()]), line
 
 
-def test_sharded_grad_through_a_jvp_matches_unsharded():
-    """The second-order rules run per shard at global batch indices (the document mask reads them)."""
+def test_sharded_second_order_through_a_jvp_matches_unsharded():
+    """The second-order rules through a jvp (its gradient; its jvp) run per shard at global batch
+    indices (the document mask reads them)."""
     mesh = jax.make_mesh((8,), ("batch",))
     batch = NamedSharding(mesh, PartitionSpec("batch"))
     rng = np.random.default_rng(34)
     args = (*qkv(rng, (8,), 12, 12, 2, 1, 4, 4), *qkv(rng, (8,), 12, 12, 2, 1, 4, 4))
     ids = segments(rng, 8, 12, n=3)
 
-    def grads(q, k, v, dq, dk, dv, ids):
+    def second_order(q, k, v, dq, dk, dv, ids):
         attend = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal() & masks.document(ids), return_lse=True)
-        return jax.grad(_jvp_loss(attend), argnums=tuple(range(6)))(q, k, v, dq, dk, dv)
+        inner = lambda q, k, v: jax.jvp(attend, (q, k, v), (dq, dk, dv))[1]  # noqa: E731
+        grads = jax.grad(_jvp_loss(attend), argnums=tuple(range(6)))(q, k, v, dq, dk, dv)
+        return (*grads, *jax.jvp(inner, (q, k, v), (jnp.cos(dq), jnp.cos(dk), jnp.cos(dv)))[1])
 
-    sharded = jax.jit(grads)(*(jax.device_put(x, batch) for x in (*args, ids)))
-    for g, w in zip(sharded, grads(*args, ids)):
+    sharded = jax.jit(second_order)(*(jax.device_put(x, batch) for x in (*args, ids)))
+    for g, w in zip(sharded, second_order(*args, ids), strict=True):
         assert g.sharding.spec[0] == "batch"
         assert_close(g, w, rtol=1e-12, atol=1e-12)
 

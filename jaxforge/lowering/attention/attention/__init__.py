@@ -40,7 +40,6 @@ from jaxforge.primitives.attention.attention import (
     attention_tangent_p,
     lse_dtype,
     shared_operands,
-    tangent2_dense,
 )
 from jaxforge.primitives.attention.mods import float_consts
 
@@ -205,10 +204,9 @@ def _zeros_like(*positions: int):
     return lambda args, mods, params: tuple(jnp.zeros_like(args[i]) for i in positions)
 
 
-# A jvp of a jvp runs the dense form (O(Sq·Skv) memory, as the spec); a grad through a jvp and a
-# jvp of a grad (a Hessian-vector product), tiles.
+# A jvp of a jvp, a grad through a jvp and a jvp of a grad (a Hessian-vector product): XLA's tiles.
 for _prim, _impl, _empty, _shared in (
-    (attention_tangent2_p, tangent2_dense, _zeros_like(3, 4), shared_operands(5, 8)),  # (dout, dlse)
+    (attention_tangent2_p, xla.attention_tangent2_xla, _zeros_like(3, 4), shared_operands(5, 8)),  # (dout, dlse)
     (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, _zeros_like(0, 1, 2, 3, 4), shared_operands(5, 5)),
     (attention_bwd_tangent_p, xla.attention_bwd_tangent_xla, functools.partial(_empty_sequence, attention_bwd_p), shared_operands(5, 9)),
 ):

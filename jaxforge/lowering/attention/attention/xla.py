@@ -16,12 +16,13 @@ from jax import lax
 
 from jaxforge.lowering.attention.attention import config
 from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_bwd_cols, tangent_rows
-from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype
+from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype, second_order_operands
 from jaxforge.primitives.attention.mods import Mods, float_consts
 
 __all__ = [
     "attention_bwd_xla",
     "attention_fwd_xla",
+    "attention_tangent2_xla",
     "attention_tangent_bwd_xla",
     "attention_tangent_xla",
     "geometry",
@@ -244,6 +245,20 @@ def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float
         head_offset,
     )
     return _queries_back(geo, dout, batch).astype(out.dtype), _queries_back(geo, dlse, batch, rows=True)
+
+
+def attention_tangent2_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
+    """The tangent map's jvp in (q, k, v, out, lse) — a jvp of a jvp: forward mode through
+    attention_tangent_xla's loops, which carry each tangent beside its value (O(S) memory)."""
+    consts, d, along, dscore = second_order_operands(operands, mods, 5)
+
+    def tangent(q, k, v, out, lse):
+        return attention_tangent_xla(
+            q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale, implementation=implementation,
+            batch_ids=batch_ids, head_offset=head_offset,
+        )  # fmt: skip
+
+    return jax.jvp(tangent, (q, k, v, out, lse), tuple(along))[1]
 
 
 def bwd_delta(out, g_out, g_lse, acc_dtype):
