@@ -1,14 +1,16 @@
 """The attention benchmark: ``jf.attention`` forward, gradient and JVP against its anchors.
 
 Each case of ``jaxforge.primitives.attention.attention.SHAPES`` (``bench_gpu`` in bfloat16 on a
-GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes:
+GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes, and two more on request:
 
 * ``fwd``: ``attention(q, k, v)``;
 * ``fwd+bwd``: ``jax.grad`` of ``sum(out * do)`` with respect to q, k and v (torch: the same
   through ``torch.autograd.grad``);
 * ``jvp``: ``jax.jvp`` with respect to q, k and v, giving ``(out, dout)``;
 * ``hvp`` (asked for by ``modes``): ``jax.jvp`` of the ``fwd+bwd`` gradient along the jvp's
-  tangents, a Hessian-vector product (forward over reverse), giving the gradient's tangents.
+  tangents, a Hessian-vector product (forward over reverse), giving the gradient's tangents;
+* ``jvp2`` (asked for by ``modes``): ``jax.jvp`` of the jvp's ``dout`` along the same tangents,
+  the second directional derivative ``ddout`` (forward over forward, Taylor mode).
 
 Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
@@ -58,7 +60,8 @@ from jaxforge.primitives.attention.attention import SHAPES
 __all__ = ["ALL_MODES", "MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
 
 MODES = ("fwd", "fwd+bwd", "jvp")  # the default
-ALL_MODES = (*MODES, "hvp")
+ALL_MODES = (*MODES, "hvp", "jvp2")
+_FORWARD_AD_MODES = ("jvp", "hvp", "jvp2")  # a contender without forward-mode AD skips these
 WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
 DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
 BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
@@ -201,7 +204,7 @@ def measure(
             limits = {c.name: (hard, "hard") if c.essential(case) else (soft, "soft") for c in todo}
             in_time = any(time.perf_counter() - start <= limit for limit, _ in limits.values())
             inputs = _make_inputs(case) if in_time else None
-            reference, ref_note = _reference(case, inputs, "hvp" in modes) if in_time else (None, None)
+            reference, ref_note = _reference(case, inputs, modes) if in_time else (None, None)
             for mode in modes:
                 outcomes: dict[str, dict | _Ready] = {}  # compiled and checked first, then timed together
                 for contender in todo:
@@ -381,7 +384,9 @@ def _make_inputs(case: Case) -> Inputs:
 
 # ---------------------------------------------------------------- reference and accuracy
 
-_ACCURACY_NAMES = {"fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout"), "hvp": ("hq", "hk", "hv")}
+_ACCURACY_NAMES = {
+    "fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout"), "hvp": ("hq", "hk", "hv"), "jvp2": ("ddout",)
+}  # fmt: skip
 
 
 @jax.jit
@@ -408,8 +413,9 @@ def _device_memory_bytes() -> int | None:
         return None
 
 
-def _reference(case: Case, x: Inputs, hvp: bool = False) -> tuple[dict | None, str | None]:
-    """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv`` if ``hvp``), or None and why there is none."""
+def _reference(case: Case, x: Inputs, modes: Sequence[str] = MODES) -> tuple[dict | None, str | None]:
+    """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv``, ``ddout`` where ``modes`` has
+    "hvp", "jvp2"), or None and why there is none."""
     # One (batch item, kv head) at a time: its scores, their tangents and cotangents in float32.
     item_bytes = 8 * (case.hq // case.hkv) * case.sq * case.skv * 4
     memory = _device_memory_bytes()
@@ -417,13 +423,15 @@ def _reference(case: Case, x: Inputs, hvp: bool = False) -> tuple[dict | None, s
         return None, f"no accuracy: the float32 reference needs ~{item_bytes / 2**30:.0f} GiB per head, more than it may take"
     try:
         with jax.default_matmul_precision("highest"):
-            out, (gq, gk, gv), dout, hvp = _reference_fn(case, hvp)(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
-        return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout, **dict(zip(("hq", "hk", "hv"), hvp))), None
+            fn = _reference_fn(case, "hvp" in modes, "jvp2" in modes)
+            out, (gq, gk, gv), dout, hvp, ddout = fn(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
+        second = dict(zip(("hq", "hk", "hv"), hvp)) | dict(zip(("ddout",), ddout))
+        return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout, **second), None
     except Exception as e:  # e.g. out of memory: the timings still stand
         return None, f"no accuracy: the float32 reference failed ({type(e).__name__}: {str(e)[:150]})"
 
 
-def _reference_fn(case: Case, hvp: bool):
+def _reference_fn(case: Case, hvp: bool, jvp2: bool):
     attend = _jnn_forward(case, "xla")
     bsz, hkv = case.batch, case.hkv
 
@@ -442,15 +450,17 @@ def _reference_fn(case: Case, hvp: bool):
         out, vjp = jax.vjp(fn, q, k, v)
         _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
         hv = jax.jvp(lambda *a: jax.vjp(fn, *a)[1](do), (q, k, v), (dq, dk, dv))[1] if hvp else ()
-        return out, vjp(do), dout, hv
+        ddout = (jax.jvp(lambda *a: jax.jvp(fn, a, (dq, dk, dv))[1], (q, k, v), (dq, dk, dv))[1],) if jvp2 else ()
+        return out, vjp(do), dout, hv, ddout
 
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):
         seg_items = None if seg is None else jnp.repeat(seg, hkv, axis=0)[:, None, :]
         slopes = jnp.tile(jnp.asarray(alibi_slopes(case.hq)).reshape(hkv, -1), (bsz, 1))  # each item's heads
         items = (split(q), split(k), split(v), seg_items, slopes, split(do), split(dq), split(dk), split(dv))
-        out, grads, dout, hvp = lax.map(one, items)
-        return merge(out), tuple(merge(g) for g in grads), merge(dout), tuple(merge(h) for h in hvp)
+        out, grads, dout, hvp, ddout = lax.map(one, items)
+        merged = lambda xs: tuple(merge(x) for x in xs)  # noqa: E731
+        return merge(out), merged(grads), merge(dout), merged(hvp), merged(ddout)
 
     return reference
 
@@ -497,6 +507,13 @@ def _jax_modes(attend: Callable, mode: str, x: Inputs) -> tuple[Callable, tuple]
             return jax.jvp(lambda q, k, v: grad(q, k, v, seg, do), (q, k, v), (dq, dk, dv))[1]
 
         return jax.jit(hvp), (x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
+    if mode == "jvp2":
+        jvp, _ = _jax_modes(attend, "jvp", x)
+
+        def jvp2(q, k, v, seg, dq, dk, dv):
+            return jax.jvp(lambda q, k, v: jvp(q, k, v, seg, dq, dk, dv)[1], (q, k, v), (dq, dk, dv))[1:]
+
+        return jax.jit(jvp2), (x.q, x.k, x.v, x.seg, x.dq, x.dk, x.dv)
     raise ValueError(f"unknown mode {mode!r}")
 
 
@@ -510,7 +527,7 @@ def _jax_contender(name: str, forward: Callable[[Case], Callable | str], *, no_j
         attend = forward(case)
         if isinstance(attend, str):
             return attend
-        if mode in ("jvp", "hvp") and no_jvp:
+        if mode in _FORWARD_AD_MODES and no_jvp:
             return no_jvp
         return _jax_modes(attend, mode, x)
 
@@ -706,7 +723,7 @@ def _torch_to_jax(t):
 
 
 def _torch_modes(torch, attend: Callable, mode: str, case: Case, x: Inputs) -> tuple[Callable, tuple] | str:
-    if mode in ("jvp", "hvp"):
+    if mode in _FORWARD_AD_MODES:
         return _NO_TORCH_JVP
     q, k, v = (_torch_bhsd(torch, t) for t in (x.q, x.k, x.v))
     if mode == "fwd":
@@ -770,7 +787,7 @@ def _flex_contender(torch) -> Contender:
     def prepare(case, x, mode):
         if case.mask is None:
             return "flex_attention is measured on masked cases only (SDPA covers plain attention)"
-        if mode in ("jvp", "hvp"):
+        if mode in _FORWARD_AD_MODES:
             return _NO_TORCH_JVP
         batch = None
         score_mod = None

@@ -206,15 +206,18 @@ def test_attention_variants_are_timed_beside_the_default():
     assert all(r["status"] == "ok" and all(v < 1e-4 for v in r["accuracy"].values()) for r in rows), rows
 
 
-def test_attention_hessian_vector_products_on_request():
-    """``modes`` picks among fwd, fwd+bwd, jvp and hvp (a jvp of the gradient, against the reference's)."""
-    records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=("fwd", "hvp"))
-    assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in ("fwd", "hvp") for i in ("jaxforge", "jax.nn-xla")}
+def test_attention_second_order_modes_on_request():
+    """``modes`` picks among fwd, fwd+bwd, jvp, hvp (a jvp of the gradient) and jvp2 (a jvp of the
+    jvp), each checked against the reference's."""
+    modes = ("fwd", "hvp", "jvp2")
+    records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=modes)
+    assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in ("jaxforge", "jax.nn-xla")}
+    names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}}
     for r in records:
         assert r["status"] == "ok", r
-        assert set(r["accuracy"]) == ({"out"} if r["mode"] == "fwd" else {"hq", "hk", "hv"})
+        assert set(r["accuracy"]) == names[r["mode"]]
         assert all(0 <= v < 1e-4 for v in r["accuracy"].values()), r
-        if r["mode"] == "hvp":
+        if r["mode"] != "fwd":
             assert r["tflops"] is None and r["time_over_fwd"] > 0
     with pytest.raises(ValueError, match="modes"):
         run("attention", quick=True, shapes=["quick_causal"], modes=("fwd", "hessian"))
