@@ -413,7 +413,7 @@ def _device_memory_bytes() -> int | None:
         return None
 
 
-def _reference(case: Case, x: Inputs, modes: Sequence[str] = MODES) -> tuple[dict | None, str | None]:
+def _reference(case: Case, x: Inputs, modes: Sequence[str]) -> tuple[dict | None, str | None]:
     """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv``, ``ddout`` where ``modes`` has
     "hvp", "jvp2"), or None and why there is none."""
     # One (batch item, kv head) at a time: its scores, their tangents and cotangents in float32.
@@ -447,11 +447,14 @@ def _reference_fn(case: Case, hvp: bool, jvp2: bool):
     def one(item):
         q, k, v, seg, slopes, do, dq, dk, dv = item
         fn = lambda q, k, v: attend(q, k, v, seg, slopes)  # noqa: E731
-        out, vjp = jax.vjp(fn, q, k, v)
-        _, dout = jax.jvp(fn, (q, k, v), (dq, dk, dv))
-        hv = jax.jvp(lambda *a: jax.vjp(fn, *a)[1](do), (q, k, v), (dq, dk, dv))[1] if hvp else ()
-        ddout = (jax.jvp(lambda *a: jax.jvp(fn, a, (dq, dk, dv))[1], (q, k, v), (dq, dk, dv))[1],) if jvp2 else ()
-        return out, vjp(do), dout, hv, ddout
+        x, d = (q, k, v), (dq, dk, dv)
+        tangent = lambda *a: jax.jvp(fn, a, d)[1]  # noqa: E731
+        out, vjp = jax.vjp(fn, *x)
+        hv = jax.jvp(lambda *a: jax.vjp(fn, *a)[1](do), x, d)[1] if hvp else ()
+        if jvp2:  # the jvp of the tangent gives the tangent too
+            dout, ddout = jax.jvp(tangent, x, d)
+            return out, vjp(do), dout, hv, (ddout,)
+        return out, vjp(do), tangent(*x), hv, ()
 
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):

@@ -1,8 +1,8 @@
 """The default (XLA) lowering's memory is O(S): XLA's buffer assignment for the forward, the JVP, the
-gradient, the gradient through a JVP, the JVP of a JVP (forward over forward), the JVP of a gradient (a Hessian-vector product) and the
-gradient of a gradient (a gradient penalty), compiled (not run) on CPU, grows linearly with the
-sequence length, up to S = 131072,
-where a dense score matrix alone would take 137 GB. The same measure on jax's dense attention
+gradient, the gradient through a JVP, the JVP of a JVP (forward over forward), the JVP of a
+gradient (a Hessian-vector product) and the gradient of a gradient (a gradient penalty), compiled
+(not run) on CPU, grows linearly with the sequence length, up to S = 131072, where a dense score
+matrix alone would take 137 GB. The same measure on jax's dense attention
 grows quadratically, so the check can fail."""
 
 from __future__ import annotations
