@@ -112,7 +112,7 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
             f"({m} rows) and `b` of shape {b.shape[:-1] if vector_b else b.shape} ({b.shape[-2]} rows)"
         )
     try:
-        batch = np.broadcast_shapes(tuple(a_batch), b.shape[:-2])
+        batch = jnp.broadcast_shapes(tuple(a_batch), b.shape[:-2])
     except ValueError:
         raise ValueError(
             f"lstsq: the batch dims of `a` {a.shape} and `b` {b.shape[:-1] if vector_b else b.shape} "

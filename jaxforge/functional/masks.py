@@ -38,6 +38,7 @@ from jaxforge.primitives.attention.mods import (
     PrefixSpan,
     SegmentSpan,
     Span,
+    count_below,
     fits_int32,
     segment_ranges,
 )
@@ -406,8 +407,7 @@ def _int32_ids(q_seg, kv_seg):
     if fits_int32(q_seg.dtype) and fits_int32(kv_seg.dtype):
         return q_seg, kv_seg
     every = jnp.sort(jnp.concatenate([q_seg.ravel(), kv_seg.ravel()]))
-    rank = lambda ids: jnp.searchsorted(every, ids).astype(jnp.int32)  # noqa: E731
-    return rank(q_seg), rank(kv_seg)
+    return tuple(count_below(every, ids.ravel()).reshape(ids.shape) for ids in (q_seg, kv_seg))
 
 
 def _document_ranges(q_seg, kv_seg) -> tuple:

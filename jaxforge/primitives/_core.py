@@ -279,6 +279,25 @@ def instantiate_zeros(tangent):
     return ad.instantiate_zeros(tangent)
 
 
+def zero_tangent(primal):
+    """The symbolic-zero tangent of ``primal`` (float0 for integers): what a JVP rule returns for
+    outputs that do not move, at any shape, symbolic ones (``jax.export``) included."""
+    return ad.Zero(jax.typeof(primal).to_tangent_aval())
+
+
+def jvp_in_floats(fn: Callable, primals: Sequence, tangents: Sequence):
+    """``jax.jvp(fn, primals, tangents)`` with the integer primals held fixed: their float0
+    tangents, whose zeros ``jax.jvp`` would want as arrays, cannot take symbolic shapes."""
+    moves = [jnp.issubdtype(p.dtype, jnp.inexact) for p in primals]
+
+    def of_floats(*floats):
+        it = iter(floats)
+        return fn(*(next(it) if m else p for p, m in zip(primals, moves)))
+
+    floats = tuple(p for p, m in zip(primals, moves) if m)
+    return jax.jvp(of_floats, floats, tuple(instantiate_zeros(t) for t, m in zip(tangents, moves) if m))
+
+
 def is_symbolic_zero(tangent) -> bool:
     """Whether a JVP rule received a symbolic-zero tangent (the operand does not move)."""
     return isinstance(tangent, ad.Zero)

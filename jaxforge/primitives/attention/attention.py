@@ -229,8 +229,8 @@ def _tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, i
     mask_c, score_c = _split(consts, mods)
     dq, dk, dv, *dscore = tangents
     ref = lambda q, k, v, *score_c: attention_reference(q, k, v, *mask_c, *score_c, mods=mods, scale=scale)
-    full_dscore = _scatter_float(score_c, dscore)
-    _, (dout, dlse) = jax.jvp(ref, (q, k, v, *score_c), (dq, dk, dv, *full_dscore))
+    full_dscore = with_floats(score_c, dscore)  # the integer consts' entries are held fixed
+    _, (dout, dlse) = _core.jvp_in_floats(ref, (q, k, v, *score_c), (dq, dk, dv, *full_dscore))
     return dout, dlse
 
 
@@ -320,15 +320,6 @@ def _tangent_bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: floa
 def _split_tangent_operands(operands, mods: Mods):
     n = mods.num_mask_consts + mods.num_score_consts
     return list(operands[:n]), list(operands[n:])
-
-
-def _scatter_float(score_c, dscore_float):
-    """Tangents for every score const: the float ones given, zeros (float0) for the rest."""
-    it = iter(dscore_float)
-    return [
-        next(it) if jnp.issubdtype(c.dtype, jnp.inexact) else np.zeros(c.shape, jax.dtypes.float0)
-        for c in score_c
-    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,11 +549,7 @@ def _reference_jvp(reference):
     """Second-order rules: differentiate the dense reference (correct, not fast)."""
 
     def jvp(primals, tangents, **params):
-        tangents = [
-            _core.instantiate_zeros(t) if jnp.issubdtype(p.dtype, jnp.inexact) else np.zeros(p.shape, jax.dtypes.float0)
-            for p, t in zip(primals, tangents)
-        ]
-        return jax.jvp(lambda *args: reference(*args, **params), tuple(primals), tuple(tangents))
+        return _core.jvp_in_floats(lambda *args: reference(*args, **params), primals, tangents)
 
     return jvp
 

@@ -44,6 +44,7 @@ __all__ = [
     "SegmentSpan",
     "Span",
     "ItemMask",
+    "count_below",
     "fits_int32",
     "float_consts",
     "segment_ranges",
@@ -313,8 +314,7 @@ def segment_ranges(ids, other):
     size = other.shape[-1]
     order = jnp.argsort(other, axis=-1, stable=True).astype(jnp.int32)
     ordered = jnp.take_along_axis(other, order, axis=-1)
-    left = jax.vmap(lambda o, i: jnp.searchsorted(o, i, side="left"))(ordered, ids).astype(jnp.int32)
-    right = jax.vmap(lambda o, i: jnp.searchsorted(o, i, side="right"))(ordered, ids).astype(jnp.int32)
+    left, right = count_below(ordered, ids), count_below(ordered, ids, inclusive=True)
     present = right > left
     first = jnp.take_along_axis(order, jnp.clip(left, 0, size - 1), axis=-1)
     last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, size - 1), axis=-1)
@@ -322,6 +322,30 @@ def segment_ranges(ids, other):
     hi = jnp.where(present, last + 1, 0)
     sure_hi = jnp.where(right - left == hi - lo, hi, lo)
     return lo, hi, sure_hi
+
+
+def count_below(values, queries, inclusive: bool = False):
+    """For each of ``queries`` (``(..., S)``), how many of the sorted ``values`` (``(..., T)``, each
+    row ascending) are below it (``<``; with ``inclusive``, ``<=``): ``jnp.searchsorted`` with side
+    "left" ("right"), row by row. A binary search written out, as jnp.searchsorted cannot take
+    symbolic lengths (``jax.export``); a symbolic ``T`` takes the steps of int32's range. Int32."""
+    size = values.shape[-1]
+    steps = 31 if jax.export.is_symbolic_dim(size) else int(size).bit_length()
+    below = jnp.less_equal if inclusive else jnp.less
+
+    def step(_, bounds):  # the count lies in [lo, hi]
+        lo, hi = bounds
+        mid = (lo + hi) // 2
+        value = jnp.take_along_axis(values, jnp.clip(mid, 0, size - 1), axis=-1)
+        right = (lo < hi) & below(value, queries)
+        return jnp.where(right, mid + 1, lo), jnp.where(right | (lo == hi), hi, mid)
+
+    bounds = jnp.zeros(queries.shape, jnp.int32), jnp.full(queries.shape, size, jnp.int32)
+    if steps == 0:
+        return bounds[0]
+    # The first step outside the loop gives the carry its operands' type (under shard_map, the
+    # mesh axes they vary along), which a constant initial carry lacks.
+    return jax.lax.fori_loop(1, steps, step, step(0, bounds))[0]
 
 
 @dataclasses.dataclass(frozen=True)

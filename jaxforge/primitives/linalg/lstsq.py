@@ -45,7 +45,6 @@ Where things live:
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -162,8 +161,7 @@ def _jvp(primals, tangents, *, rcond: float):
     dres = jnp.zeros_like(residuals)
     if m > n:
         dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
-    drank = np.zeros(rank.shape, jax.dtypes.float0)
-    return (x, residuals, rank, s, r), (dx, dres, drank, ds, dr)
+    return (x, residuals, rank, s, r), (dx, dres, _core.zero_tangent(rank), ds, dr)
 
 
 def _right_svd(r):

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jaxforge as jf
+from jaxforge.primitives.attention.mods import count_below
 
 SQ, SKV = 23, 31
 MASKS = {
@@ -206,3 +208,28 @@ def test_padding_spans_are_tight():
     assert bounds(span.kv, 8, 16, 31)[1] <= 0 and bounds(span.full_kv, 0, 8, 31)[1] <= 0
     assert bounds(span.q, 0, 8, 23) == bounds(span.full_q, 0, 8, 23) == (0, 5)
     assert bounds(span.q, 12, 20, 23)[1] <= 0 and bounds(span.full_q, 4, 12, 23)[1] <= 0
+
+
+@pytest.mark.parametrize("inclusive", [False, True])
+@pytest.mark.parametrize("dtypes", [(np.int32, np.int32), (np.int64, np.int32), (np.int8, np.int64)])
+def test_count_below_is_searchsorted(inclusive, dtypes):
+    """The binary search that document spans use, against numpy's searchsorted: ties, absent ids,
+    extremes of the dtypes, rows of one batch, and (exported with a symbolic length) int32's
+    full count of steps."""
+    rng = np.random.default_rng(3)
+    values_dtype, queries_dtype = dtypes
+    lo = max(np.iinfo(values_dtype).min, np.iinfo(queries_dtype).min)
+    hi = min(np.iinfo(values_dtype).max, np.iinfo(queries_dtype).max)
+    values = rng.integers(-4, 5, (3, 17)).astype(values_dtype)
+    queries = rng.integers(-6, 7, (3, 11)).astype(queries_dtype)
+    values[0, :2], queries[1, :2] = (lo, hi), (lo, hi)
+    values = np.sort(values, axis=-1)
+    side = "right" if inclusive else "left"
+    want = [np.searchsorted(v, q, side=side) for v, q in zip(values, queries)]
+    count = lambda v, q: count_below(v, q, inclusive=inclusive)  # noqa: E731
+    t, s = jax.export.symbolic_shape("t, s")
+    specs = jax.ShapeDtypeStruct((3, t), values.dtype), jax.ShapeDtypeStruct((3, s), queries.dtype)
+    exported = jax.export.export(jax.jit(count))(*specs)
+    for got in (count(jnp.asarray(values), jnp.asarray(queries)), exported.call(values, queries)):
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, want)

@@ -3,11 +3,12 @@
 The ``implementation`` parameter picks the algorithm: "xla" (kernel.py's tiles in XLA, every
 platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, interpret mode on
 CPU) or "pallas_mosaic_gpu" (Hopper kernels).
-``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory, and for masks
-or score_mods reading captured arrays once config.TRITON_POINT_READS_VALIDATED; else "xla") and
-"xla" elsewhere; on an sm90 GPU each Mosaic GPU kernel, once validated there
-(config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED, MOSAIC_BWD_VALIDATED), runs where it can,
-but for calls that pack GQA heads (config.packs_gqa: decoding), which Triton's kernels do. The
+``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory and the shapes
+are static, and for masks or score_mods reading captured arrays once
+config.TRITON_POINT_READS_VALIDATED; else "xla") and "xla" elsewhere; on an sm90 GPU each
+Mosaic GPU kernel, once validated there (config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED,
+MOSAIC_BWD_VALIDATED), runs where it can, but for calls that pack GQA heads (config.packs_gqa:
+decoding), which Triton's kernels do. The
 Triton default packs GQA heads and splits the forward's keys (decoding) once
 config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
@@ -19,6 +20,7 @@ import dataclasses
 import functools
 import math
 
+import jax
 import jax.numpy as jnp
 
 from jaxforge.lowering import build
@@ -75,7 +77,8 @@ def _dispatch(prim, platform: str | None):
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
             triton = (
-                pallas_triton.triton_can_run(mods)
+                not _symbolic(q, k, v)
+                and pallas_triton.triton_can_run(mods)
                 and (not pallas_triton.reads_captured_arrays(mods) or build.enabled(config.TRITON_POINT_READS_VALIDATED))
                 and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
             )
@@ -90,6 +93,12 @@ def _dispatch(prim, platform: str | None):
                 f"attention: implementation={name!r} cannot apply this mask/score_mod: the kernels apply "
                 "elementwise functions that read captured arrays one element at a time (bias[h, q_idx - kv_idx]); "
                 "this one gathers or reduces over an array, or applies a non-elementwise operation; use "
+                "implementation=None or 'xla'"
+            )
+        if name in ("pallas_triton", "pallas_mosaic_gpu") and _symbolic(*args[:3]):
+            raise ValueError(
+                f"attention: implementation={name!r} needs static shapes (a Pallas GPU kernel's grid cannot be "
+                f"symbolic); got q, k, v of shapes {', '.join(str(x.shape) for x in args[:3])}; use "
                 "implementation=None or 'xla'"
             )
         if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
@@ -111,6 +120,11 @@ def _dispatch(prim, platform: str | None):
         )
 
     return lowering
+
+
+def _symbolic(*arrays) -> bool:
+    """Whether any of the arrays has a symbolic dim (``jax.export`` with shape polymorphism)."""
+    return any(jax.export.is_symbolic_dim(d) for x in arrays for d in x.shape)
 
 
 def _without_decoding(impl):

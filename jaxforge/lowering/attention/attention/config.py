@@ -7,6 +7,8 @@ and pipeline stages tuned on the H200 per call and head dim (TRITON_TUNED).
 
 from __future__ import annotations
 
+import jax
+
 from jaxforge.primitives.attention.attention import Implementation
 
 __all__ = [
@@ -81,7 +83,8 @@ def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = Fals
     """Whether the query heads of each GQA group share tiles: ``impl.pack_gqa``, else for short
     query sequences (``sq < PACK_GQA_BELOW``) or, told ``any_length``, at every length; never
     without a group to pack."""
-    wanted = impl.pack_gqa if impl.pack_gqa is not None else any_length or sq < PACK_GQA_BELOW
+    short = not jax.export.is_symbolic_dim(sq) and sq < PACK_GQA_BELOW  # a symbolic length may be long
+    wanted = impl.pack_gqa if impl.pack_gqa is not None else any_length or short
     return wanted and group > 1
 
 
@@ -102,11 +105,12 @@ MIN_SPLIT_TILES = 4
 
 def kv_splits(programs: int, num_kv_tiles: int, impl: Implementation, sm_count: int | None) -> int:
     """How many programs share each forward (tangent, backward dq) program's ``num_kv_tiles`` key tiles:
-    ``impl.kv_splits`` (at most one a tile), else enough to fill the GPU's SMs twice over."""
+    ``impl.kv_splits`` (at most one a tile), else enough to fill the GPU's SMs twice over; no split
+    where the program count is symbolic (``jax.export``): a split fit for one batch would hurt another."""
     if impl.kv_splits is not None:
         return min(impl.kv_splits, num_kv_tiles)
     sms = sm_count or 132
-    if programs >= sms:
+    if jax.export.is_symbolic_dim(programs) or programs >= sms:
         return 1
     return max(1, min(-(-KV_SPLIT_WAVES * sms // programs), num_kv_tiles // MIN_SPLIT_TILES))
 
@@ -155,8 +159,8 @@ def tiles(
     """
     if name == "xla":
         rows, cols = XLA_TILES[masked]
-        block_q = min(rows, _round_up(sq, 8))
-        block_kv = min(cols if block_q > XLA_FEW_ROWS else 1024, _round_up(skv, 8))
+        block_q = _tile_within(sq, rows)
+        block_kv = _tile_within(skv, cols if block_q > XLA_FEW_ROWS else 1024)
         return impl.block_q or block_q, impl.block_kv or block_kv
     # Triton: power-of-two tiles of at least 16 rows (tensor-core MMA shapes)
     start_q, start_kv, *_ = triton_start(kernels, d)
@@ -177,6 +181,12 @@ def tiles(
                 f"block_kv, num_stages: {impl.block_q}, {impl.block_kv}, {impl.num_stages}); ask for fewer stages"
             )
     return block_q, block_kv
+
+
+def _tile_within(n, tile: int) -> int:
+    """``tile``, or ``n`` rounded up to a multiple of 8 where that is less; ``tile`` where ``n`` is
+    symbolic (``jax.export``: the sequence may be long)."""
+    return tile if jax.export.is_symbolic_dim(n) else min(tile, _round_up(n, 8))
 
 
 def triton_start(kernels, d: int) -> tuple[int, int, int, int]:

@@ -10,6 +10,8 @@ factors one matrix at a time. Other shapes use cuSOLVER through the default lowe
 comes from the benchmark's lstsq-* rows on the H200.
 """
 
+import jax
+
 from jaxforge.lowering import build
 
 QR_R_MAX_COLS = 64
@@ -91,5 +93,7 @@ CHOLESKY_QR_VALIDATED = True  # passes the gpu tests on the H200 (2026-11-30)
 
 
 def use_cholesky_qr2(batch: int, m: int, n: int, dtype) -> bool:
+    """Whether a rule holds; a symbolic ``batch`` (``jax.export``) is taken at its least, 1."""
+    batch = 1 if jax.export.is_symbolic_dim(batch) else batch
     large = any(batch >= b and n >= cols and m >= aspect * n for b, cols, aspect in CHOLESKY_QR_RULES)
     return build.enabled(CHOLESKY_QR_VALIDATED) and large and dtype.name in ("float32", "complex64")
