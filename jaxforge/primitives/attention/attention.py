@@ -518,11 +518,17 @@ def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation)
     q, k, v, out, lse, *operands = primals
     consts, d = operands[:n], operands[n:]  # d: dq, dk, dv and the float score consts' tangents
     outs = attention_tangent_p.bind(*primals, **params)
-    along_x = [_core.instantiate_zeros(t) for t in tangents[:5]]
-    along_d = [_core.instantiate_zeros(t) for t in tangents[5 + n :]]
-    second = attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], **params)
-    first = attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params)
-    return outs, [a + b for a, b in zip(second, first)]
+    along_x, along_d = tangents[:5], tangents[5 + n :]
+    terms = []  # each skipped where its direction is a symbolic zero (jvp of a jvp: d's tangent)
+    if not all(map(_core.is_symbolic_zero, along_x)):
+        along_x = [_core.instantiate_zeros(t) for t in along_x]
+        terms.append(attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], **params))
+    if not all(map(_core.is_symbolic_zero, along_d)):
+        along_d = [_core.instantiate_zeros(t) for t in along_d]
+        terms.append(attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params))
+    if not terms:  # only integer mask consts moved
+        return outs, [_core.zero_tangent(x) for x in outs]
+    return outs, [sum(parts[1:], parts[0]) for parts in zip(*terms)]
 
 
 def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):

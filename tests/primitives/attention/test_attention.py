@@ -730,6 +730,38 @@ def test_jvp_of_a_jvp_matches_dense(impl, name):
     assert ("attention_tangent2" in str(jax.make_jaxpr(jvp_of_jvp(attend))(*x))) == tiled
 
 
+@over_impls
+@pytest.mark.parametrize("moving", ["primals", "tangents", "both"])
+def test_jvp_of_a_jvp_skips_what_does_not_move(impl, moving):
+    """The jvp of ``(q, k, v, dq, dk, dv) -> dout`` along ``moving`` of them, against the dense
+    attention's; each of its terms — attention_tangent2 along (q, k, v), attention_tangent along
+    (dq, dk, dv) — runs only where its direction moves (``jvp of a jvp`` holds d fixed: the
+    tangent map is then run twice, for dout and the fwd's own, not three times)."""
+    args, attend, dense, _ = _second_order_case("document_causal_softcap", impl, seed=35)
+    along = tuple(jnp.cos(a) for a in args)
+    fixed = {"primals": (3, 4, 5), "tangents": (0, 1, 2), "both": ()}[moving]
+    along = tuple(jnp.zeros_like(a) if i in fixed else t for i, (a, t) in enumerate(zip(args, along)))
+
+    def jvp_of_dout(attend):
+        def dout(*moved):  # the fixed ones closed over: their tangents are symbolic zeros
+            full = iter(moved)
+            q, k, v, *d = (a if i in fixed else next(full) for i, a in enumerate(args))
+            return jax.jvp(attend, (q, k, v), tuple(d))[1]
+
+        moved = tuple(i for i in range(6) if i not in fixed)
+        return lambda: jax.jvp(dout, tuple(args[i] for i in moved), tuple(along[i] for i in moved))
+
+    for ours, ref in zip(jax.tree.leaves(jax.jit(jvp_of_dout(attend))()), jax.tree.leaves(jvp_of_dout(dense)())):
+        seen = np.isfinite(ref)  # the dense lse's tangents are NaN on rows that see no key; ours 0
+        assert np.isfinite(ours).all() and not np.asarray(ours)[~seen].any()
+        assert_close(np.where(seen, ours, 0), np.where(seen, ref, 0), **DTOL)
+    jaxpr = str(jax.make_jaxpr(jvp_of_dout(attend))())
+    runs = {p: len(re.findall(rf"{p}\[", jaxpr)) for p in ("attention_tangent", "attention_tangent2")}
+    assert runs == {"primals": dict(attention_tangent=2, attention_tangent2=1),
+                    "tangents": dict(attention_tangent=2, attention_tangent2=0),
+                    "both": dict(attention_tangent=3, attention_tangent2=1)}[moving]  # fmt: skip
+
+
 def _hvp(attend, argnums=(0, 1, 2)):
     """``(q, k, v, *tangents) -> (gradient, its jvp)`` of a loss on ``attend``'s (out, lse), forward
     over reverse; ``tangents`` of the arguments in ``argnums``."""
