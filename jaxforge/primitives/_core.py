@@ -285,17 +285,28 @@ def zero_tangent(primal):
     return ad.Zero(jax.typeof(primal).to_tangent_aval())
 
 
+def jvp_along(fn: Callable, primals: Sequence, tangents: Sequence, moves: Sequence[bool]):
+    """``jax.jvp(fn, primals, tangents)`` with the primals where ``moves`` is False held fixed (their
+    tangents, zero, are not read): no products of zeros in ``fn``'s loops."""
+
+    def of_moving(*moving):
+        it = iter(moving)
+        return fn(*(next(it) if m else p for p, m in zip(primals, moves)))
+
+    moving = tuple(p for p, m in zip(primals, moves) if m)
+    return jax.jvp(of_moving, moving, tuple(instantiate_zeros(t) for t, m in zip(tangents, moves) if m))
+
+
 def jvp_in_floats(fn: Callable, primals: Sequence, tangents: Sequence):
     """``jax.jvp(fn, primals, tangents)`` with the integer primals held fixed: their float0
     tangents, whose zeros ``jax.jvp`` would want as arrays, cannot take symbolic shapes."""
-    moves = [jnp.issubdtype(p.dtype, jnp.inexact) for p in primals]
+    return jvp_along(fn, primals, tangents, [jnp.issubdtype(p.dtype, jnp.inexact) for p in primals])
 
-    def of_floats(*floats):
-        it = iter(floats)
-        return fn(*(next(it) if m else p for p, m in zip(primals, moves)))
 
-    floats = tuple(p for p, m in zip(primals, moves) if m)
-    return jax.jvp(of_floats, floats, tuple(instantiate_zeros(t) for t, m in zip(tangents, moves) if m))
+def moving_tangents(tangents: Sequence) -> tuple[bool, ...]:
+    """Which of a JVP rule's ``tangents`` are not symbolic zeros: a second-order primitive's
+    ``moving`` parameter, so that its lowering differentiates along those alone."""
+    return tuple(not is_symbolic_zero(t) for t in tangents)
 
 
 def is_symbolic_zero(tangent) -> bool:

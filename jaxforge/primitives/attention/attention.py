@@ -256,13 +256,16 @@ def _bwd_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads)
     return (gq, gk, gv, *[g for g, wanted in zip(gscore, const_grads) if wanted])
 
 
-def _bwd_tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation=None):
-    """The jvp of :func:`_bwd_at` in ``(q, k, v, out, lse, g_out, g_lse)`` along the last seven operands."""
+def _bwd_tangent_reference(
+    q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, moving, implementation=None
+):
+    """The jvp of :func:`_bwd_at` in ``(q, k, v, out, lse, g_out, g_lse)`` along the last seven
+    operands, those where ``moving`` is False zero (held fixed)."""
     *consts, g_out, g_lse = operands[:-7]
     at = lambda q, k, v, out, lse, g_out, g_lse: _bwd_at(  # noqa: E731
         q, k, v, out, lse, *consts, g_out, g_lse, mods=mods, scale=scale, const_grads=const_grads
     )
-    return jax.jvp(at, (q, k, v, out, lse, g_out, g_lse), tuple(operands[-7:]))[1]
+    return _core.jvp_along(at, (q, k, v, out, lse, g_out, g_lse), operands[-7:], moving)[1]
 
 
 def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids=None, head_offset=0):
@@ -303,11 +306,12 @@ def second_order_operands(operands, mods: Mods, n_linear: int):
     return list(operands[: split[0]]), list(operands[split[0] : split[1]]), list(operands[split[1] : split[2]]), list(operands[split[2] :])
 
 
-def _tangent2_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
-    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)``."""
+def _tangent2_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, moving, implementation=None):
+    """The jvp of :func:`tangent_at` in ``(q, k, v, out, lse)`` along ``along``, zero where
+    ``moving`` is False (held fixed)."""
     consts, d, along, dscore = second_order_operands(operands, mods, 5)
     at = lambda q, k, v, out, lse: tangent_at(q, k, v, out, lse, *consts, *d, *dscore, mods=mods, scale=scale)  # noqa: E731
-    return jax.jvp(at, (q, k, v, out, lse), tuple(along))[1]
+    return _core.jvp_along(at, (q, k, v, out, lse), along, moving)[1]
 
 
 def _tangent_bwd_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
@@ -390,11 +394,11 @@ def _bwd_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, c
     return (*grads, *consts)
 
 
-def _bwd_tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+def _bwd_tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, moving, implementation):
     return _bwd_abstract_eval(q, k, v, out, lse, *operands[:-7], mods=mods, scale=scale, const_grads=const_grads, implementation=implementation)
 
 
-def _tangent2_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+def _tangent2_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, moving, implementation):
     check_operands("attention_tangent2", q, k, v)
     return _output_avals("attention_tangent2", q, k, v, [(out.shape, out.dtype, -2), (lse.shape, lse.dtype, -1)])
 
@@ -483,11 +487,15 @@ def _bwd_jvp(primals, tangents, *, mods: Mods, scale: float, const_grads, implem
     if _score_consts_move(primals, tangents, mods):
         return _reference_jvp(_bwd_reference)(primals, tangents, **params)
     n = mods.num_mask_consts + mods.num_score_consts
-    along = [_core.instantiate_zeros(t) for t in (*tangents[:5], *tangents[5 + n :])]
-    return attention_bwd_p.bind(*primals, **params), attention_bwd_tangent_p.bind(*primals, *along, **params)
+    along = (*tangents[:5], *tangents[5 + n :])
+    outs = attention_bwd_p.bind(*primals, **params)
+    if not any(moving := _core.moving_tangents(along)):  # only integer mask consts moved
+        return outs, [_core.zero_tangent(x) for x in outs]
+    along = [_core.instantiate_zeros(t) for t in along]
+    return outs, attention_bwd_tangent_p.bind(*primals, *along, moving=moving, **params)
 
 
-def _bwd_tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation):
+def _bwd_tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, moving, implementation):
     """Reverse over reverse, in the first-order primitives' tiles. With ``φ(x, d, g) = ⟨g, T(x; d)⟩``,
     ``T`` the tangent map (linear in ``d``), the backward is ``∂φ/∂d``, so the pairing of cotangents
     ``c`` with its jvp along ``(ẋ, ġ)`` is ``∂φ/∂x(x, c, g)·ẋ + ⟨ġ, T(x; c)⟩``: the cotangent of
@@ -520,9 +528,9 @@ def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation)
     outs = attention_tangent_p.bind(*primals, **params)
     along_x, along_d = tangents[:5], tangents[5 + n :]
     terms = []  # each skipped where its direction is a symbolic zero (jvp of a jvp: d's tangent)
-    if not all(map(_core.is_symbolic_zero, along_x)):
+    if any(moving := _core.moving_tangents(along_x)):
         along_x = [_core.instantiate_zeros(t) for t in along_x]
-        terms.append(attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], **params))
+        terms.append(attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], moving=moving, **params))
     if not all(map(_core.is_symbolic_zero, along_d)):
         along_d = [_core.instantiate_zeros(t) for t in along_d]
         terms.append(attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params))
@@ -531,7 +539,7 @@ def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation)
     return outs, [sum(parts[1:], parts[0]) for parts in zip(*terms)]
 
 
-def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
+def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, moving, implementation):
     consts, d, along, dscore = second_order_operands(operands, mods, 5)
     g_dout, g_dlse = (_core.instantiate_zeros(c) for c in cts)
     grads = attention_tangent_bwd_p.bind(
@@ -543,9 +551,11 @@ def _tangent2_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: fl
 
 def _tangent_bwd_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
     consts, d, (g_dout, g_dlse), dscore = second_order_operands(operands, mods, 2)
+    if not any(moving := _core.moving_tangents(cts)):
+        return [None] * (5 + len(operands))
     along = [_core.instantiate_zeros(c) for c in cts]
     dout, dlse = attention_tangent2_p.bind(
-        q, k, v, out, lse, *consts, *d, *along, *dscore, mods=mods, scale=scale, implementation=implementation
+        q, k, v, out, lse, *consts, *d, *along, *dscore, mods=mods, scale=scale, moving=moving, implementation=implementation
     )
     linear = [dout if _core.is_linear_input(g_dout) else None, dlse if _core.is_linear_input(g_dlse) else None]
     return [None] * (5 + len(consts) + 3) + linear + [None] * len(dscore)
@@ -705,7 +715,7 @@ attention_bwd_tangent_p = _core.define_primitive(
     transpose=_bwd_tangent_transpose,
     reference=_bwd_tangent_reference,
     example_args=_example_bwd_tangent_args,
-    example_params=dict(mods=Mods(), scale=0.5, const_grads=(), implementation=Implementation()),
+    example_params=dict(mods=Mods(), scale=0.5, const_grads=(), moving=(True,) * 7, implementation=Implementation()),
     batch=_batch_rule(5, 9),
     **_COMMON,
 )
@@ -718,7 +728,7 @@ attention_tangent2_p = _core.define_primitive(
     transpose=_tangent2_transpose,
     reference=_tangent2_reference,
     example_args=_example_tangent2_args,
-    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    example_params=dict(mods=Mods(), scale=0.5, moving=(True,) * 5, implementation=Implementation()),
     batch=_batch_rule(5, 8),
     **_COMMON,
 )

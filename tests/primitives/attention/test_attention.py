@@ -798,6 +798,32 @@ def test_hessian_vector_product_matches_dense(impl, name):
 
 
 @over_impls
+@pytest.mark.parametrize("along", [(0,), (1, 2)], ids=["q", "kv"])
+def test_hessian_vector_product_at_a_fixed_cotangent(impl, along):
+    """The jvp of a pullback at a fixed cotangent (a Gauss–Newton-style product) along some of
+    (q, k, v): attention_bwd_tangent differentiates along those alone (its ``moving``), against
+    jax's second derivatives of the dense attention."""
+    args, attend, dense, _ = _second_order_case("document_causal_softcap", impl, seed=39)
+    rng = np.random.default_rng(39)
+    out, lse = dense(*args[:3])
+    cotangent = (rng.standard_normal(out.shape), rng.standard_normal(lse.shape))
+
+    def product(attend):
+        def pullback(*moved):
+            xs = list(args[:3])
+            for i, x in zip(along, moved):
+                xs[i] = x
+            return jax.vjp(attend, *xs)[1](cotangent)
+
+        return lambda: jax.jvp(pullback, tuple(args[i] for i in along), tuple(args[3 + i] for i in along))
+
+    for ours, ref in zip(jax.tree.leaves(jax.jit(product(attend))()), jax.tree.leaves(product(dense)())):
+        assert_close(ours, ref, **DTOL)
+    (eqn,) = [e for e in jax.make_jaxpr(product(attend))().jaxpr.eqns if "bwd_tangent" in e.primitive.name]
+    assert eqn.params["moving"] == tuple(i in along for i in range(3)) + (True, True, False, False)  # out, lse move
+
+
+@over_impls
 @pytest.mark.parametrize("name", sorted(SECOND_ORDER))
 def test_gradient_of_a_gradient_matches_dense(impl, name):
     """Reverse over reverse (a gradient penalty, a meta-gradient): the backward's jvp transposed into
