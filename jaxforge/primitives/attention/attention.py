@@ -531,7 +531,7 @@ def _tangent_jvp(primals, tangents, *, mods: Mods, scale: float, implementation)
     if any(moving := _core.moving_tangents(along_x)):
         along_x = [_core.instantiate_zeros(t) for t in along_x]
         terms.append(attention_tangent2_p.bind(q, k, v, out, lse, *consts, *d[:3], *along_x, *d[3:], moving=moving, **params))
-    if not all(map(_core.is_symbolic_zero, along_d)):
+    if any(_core.moving_tangents(along_d)):
         along_d = [_core.instantiate_zeros(t) for t in along_d]
         terms.append(attention_tangent_p.bind(q, k, v, out, lse, *consts, *along_d, **params))
     if not terms:  # only integer mask consts moved
