@@ -47,6 +47,21 @@ def _release_compiled_programs():
         gc.collect()
 
 
+@pytest.fixture
+def backend_compiles():
+    """The XLA compilations that run while the test does (``jax.monitoring``'s compile events): a
+    list to clear after a warm-up call and to read after the call under test."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    yield compiles
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
 def pytest_collection_modifyitems(config, items):
     if any(d.platform == "gpu" for d in jax.devices()):
         return

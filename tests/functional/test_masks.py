@@ -80,3 +80,17 @@ def test_document_masks_hand_their_ids_over_as_positional_arrays():
     assert rows[0].dtype == cols[0].dtype == jnp.int32
     same = lambda a, b: np.asarray(a)[:, :, None] == np.asarray(b)[:, None, :]  # noqa: E731
     np.testing.assert_array_equal(same(rows[0], cols[0]), same(Q_IDS, KV_IDS))
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.int64], ids=["int32", "int64"])
+def test_an_eager_call_with_new_segment_ids_compiles_nothing(dtype, backend_compiles):
+    """A document mask built outside ``jit`` computes its spans eagerly: a second call with other
+    ids of the same shape reuses every compiled program (its binary search once recompiled at each
+    call, 0.8 s a call). 64-bit ids are ranked first, by the same search."""
+    q = jnp.ones((B, SQ, 2, 4))
+    ids = lambda seed: jnp.asarray(np.sort(np.random.default_rng(seed).integers(0, 3, (B, SQ))), dtype)  # noqa: E731
+    attend = lambda seed: jf.attention(q, q, q, mask=jf.masks.document(ids(seed)) & jf.masks.causal())  # noqa: E731
+    jax.block_until_ready(attend(0))
+    backend_compiles.clear()
+    jax.block_until_ready(attend(1))
+    assert backend_compiles == []

@@ -22,6 +22,7 @@ When ``vmap`` adds a batch dim, :meth:`Mods.vmapped` records it so that ``b`` is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -324,11 +325,14 @@ def segment_ranges(ids, other):
     return lo, hi, sure_hi
 
 
+@functools.partial(jax.jit, static_argnames="inclusive")
 def count_below(values, queries, inclusive: bool = False):
     """For each of ``queries`` (``(..., S)``), how many of the sorted ``values`` (``(..., T)``, each
     row ascending) are below it (``<``; with ``inclusive``, ``<=``): ``jnp.searchsorted`` with side
     "left" ("right"), row by row. A binary search written out, as jnp.searchsorted cannot take
-    symbolic lengths (``jax.export``); a symbolic ``T`` takes the steps of int32's range. Int32."""
+    symbolic lengths (``jax.export``); a symbolic ``T`` takes the steps of int32's range. Int32.
+    Jitted: called eagerly (a document mask built outside ``jit``), its loop compiles once per
+    shape, not at every call."""
     size = values.shape[-1]
     steps = 31 if jax.export.is_symbolic_dim(size) else int(size).bit_length()
     below = jnp.less_equal if inclusive else jnp.less
