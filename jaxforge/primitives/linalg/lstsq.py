@@ -45,6 +45,7 @@ Where things live:
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -135,33 +136,43 @@ def _jvp(primals, tangents, *, rcond: float):
     if k == 0:
         dx, ds, dr = jnp.zeros_like(x), jnp.zeros_like(s), jnp.zeros_like(r)
     else:
-        # On CPU every LAPACK call is chained after the previous one (_ops.after): R⁻¹'s solve after
-        # the forward's solution, the rank-deficient branch's SVD of R after that solve, and last the
-        # SVD of R that gives ds and s itself (recomputed, so that nothing waits for the forward's):
-        # XLA drops it, on every platform, where neither is used (a gradient of x alone).
-        r_tied = after(r, x)
-        full = (rank == k)[..., None, None]
-        all_full = jnp.all(full)
-        eye = jnp.eye(k, dtype=r.dtype)
-        r_safe = jnp.where(full, r_tied, eye)  # finite where deficient
-        r_inv = upper_inverse(r_safe)
-        dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
-        s_r, v_r = lax.cond(  # the SVD only for a batch holding a rank-deficient matrix
-            all_full,
-            lambda: (jnp.zeros_like(s), jnp.zeros_like(r)),
-            lambda: _right_svd(after_on_cpu(r_tied, r_inv)),
-        )
-        dx = lax.cond(
-            all_full,
-            lambda: _seminormal_tangent(a, b, x, r_inv, da, db),
-            lambda: _mixed_rank_tangent(a, b, x, rank, r_inv, s_r, v_r, da, db),
-        )
-        s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
-        ds = _singular_value_tangent(a, s, v_r, rank, da)
+        s, dx, ds, dr = _tangents(a, b, x, rank, r, da, db)
     dres = jnp.zeros_like(residuals)
     if m > n:
         dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
     return (x, residuals, rank, s, r), (dx, dres, _core.zero_tangent(rank), ds, dr)
+
+
+@jax.jit
+def _tangents(a, b, x, rank, r, da, db):
+    """``(s, dx, ds, dr)`` of a nonempty problem: ``s`` recomputed (below), the tangents of the
+    solution, the singular values and the factor. Jitted: an eager jvp or grad (one outside
+    ``jit``) compiles its two ``lax.cond`` once per shape, not at every call."""
+    k = min(a.shape[-2:])
+    # On CPU every LAPACK call is chained after the previous one (_ops.after): R⁻¹'s solve after
+    # the forward's solution, the rank-deficient branch's SVD of R after that solve, and last the
+    # SVD of R that gives ds and s itself (recomputed, so that nothing waits for the forward's):
+    # XLA drops it, on every platform, where neither is used (a gradient of x alone).
+    r_tied = after(r, x)
+    full = (rank == k)[..., None, None]
+    all_full = jnp.all(full)
+    eye = jnp.eye(k, dtype=r.dtype)
+    r_safe = jnp.where(full, r_tied, eye)  # finite where deficient
+    r_inv = upper_inverse(r_safe)
+    dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
+    s_r, v_r = lax.cond(  # the SVD only for a batch holding a rank-deficient matrix
+        all_full,
+        lambda: (jnp.zeros(r.shape[:-1], real_dtype(r.dtype)), jnp.zeros_like(r)),
+        lambda: _right_svd(after_on_cpu(r_tied, r_inv)),
+    )
+    dx = lax.cond(
+        all_full,
+        lambda: _seminormal_tangent(a, b, x, r_inv, da, db),
+        lambda: _mixed_rank_tangent(a, b, x, rank, r_inv, s_r, v_r, da, db),
+    )
+    s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
+    ds = _singular_value_tangent(a, s, v_r, rank, da)
+    return s, dx, ds, dr
 
 
 def _right_svd(r):
