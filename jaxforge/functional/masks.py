@@ -18,6 +18,7 @@ span it visits every tile; wrap it in :func:`from_mask_mod` to combine it with t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -57,7 +58,16 @@ __all__ = [
 
 
 class Mask:
-    """A mask_mod with a span. Subclasses implement :meth:`mask_mod` and :meth:`span`."""
+    """A mask_mod with a span. Subclasses implement :meth:`mask_mod` and :meth:`span`.
+
+    A mask is a pytree: its runtime arrays (segment ids, per-item offsets and lengths) are the
+    leaves and the rest (static ints, functions, how masks combine) its structure, so a mask passes
+    into ``jax.jit`` as an argument and two masks that differ only in their arrays share a compile.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        jax.tree_util.register_pytree_with_keys(cls, _flatten_mask, functools.partial(_unflatten_mask, cls))
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         raise NotImplementedError
@@ -100,6 +110,26 @@ class Mask:
 
     __rand__ = lambda self, other: _And(as_mask(other), self)  # noqa: E731
     __ror__ = lambda self, other: _Or(as_mask(other), self)  # noqa: E731
+
+
+def _static(value) -> bool:
+    """A mask field that is structure: a Python number or string, or a function (not a mask)."""
+    return isinstance(value, (int, float, str)) or (callable(value) and not isinstance(value, Mask))
+
+
+def _flatten_mask(mask: Mask):
+    fields = [(f.name, getattr(mask, f.name)) for f in dataclasses.fields(mask)]
+    children = [(jax.tree_util.GetAttrKey(name), value) for name, value in fields if not _static(value)]
+    static = tuple((name, value) for name, value in fields if _static(value))
+    return children, (static, tuple(key.name for key, _ in children))
+
+
+def _unflatten_mask(cls, aux, children) -> Mask:
+    static, names = aux
+    mask = object.__new__(cls)  # as the fields were: no constructor checks (leaves may be tracers)
+    for name, value in (*static, *zip(names, children)):
+        object.__setattr__(mask, name, value)
+    return mask
 
 
 def as_mask(mask) -> Mask:

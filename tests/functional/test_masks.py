@@ -94,3 +94,32 @@ def test_an_eager_call_with_new_segment_ids_compiles_nothing(dtype, backend_comp
     backend_compiles.clear()
     jax.block_until_ready(attend(1))
     assert backend_compiles == []
+
+
+@pytest.mark.parametrize("name", sorted(MASKS))
+def test_a_mask_passes_into_jit_as_an_argument(name):
+    """A mask is a pytree of its runtime arrays: given to ``jit`` as an argument (its arrays
+    traced) it masks as the same mask closed over; its leaves are exactly its arrays."""
+    mask = MASKS[name][0]()
+    leaves = jax.tree.leaves(mask)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    assert bool(leaves) == (name not in ("causal",))
+    q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
+    k, v = (jnp.asarray(rng.normal(size=(B, SKV, 2, 4))) for _ in range(2))
+    traced = jax.jit(lambda mask: jf.attention(q, k, v, mask=mask))(mask)
+    np.testing.assert_allclose(traced, jf.attention(q, k, v, mask=mask), rtol=1e-12, atol=1e-12)
+
+
+def test_masks_that_differ_only_in_their_arrays_share_a_compile(backend_compiles):
+    """The static parts (ints, functions, how masks combine) are the tree's structure, compared by
+    value: new ids or offsets reuse the program; another window compiles anew."""
+    q = jnp.ones((B, SQ, 2, 4))
+    attend = jax.jit(lambda mask: jf.attention(q, q, q, mask=mask))
+    mask = lambda ids, offset, window: jf.masks.document(ids) & jf.masks.causal(offset) | jf.masks.sliding_window(window)  # noqa: E731
+    masks = [mask(ids, jnp.asarray(offset), window) for ids, offset, window in ((Q_IDS, [0, 1], 2), (Q_IDS % 2, [3, -1], 2), (Q_IDS, [0, 1], 3))]
+    jax.block_until_ready(attend(masks[0]))
+    backend_compiles.clear()
+    jax.block_until_ready(attend(masks[1]))
+    assert backend_compiles == []
+    jax.block_until_ready(attend(masks[2]))
+    assert len(backend_compiles) == 1

@@ -212,6 +212,17 @@ def test_recurrent_gradients_and_vmap(layer):
     np.testing.assert_allclose(batched, apply(params, xs)[0], rtol=1e-13, atol=1e-14)
 
 
+@pytest.mark.parametrize("layer", ["lstm", "gru"])
+def test_an_eager_recurrent_call_compiles_once(layer, backend_compiles):
+    """Called outside jit with new inputs of the same shapes, the recurrence compiles nothing (a scan
+    over a fresh closure compiled at every call)."""
+    params = getattr(nn, f"init_{layer}")(KEY, 2, 3)
+    jax.block_until_ready(getattr(nn, layer)(params, normal(4, 5, 2)))
+    backend_compiles.clear()
+    jax.block_until_ready(getattr(nn, layer)(params, normal(4, 5, 2)))
+    assert backend_compiles == []
+
+
 # -- transformer and loss -------------------------------------------------------------------------
 
 CONFIG = dict(vocab_size=13, features=16, depth=2, num_heads=4, num_kv_heads=2, hidden_features=24)
@@ -334,6 +345,20 @@ def test_transformer_vmap_and_jit_match():
     mapped = jax.vmap(nn.transformer, in_axes=(None, 0))(params, TOKENS)
     np.testing.assert_allclose(batched, looped, rtol=1e-12, atol=1e-13)
     np.testing.assert_allclose(mapped, looped, rtol=1e-12, atol=1e-13)
+
+
+def test_an_eager_transformer_call_with_a_new_document_mask_compiles_nothing(backend_compiles):
+    """Outside jit, a call with other tokens and another document mask of the same shapes reuses
+    every program: the blocks' scan is jitted over the arrays of its arguments, masks included
+    (2.2 s a call before, for this model 4 ms)."""
+    params = nn.init_transformer(KEY, **CONFIG)
+    call = lambda tokens, segments: nn.transformer(params, tokens, mask=jf.masks.causal() & jf.masks.document(segments))  # noqa: E731
+    tokens, segments = jnp.asarray(np.asarray(TOKENS)[::-1]), jnp.asarray(np.asarray(SEGMENTS_10)[::-1])
+    jax.block_until_ready(call(TOKENS, SEGMENTS_10))
+    backend_compiles.clear()
+    logits = call(tokens, segments)
+    assert backend_compiles == []
+    np.testing.assert_allclose(logits, jax.jit(call)(tokens, segments), rtol=1e-5, atol=1e-5)
 
 
 def test_data_parallel_gradient_under_shard_equals_single_device():

@@ -45,17 +45,22 @@ def lstm(
         zeros = jnp.zeros((*xs.shape[:-2], hidden), jnp.result_type(xs, params["w_hidden"]))
         state = (zeros, zeros)
 
+    # The input projection of every step is one matmul outside the recurrence.
+    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b"], -2, 0)
+    final, hs = _lstm_steps(params["w_hidden"], state, x_gates)
+    return jnp.moveaxis(hs, 0, -2), final
+
+
+@jax.jit  # an eager call compiles once per shape: a scan over a fresh closure compiles every time
+def _lstm_steps(w_hidden, state, x_gates):
     def step(carry, x_gates):
         h, c = carry
-        i, f, g, o = jnp.split(x_gates + h @ params["w_hidden"], 4, axis=-1)
+        i, f, g, o = jnp.split(x_gates + h @ w_hidden, 4, axis=-1)
         c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
         h = jax.nn.sigmoid(o) * jnp.tanh(c)
         return (h, c), h
 
-    # The input projection of every step is one matmul outside the recurrence.
-    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b"], -2, 0)
-    final, hs = jax.lax.scan(step, state, x_gates)
-    return jnp.moveaxis(hs, 0, -2), final
+    return jax.lax.scan(step, state, x_gates)
 
 
 def init_gru(key: PRNGKeyArray, input_size: int, hidden_size: int, *, dtype=jnp.float32) -> Params:
@@ -84,13 +89,18 @@ def gru(
     if state is None:
         state = jnp.zeros((*xs.shape[:-2], hidden), jnp.result_type(xs, params["w_hidden"]))
 
+    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b_input"], -2, 0)
+    final, hs = _gru_steps(params["w_hidden"], params["b_hidden"], state, x_gates)
+    return jnp.moveaxis(hs, 0, -2), final
+
+
+@jax.jit  # as _lstm_steps
+def _gru_steps(w_hidden, b_hidden, state, x_gates):
     def step(h, x_gates):
         xr, xz, xn = jnp.split(x_gates, 3, axis=-1)
-        hr, hz, hn = jnp.split(h @ params["w_hidden"] + params["b_hidden"], 3, axis=-1)
+        hr, hz, hn = jnp.split(h @ w_hidden + b_hidden, 3, axis=-1)
         r, z = jax.nn.sigmoid(xr + hr), jax.nn.sigmoid(xz + hz)
         h = (1 - z) * jnp.tanh(xn + r * hn) + z * h
         return h, h
 
-    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b_input"], -2, 0)
-    final, hs = jax.lax.scan(step, state, x_gates)
-    return jnp.moveaxis(hs, 0, -2), final
+    return jax.lax.scan(step, state, x_gates)

@@ -18,6 +18,7 @@ from jaxforge.functional.nn.layers import (
     init_linear,
     init_mlp,
     init_rms_norm,
+    jit_over_arrays,
     linear,
     mlp,
     rms_norm,
@@ -96,26 +97,34 @@ def transformer(
     if cache is None:
         mask = masks.causal() if mask is None else mask
     x = embedding(params["embedding"], tokens)
+    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    length = None if cache is None else cache["length"]
+    x, kv = _blocks(params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn)
+    logits = linear(params["head"], rms_norm(params["norm"], x))
+    if cache is None:
+        return logits
+    return logits, {**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}
+
+
+@jit_over_arrays
+def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn):
+    """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
+    without one, else {"k", "v"} stacked over blocks, all at ``length``)."""
 
     def block(x, layer):
         p, kv = layer
-        layer_cache = None if kv is None else {**kv, "length": cache["length"]}
+        layer_cache = None if kv is None else {**kv, "length": length}
         attended = multi_head_attention(
             p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn,
             cache=layer_cache,
         )  # fmt: skip
-        if cache is not None:
+        if kv is not None:
             attended, layer_cache = attended
             layer_cache = {"k": layer_cache["k"], "v": layer_cache["v"]}
         x = x + attended
         return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), layer_cache
 
-    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
-    x, kv = jax.lax.scan(block, x, (params["blocks"], kv))
-    logits = linear(params["head"], rms_norm(params["norm"], x))
-    if cache is None:
-        return logits
-    return logits, {**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}
+    return jax.lax.scan(block, x, (blocks, kv))
 
 
 def cross_entropy(
