@@ -74,6 +74,7 @@ def transformer(
     positions: Int[ArrayLike, "*#batch seq"] | None = None,
     attention_fn: Callable = attention,
     cache: NestedParams | None = None,
+    remat: bool | Callable = False,
 ):
     r"""Next-token logits of a pre-norm decoder: for each block,
     :math:`x \mathrel{+}= \text{attn}(\text{rms}(x))`, :math:`x \mathrel{+}= \text{mlp}(\text{rms}(x))`.
@@ -88,6 +89,9 @@ def transformer(
       cache: decoding: ``init_kv_cache(params["blocks"]["attention"], batch_shape, max_len)``, a
         cache per block; ``tokens`` are the next ones of each item (a prompt to prefill, then one a
         step), ``mask`` only adds to the causal mask over the cache (see :func:`multi_head_attention`).
+      remat: activation checkpointing: a gradient recomputes each block's activations from its input
+        instead of storing them (one more forward, memory for one block's activations in place of
+        every block's). True: save nothing else; or a ``jax.checkpoint_policies`` policy.
 
     Returns:
       ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``.
@@ -99,7 +103,7 @@ def transformer(
     x = embedding(params["embedding"], tokens)
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     length = None if cache is None else cache["length"]
-    x, kv = _blocks(params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn)
+    x, kv = _blocks(params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat)
     logits = linear(params["head"], rms_norm(params["norm"], x))
     if cache is None:
         return logits
@@ -107,9 +111,9 @@ def transformer(
 
 
 @jit_over_arrays
-def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn):
+def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
-    without one, else {"k", "v"} stacked over blocks, all at ``length``)."""
+    without one, else {"k", "v"} stacked over blocks, all at ``length``); ``remat`` as there."""
 
     def block(x, layer):
         p, kv = layer
@@ -123,6 +127,9 @@ def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn):
             layer_cache = {"k": layer_cache["k"], "v": layer_cache["v"]}
         x = x + attended
         return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), layer_cache
+
+    if remat:
+        block = jax.checkpoint(block, policy=None if remat is True else remat)
 
     return jax.lax.scan(block, x, (blocks, kv))
 
