@@ -123,3 +123,13 @@ def test_masks_that_differ_only_in_their_arrays_share_a_compile(backend_compiles
     assert backend_compiles == []
     jax.block_until_ready(attend(masks[2]))
     assert len(backend_compiles) == 1
+
+
+def test_a_mask_vmaps_with_the_queries():
+    """vmap over a mask argument slices its per-item arrays with the queries: the same as one call
+    over the whole batch."""
+    q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
+    k = jnp.asarray(rng.normal(size=(B, SKV, 2, 4)))
+    mask = jf.masks.document(Q_IDS, KV_IDS) & jf.masks.padding(jnp.asarray(LENGTHS)) & jf.masks.causal(jnp.asarray([4, -6]))
+    mapped = jax.vmap(lambda q, k, mask: jf.attention(q, k, k, mask=mask))(q, k, mask)
+    np.testing.assert_allclose(mapped, jf.attention(q, k, k, mask=mask), rtol=1e-12, atol=1e-12)
