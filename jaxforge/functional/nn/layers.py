@@ -6,13 +6,11 @@ Each function works on any leading dims; the last dim is the feature dim.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 __all__ = [
@@ -31,31 +29,6 @@ __all__ = [
 
 Params = dict[str, ArrayLike]  # one layer
 NestedParams = dict[str, Any]  # layers of layers
-
-
-_ARRAY = object()  # where an array leaf was, among the static leaves
-
-
-def jit_over_arrays(fn: Callable) -> Callable:
-    """``fn`` jitted with the arrays among its arguments' leaves traced and every other leaf (a
-    function, a number, a mask's structure) static, so that a model called outside ``jax.jit``
-    compiles once per shape: its ``lax.scan`` over a fresh closure would trace and compile at
-    every call. The static leaves must be hashable; inside a jit it is inlined as any jit is."""
-
-    @functools.partial(jax.jit, static_argnums=(0, 1))
-    def run(treedef, static, arrays):
-        arrays = iter(arrays)
-        args, kwargs = jax.tree.unflatten(treedef, [next(arrays) if x is _ARRAY else x for x in static])
-        return fn(*args, **kwargs)
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
-        static = tuple(_ARRAY if a else x for x, a in zip(leaves, is_array))
-        return run(treedef, static, [x for x, a in zip(leaves, is_array) if a])
-
-    return call
 
 
 def check_features(fn: str, name: str, x, expected: int, axis: int = -1) -> Array:

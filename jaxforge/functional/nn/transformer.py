@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
@@ -18,7 +19,6 @@ from jaxforge.functional.nn.layers import (
     init_linear,
     init_mlp,
     init_rms_norm,
-    jit_over_arrays,
     linear,
     mlp,
     rms_norm,
@@ -100,6 +100,7 @@ def transformer(
     """
     if cache is None:
         mask = masks.causal() if mask is None else mask
+    mask = None if mask is None else masks.as_mask(mask)  # a pytree, so a jit argument
     x = embedding(params["embedding"], tokens)
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     length = None if cache is None else cache["length"]
@@ -110,7 +111,9 @@ def transformer(
     return logits, {**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}
 
 
-@jit_over_arrays
+# Jitted (masks are pytrees): an eager call compiles once per shape, where a scan over a fresh
+# closure would trace and compile at every call.
+@functools.partial(jax.jit, static_argnames=("attention_fn", "remat"))
 def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
     without one, else {"k", "v"} stacked over blocks, all at ``length``); ``remat`` as there."""
