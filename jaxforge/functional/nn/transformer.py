@@ -91,7 +91,9 @@ def transformer(
         step), ``mask`` only adds to the causal mask over the cache (see :func:`multi_head_attention`).
       remat: activation checkpointing: a gradient recomputes each block's activations from its input
         instead of storing them (one more forward, memory for one block's activations in place of
-        every block's). True: save nothing else; or a ``jax.checkpoint_policies`` policy.
+        every block's). True: save nothing else; or a ``jax.checkpoint`` policy, e.g.
+        ``jf.remat.save_attention()``, which keeps each block's attention output and lse so that
+        the backward recomputes the projections and MLP but not the attention.
 
     Returns:
       ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``.

@@ -27,7 +27,9 @@ A fully masked row has :math:`o_i = 0`, :math:`\text{lse}_i = -\infty` and zero 
              g_q = \text{scale}\, (f' g_s)\, k,\ g_k = \text{scale}\,(f' g_s)^T q,\ g_v = p^T g_o .
 
 fwd's JVP binds tangent; tangent's transpose binds bwd; bwd's transpose binds tangent. So jvp, grad,
-jacfwd, jacrev and hessian-vector products all come from these three.
+jacfwd, jacrev and hessian-vector products all come from these three. The JVP names the residuals
+it passes on, ``out`` and ``lse`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint`` policy may save
+them and a rematerialised backward need not run the forward again (``jaxforge.transforms.remat``).
 
 Second order. The tangent map's JVP is tangent itself along (dq, dk, dv) plus
 ``attention_tangent2_p``, its derivative in ``(q, k, v, out, lse)`` as the kernels read them
@@ -59,6 +61,7 @@ import dataclasses
 import math
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
@@ -70,6 +73,7 @@ __all__ = [
     "ACCEPTED_DTYPES",
     "IMPLEMENTATION_NAMES",
     "Implementation",
+    "RESIDUAL_NAMES",
     "SHAPES",
     "attention_bwd_p",
     "attention_bwd_tangent_p",
@@ -86,6 +90,7 @@ __all__ = [
 
 ACCEPTED_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32, jnp.float64)
 IMPLEMENTATION_NAMES = ("xla", "pallas_triton", "pallas_mosaic_gpu")
+RESIDUAL_NAMES = ("attention_out", "attention_lse")  # jax.ad_checkpoint.checkpoint_name of (out, lse)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,6 +435,7 @@ def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
     params = dict(mods=mods, scale=scale, implementation=implementation)
     q, k, v, *consts = primals
     out, lse = attention_fwd_p.bind(*primals, **params)
+    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))  # what remat may save
     _, score_c = _split(consts, mods)
     _, dscore = _split(tangents[3:], mods)
     dscore = [_core.instantiate_zeros(t) for t, c in zip(dscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
