@@ -61,9 +61,9 @@ import dataclasses
 import math
 
 import jax
-from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxforge.primitives import _core
