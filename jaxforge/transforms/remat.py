@@ -1,9 +1,11 @@
 """``jf.remat``: ``jax.checkpoint`` policies that know what jaxforge's primitives keep.
 
 A rematerialised function (``jax.checkpoint(f, policy=...)``) recomputes in its backward whatever
-its policy does not save. ``jf.attention``'s JVP names the residuals its backward reads, the output
-``(..., Sq, Hq, Dv)`` and the rows' log-sum-exps ``(..., Sq, Hq)``, so a policy can keep them: the
-backward then runs the attention backward at once, not the attention forward first.
+its policy does not save. The JVP rules of jaxforge's primitives name the residuals their
+derivatives read (``jax.ad_checkpoint.checkpoint_name``), so a policy can keep them and the
+backward skips the primitive's forward: ``jf.attention``'s output ``(..., Sq, Hq, Dv)`` and rows'
+log-sum-exps ``(..., Sq, Hq)``; ``jf.linalg.svd``'s ``(s, u, vh)``; ``jf.linalg.lstsq``'s solution,
+rank and triangular factor ``R``.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ from collections.abc import Callable
 
 import jax
 
-from jaxforge.primitives.attention.attention import RESIDUAL_NAMES
+from jaxforge.primitives.attention import attention
+from jaxforge.primitives.linalg import lstsq, svd
 
-__all__ = ["ATTENTION_RESIDUALS", "save_attention"]
+__all__ = ["ATTENTION_RESIDUALS", "LINALG_RESIDUALS", "save_attention", "save_linalg"]
 
-ATTENTION_RESIDUALS = RESIDUAL_NAMES
+ATTENTION_RESIDUALS = attention.RESIDUAL_NAMES
+LINALG_RESIDUALS = svd.RESIDUAL_NAMES + lstsq.RESIDUAL_NAMES
 
 
 def save_attention(*names: str, policy: Callable | None = None) -> Callable:
@@ -28,5 +32,16 @@ def save_attention(*names: str, policy: Callable | None = None) -> Callable:
     recomputes its projections and MLP but not its attention, for the memory of one output and
     one lse per block.
     """
-    saved = jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS, *names)
+    return _saving(ATTENTION_RESIDUALS + names, policy)
+
+
+def save_linalg(*names: str, policy: Callable | None = None) -> Callable:
+    """:func:`save_attention` for ``jf.linalg``'s residuals (``LINALG_RESIDUALS``): the backward of an
+    ``svd`` or ``lstsq`` inside a checkpointed function reuses the forward's factors instead of
+    factoring again. ``save_linalg(*ATTENTION_RESIDUALS)`` keeps both families'."""
+    return _saving(LINALG_RESIDUALS + names, policy)
+
+
+def _saving(names: tuple[str, ...], policy: Callable | None) -> Callable:
+    saved = jax.checkpoint_policies.save_only_these_names(*names)
     return saved if policy is None else jax.checkpoint_policies.save_from_both_policies(saved, policy)

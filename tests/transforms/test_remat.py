@@ -68,3 +68,21 @@ def test_a_transformer_with_saved_attention_runs_one_attention_forward_per_block
     assert attention_forwards(jax.make_jaxpr(grad(jf.remat.save_attention()))(params)) == 1
     got, want = jax.jit(grad(jf.remat.save_attention()))(params), jax.jit(grad(False))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-12), got, want)
+
+
+A = jnp.asarray(RNG.standard_normal((3, 12, 5)))
+RHS = jnp.asarray(RNG.standard_normal((3, 12)))
+LINALG = {  # name: (a function of (a, b) that factors an intermediate, its primitive)
+    "svd": (lambda a, b: (lambda u, s, vh: jnp.sum(u**2 * s[..., None, :]) + jnp.sum(jnp.cos(vh)))(*jf.linalg.svd(jnp.tanh(a))), "jaxforge_svd"),
+    "lstsq": (lambda a, b: jnp.sum(jnp.sin(jf.linalg.lstsq(jnp.tanh(a), b * 2).solution)), "jaxforge_lstsq"),
+}
+
+
+@pytest.mark.parametrize("name", list(LINALG))
+@pytest.mark.parametrize("policy,runs", [(None, 2), (jf.remat.save_linalg(), 1)], ids=["nothing_saved", "save_linalg"])
+def test_saved_factors_spare_the_backward_a_factorization(name, policy, runs):
+    f, primitive = LINALG[name]
+    grad = jax.grad(jax.checkpoint(f, policy=policy), argnums=(0, 1))
+    assert len(re.findall(rf"\b{primitive}\[", str(jax.make_jaxpr(grad)(A, RHS)))) == runs
+    for got, want in zip(jax.jit(grad)(A, RHS), jax.grad(f, argnums=(0, 1))(A, RHS)):
+        np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)

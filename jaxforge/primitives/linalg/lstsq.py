@@ -34,7 +34,9 @@ batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` 
 (:math:`U = AVS^{-1}`), and ds's own SVD of ``R`` runs only where a tangent of ``s`` is used (XLA
 drops it from a gradient of ``x`` alone). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
-values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`.
+values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`. The JVP names what it reads of
+the forward, ``(x, rank, r)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint`` policy may keep
+them (``jaxforge.transforms.remat``) and a rematerialised backward does not solve again.
 
 Where things live:
     API        jaxforge/functional/linalg.py :: lstsq
@@ -49,6 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
@@ -65,7 +68,9 @@ from jaxforge.primitives.linalg._ops import (
 )
 from jaxforge.primitives.linalg.svd import svd_p
 
-__all__ = ["SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
+__all__ = ["RESIDUAL_NAMES", "SHAPES", "default_rcond", "lstsq_p", "lstsq_reference", "residuals"]
+
+RESIDUAL_NAMES = ("lstsq_solution", "lstsq_rank", "lstsq_r")  # jax.ad_checkpoint.checkpoint_name of (x, rank, r)
 
 # Named shapes (batch, m, n, k) shared by tests and benchmarks; "bench_gpu" are ANCHORS.md shapes.
 SHAPES = {
@@ -130,6 +135,7 @@ def _abstract_eval(a, b, *, rcond: float):
 def _jvp(primals, tangents, *, rcond: float):
     a, b = primals
     x, residuals, rank, s, r = lstsq_p.bind(a, b, rcond=rcond)
+    x, rank, r = (checkpoint_name(y, name) for y, name in zip((x, rank, r), RESIDUAL_NAMES))  # what remat may save
     da, db = (_core.instantiate_zeros(t) for t in tangents)
     m, n = a.shape[-2:]
     k = min(m, n)

@@ -32,6 +32,10 @@ with :math:`F_{jk} = 1/((s_k - s_j)(s_k + s_j))` off the diagonal and 0 on it.
   :math:`dU_\perp = -U S^{-1} V^H dA^H U_\perp` and :math:`dV_\perp = -V S^{-1} U^H dA\, V_\perp`.
   ``s`` and the first ``k`` columns have exact derivatives.
 
+The JVP names the factors it reads, ``(s, u, vh)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint``
+policy may keep them (``jaxforge.transforms.remat``) and a rematerialised backward does not factor
+``a`` again.
+
 Where things live:
     API        jaxforge/functional/linalg.py :: svd
     lowering   jaxforge/lowering/linalg/svd/
@@ -43,12 +47,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
 from jaxforge.primitives.linalg._ops import ct, diag, diagonal, mm, reciprocal
 
-__all__ = ["SHAPES", "svd_p", "svd_reference"]
+__all__ = ["RESIDUAL_NAMES", "SHAPES", "svd_p", "svd_reference"]
+
+RESIDUAL_NAMES = ("svd_s", "svd_u", "svd_vh")  # jax.ad_checkpoint.checkpoint_name of (s, u, vh)
 
 # Named shapes (batch, m, n) shared by tests and benchmarks; "bench_gpu" are ANCHORS.md shapes.
 SHAPES = {
@@ -91,6 +98,7 @@ def _abstract_eval(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float)
 def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     (a,), (da,) = primals, tangents
     s, u, vh = svd_p.bind(a, full_matrices=full_matrices, compute_uv=True, grad_eps=grad_eps)
+    s, u, vh = (checkpoint_name(x, name) for x, name in zip((s, u, vh), RESIDUAL_NAMES))  # what remat may save
     da = _core.instantiate_zeros(da)
     m, n = a.shape[-2:]
     k = min(m, n)
