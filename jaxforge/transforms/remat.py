@@ -31,6 +31,14 @@ def save_attention(*names: str, policy: Callable | None = None) -> Callable:
     ``jf.nn.transformer(params, tokens, remat=jf.remat.save_attention())``: each block's backward
     recomputes its projections and MLP but not its attention, for the memory of one output and
     one lse per block.
+
+    >>> import jax, jax.numpy as jnp, jaxforge as jf
+    >>> q = jnp.ones((1, 8, 2, 4))
+    >>> f = jax.checkpoint(lambda q: jf.attention(q, q, q).sum(), policy=jf.remat.save_attention())
+    >>> jax.ad_checkpoint.print_saved_residuals(f, q)  # what the backward keeps
+    f32[1,8,2,4] from the argument q
+    f32[1,8,2,4] named 'attention_out' from ...
+    f32[1,8,2] named 'attention_lse' from ...
     """
     return _saving(ATTENTION_RESIDUALS + names, policy)
 
