@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax import core
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
@@ -283,6 +284,13 @@ def zero_tangent(primal):
     """The symbolic-zero tangent of ``primal`` (float0 for integers): what a JVP rule returns for
     outputs that do not move, at any shape, symbolic ones (``jax.export``) included."""
     return ad.Zero(jax.typeof(primal).to_tangent_aval())
+
+
+def named_residuals(values: Sequence, names: Sequence[str]) -> tuple:
+    """``values``, each under its name (``jax.ad_checkpoint.checkpoint_name``): the forward's results
+    a JVP rule hands to its tangent, which a ``jax.checkpoint`` policy may then keep
+    (``jaxforge.transforms.remat``) so that a rematerialised backward does not run the forward."""
+    return tuple(checkpoint_name(x, name) for x, name in zip(values, names, strict=True))
 
 
 def jvp_along(fn: Callable, primals: Sequence, tangents: Sequence, moves: Sequence[bool]):

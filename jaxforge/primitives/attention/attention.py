@@ -63,7 +63,6 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxforge.primitives import _core
@@ -435,7 +434,7 @@ def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
     params = dict(mods=mods, scale=scale, implementation=implementation)
     q, k, v, *consts = primals
     out, lse = attention_fwd_p.bind(*primals, **params)
-    out, lse = (checkpoint_name(x, name) for x, name in zip((out, lse), RESIDUAL_NAMES))  # what remat may save
+    out, lse = _core.named_residuals((out, lse), RESIDUAL_NAMES)
     _, score_c = _split(consts, mods)
     _, dscore = _split(tangents[3:], mods)
     dscore = [_core.instantiate_zeros(t) for t, c in zip(dscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]

@@ -51,7 +51,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
@@ -135,7 +134,7 @@ def _abstract_eval(a, b, *, rcond: float):
 def _jvp(primals, tangents, *, rcond: float):
     a, b = primals
     x, residuals, rank, s, r = lstsq_p.bind(a, b, rcond=rcond)
-    x, rank, r = (checkpoint_name(y, name) for y, name in zip((x, rank, r), RESIDUAL_NAMES))  # what remat may save
+    x, rank, r = _core.named_residuals((x, rank, r), RESIDUAL_NAMES)
     da, db = (_core.instantiate_zeros(t) for t in tangents)
     m, n = a.shape[-2:]
     k = min(m, n)

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 
 from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix, real_dtype
@@ -98,7 +97,7 @@ def _abstract_eval(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float)
 def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     (a,), (da,) = primals, tangents
     s, u, vh = svd_p.bind(a, full_matrices=full_matrices, compute_uv=True, grad_eps=grad_eps)
-    s, u, vh = (checkpoint_name(x, name) for x, name in zip((s, u, vh), RESIDUAL_NAMES))  # what remat may save
+    s, u, vh = _core.named_residuals((s, u, vh), RESIDUAL_NAMES)
     da = _core.instantiate_zeros(da)
     m, n = a.shape[-2:]
     k = min(m, n)
