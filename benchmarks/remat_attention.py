@@ -2,7 +2,8 @@
 everything (``remat=True``), and remat that keeps attention's residuals (``jf.remat.save_attention()``).
 For each: the compiled gradient's temporary memory, how many attention forwards its jaxpr runs,
 its median time over interleaved repeats, and its largest difference from the gradient without
-remat.
+remat. The JSON has the bench's layout (``python -m jaxforge.bench``): save_attention is the
+``jaxforge`` record, the others anchors with ``ratio`` = their time / its time.
 
     python benchmarks/remat_attention.py [--repeats 11] [--out benchmarks/results]
 """
@@ -48,14 +49,23 @@ def main(argv=None) -> None:
             jax.block_until_ready(compiled(params))
             rows[name]["times_ms"].append((time.perf_counter() - start) * 1e3)
     reference = jax.tree.leaves(grads["no remat"](params))
+    ours = float(np.median(rows["save_attention"]["times_ms"]))
+    records = []
     print(f"{'variant':16s} {'temp MiB':>9s} {'fwd runs':>8s} {'median ms':>10s} {'max |Δgrad|':>12s}")
     for name, row in rows.items():
-        row["median_ms"] = float(np.median(row["times_ms"]))
-        row["max_grad_difference"] = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads[name](params)), reference))
-        print(f"{name:16s} {row['temp_mib']:9.1f} {row['attention_forwards']:8d} {row['median_ms']:10.1f} {row['max_grad_difference']:12.2e}")
-    device = jax.devices()[0].platform
-    path = args.out / f"{datetime.date.today()}-{device}-remat-attention.json"
-    path.write_text(json.dumps(dict(config=CONFIG, tokens=TOKENS, dtype="float32", jax_version=jax.__version__, variants=rows), indent=1))
+        median = float(np.median(row["times_ms"]))
+        difference = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(jax.tree.leaves(grads[name](params)), reference))
+        print(f"{name:16s} {row['temp_mib']:9.1f} {row['attention_forwards']:8d} {median:10.1f} {difference:12.2e}")
+        records.append(dict(
+            op="transformer", mode="grad", shape_name="depth4_2x2048", shape=list(TOKENS), status="ok",
+            implementation="jaxforge" if name == "save_attention" else name, variant=name,
+            median_ms=median, ratio=median / ours, accuracy={"grad_vs_no_remat": difference}, **row,
+        ))  # fmt: skip
+    device = jax.devices()[0]
+    path = args.out / f"{datetime.date.today()}-{device.platform}-remat-attention.json"
+    run = dict(family="remat", date=str(datetime.date.today()), device=device.platform, device_kind=device.device_kind,
+               backend=jax.default_backend(), jax_version=jax.__version__, config=CONFIG, dtype="float32", records=records)  # fmt: skip
+    path.write_text(json.dumps(run, indent=1))
     print(f"wrote {path}")
 
 
