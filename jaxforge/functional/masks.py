@@ -243,7 +243,8 @@ def _item(x, b, trailing: int = 0):
     flattened ``lead``, clipped: an array shared by every item answers for each), or a static value."""
     if isinstance(x, int) or x.ndim == trailing:
         return x
-    return jnp.take(x.reshape(-1, *x.shape[x.ndim - trailing :]), b, axis=0, mode="clip")
+    lead = x.shape[: x.ndim - trailing]
+    return jnp.take(x.reshape(math.prod(lead), *x.shape[len(lead) :]), b, axis=0, mode="clip")
 
 
 def _per_item_rows(per_item, sq: int, signed: bool = False):
@@ -450,7 +451,7 @@ def _document_ranges(q_seg, kv_seg) -> tuple:
             f"document: the leading dims of `segment_ids` {q_seg.shape} and `kv_segment_ids` "
             f"{kv_seg.shape} do not broadcast"
         ) from None
-    q_flat, kv_flat = (_replicated(jnp.broadcast_to(x, (*lead, x.shape[-1])).reshape(-1, x.shape[-1])) for x in (q_seg, kv_seg))
+    q_flat, kv_flat = (_replicated(jnp.broadcast_to(x, (*lead, x.shape[-1])).reshape(math.prod(lead), x.shape[-1])) for x in (q_seg, kv_seg))
     ranges = (*segment_ranges(q_flat, kv_flat), *segment_ranges(kv_flat, q_flat))
     return tuple(r.reshape(*lead, r.shape[-1]) for r in ranges)
 

@@ -186,7 +186,7 @@ def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementati
     allowed = _dense_mask(s.shape, consts, mods)
     if allowed is not None:
         s = jnp.where(allowed, s, -jnp.inf)
-    row_max = jnp.max(s, axis=-1, keepdims=True)
+    row_max = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # initial: there may be no keys
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
     e = jnp.exp(s - row_max)
     total = jnp.sum(e, axis=-1, keepdims=True)
@@ -203,7 +203,7 @@ def _dense_heads(q, k, v):
     """q, k, v with their batch dims flattened and k, v repeated over each GQA group."""
     batch = q.shape[:-3]
     qf, kf, vf = (x.reshape(math.prod(batch), *x.shape[len(batch) :]) for x in (q, k, v))
-    group = q.shape[-2] // k.shape[-2]
+    group = q.shape[-2] // k.shape[-2] if k.shape[-2] else 0  # no k/v heads: no query heads either
     return qf, jnp.repeat(kf, group, axis=2), jnp.repeat(vf, group, axis=2)
 
 
@@ -291,12 +291,12 @@ def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids
     s, ds = jax.jvp(scores, (qf, kf, float_consts(score_c)), (dqf, dkf, dscore))
     allowed = _dense_mask(s.shape, consts, mods, **where)
     visible = True if allowed is None else allowed
-    lse_f = jnp.swapaxes(lse.reshape(-1, sq, hq), 1, 2)[..., None].astype(acc)
+    lse_f = jnp.swapaxes(lse.reshape(math.prod(batch), sq, hq), 1, 2)[..., None].astype(acc)
     p = jnp.exp(jnp.where(visible, s, -jnp.inf) - jnp.where(jnp.isfinite(lse_f), lse_f, 0))
     p_ds = p * jnp.where(visible, ds, 0)
     dlse = jnp.sum(p_ds, axis=-1)  # (b, h, q)
     mix = lambda w, x: jnp.einsum("bhqk,bkhd->bqhd", w, x.astype(acc), precision="highest")  # noqa: E731
-    outf = out.reshape(-1, sq, hq, out.shape[-1]).astype(acc)
+    outf = out.reshape(math.prod(batch), sq, hq, out.shape[-1]).astype(acc)
     dout = mix(p_ds, vf) + mix(p, dvf) - jnp.swapaxes(dlse, 1, 2)[..., None] * outf
     return dout.astype(out.dtype).reshape(out.shape), jnp.swapaxes(dlse, 1, 2).reshape(lse.shape).astype(lse.dtype)
 
@@ -354,7 +354,7 @@ def check_operands(fn: str, q, k, v):
         raise ValueError(f"{fn}: q and k must share head_dim, got q {q.shape} and k {k.shape}")
     if (skv, hkv) != (skv_v, hkv_v):
         raise ValueError(f"{fn}: k and v must share (seq, heads), got k {k.shape} and v {v.shape}")
-    if hkv == 0 or hq % hkv:
+    if (hq % hkv if hkv else hq):  # no k/v heads only for no query heads (an empty call)
         raise ValueError(
             f"{fn}: the number of query heads must be a multiple of the key/value heads (GQA), "
             f"got q heads {hq} and k/v heads {hkv}"

@@ -216,6 +216,9 @@ def test_calls_it_cannot_run_are_refused_with_the_reason():
     f32 = lambda q, k, v: jf.attention(*(x.astype(jnp.float32) for x in (q, k, v)), implementation=MOSAIC)  # noqa: E731
     with pytest.raises(ValueError, match="bfloat16 or float16.*float32"):
         lowered(f32, *shapes)
+    for dims in ((0, 64), (64, 0), (64, 320)):  # no features: the Triton kernels' padding takes them
+        q, v = (jax.ShapeDtypeStruct((1, 128, 2, d), jnp.bfloat16) for d in dims)
+        assert f"head dims from 1 to 256, got {dims[0]} and {dims[1]}" in pallas_mosaic_gpu.mosaic_can_run(mods, q, v)
     with pytest.raises(ValueError, match="block_kv None, 64 or 128"):
         jf.attention(*(jnp.zeros(s, jnp.bfloat16) for s in shapes), implementation=Implementation(MOSAIC, block_kv=32))
 

@@ -10,6 +10,7 @@ no loop), jit, sharding along the batch, and the half-precision dtypes.
 from __future__ import annotations
 
 import functools
+import math
 import re
 import types
 
@@ -77,10 +78,10 @@ def dense(q, k, v, mask_fn=None, score_fn=None, scale=None, softcap=None):
     """``(out, lse)`` in float64 numpy; leading dims broadcast and are flattened into ``b``."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    q, k, v = (np.broadcast_to(x, batch + x.shape[-3:]).reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    q, k, v = (np.broadcast_to(x, batch + x.shape[-3:]).reshape(math.prod(batch), *x.shape[-3:]) for x in (q, k, v))
     bsz, sq, hq, d = q.shape
     skv, hkv, dv = v.shape[1:]
-    group = hq // hkv
+    group = hq // hkv if hkv else 0  # no heads
     kr, vr = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     s = np.einsum("bqhd,bkhd->bhqk", q, kr) * (1 / np.sqrt(d) if scale is None else scale)
     if softcap is not None:
@@ -102,10 +103,10 @@ def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
     array and ``score_fn`` is applied to the whole score array with the index arrays of ``grid``.
     q, k, v share their leading dims."""
     batch = q.shape[:-3]
-    q, k, v = (x.reshape(-1, *x.shape[-3:]) for x in (q, k, v))
+    q, k, v = (x.reshape(math.prod(batch), *x.shape[-3:]) for x in (q, k, v))
     bsz, sq, hq, d = q.shape
     skv, hkv, dv = v.shape[1:]
-    group = hq // hkv
+    group = hq // hkv if hkv else 0  # no heads
     kr, vr = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, precision="highest") * (1 / np.sqrt(d) if scale is None else scale)
     if softcap is not None:
@@ -116,7 +117,7 @@ def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
     row = visible.any(-1, keepdims=True)
     s = jnp.where(visible, s, -jnp.inf)
     s = jnp.where(row, s, 0.0)  # a fully masked row: keep its (discarded) softmax finite
-    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True, initial=-jnp.inf))
     e = jnp.exp(s - mx)
     t = e.sum(-1, keepdims=True)
     out = jnp.where(row, jnp.einsum("bhqk,bkhd->bhqd", e / t, vr, precision="highest"), 0.0)
@@ -467,7 +468,7 @@ def dense_with_sinks(q, k, v, visible, sinks):
     s = jnp.einsum("bqhd,bkhd->bhqk", q, kr, precision="highest") / np.sqrt(d)
     s = jnp.where(visible, s, -jnp.inf)
     s = jnp.concatenate([s, jnp.broadcast_to(sinks[None, :, None, None], (bsz, hq, sq, 1))], axis=-1)
-    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True))
+    mx = jax.lax.stop_gradient(s.max(-1, keepdims=True, initial=-jnp.inf))
     mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
     e = jnp.exp(s - mx)
     t = e.sum(-1, keepdims=True)
@@ -1182,15 +1183,86 @@ def test_score_mod_returning_a_constant():
     assert_close(out, np.broadcast_to(np.repeat(v, 2, axis=2).mean(axis=1, keepdims=True), out.shape))
 
 
-@pytest.mark.parametrize("sq,skv", [(5, 0), (0, 7)])
-def test_empty_sequences(sq, skv):
-    q, k, v = qkv(np.random.default_rng(27), (B,), sq, skv, 2, 1, 4, 3)
-    out, lse = jf.attention(q, k, v, return_lse=True)  # no keys: every row is fully masked
-    assert out.shape == (B, sq, 2, 3) and lse.shape == (B, sq, 2)
+# Empty calls and head dims run in the Pallas kernels too (interpret mode): their dispatch and padding.
+over_impls_and_pallas = pytest.mark.parametrize(
+    "impl", [*IMPLEMENTATIONS, Implementation("pallas_triton", block_q=8, block_kv=16)], ids=_impl_id
+)
+
+EMPTY_CASES = {  # (batch, Sq, Skv, Hq, Hkv): calls with no keys, or no rows to compute
+    "no_keys": ((B,), 5, 0, 2, 1),
+    "no_queries": ((B,), 0, 7, 2, 1),
+    "no_batch_items": ((0,), 5, 7, 2, 1),
+    "an_empty_batch_dim": ((B, 0), 5, 7, 2, 1),
+    "no_heads": ((B,), 5, 7, 0, 0),
+    "no_query_heads": ((B,), 5, 7, 0, 1),
+}
+
+
+@over_impls_and_pallas
+@pytest.mark.parametrize("case", sorted(EMPTY_CASES))
+def test_empty_calls(impl, case):
+    """Every primitive returns zeros (no keys: every row fully masked, lse -inf) without entering
+    the tiles, masks and score mods included (a document mask's spans of an empty batch)."""
+    batch, sq, skv, hq, hkv = EMPTY_CASES[case]
+    rng = np.random.default_rng(27)
+    q, k, v = qkv(rng, batch, sq, skv, hq, hkv, 4, 3)
+    mask = masks.causal() & masks.document(segments(rng, *batch, sq), segments(rng, *batch, skv))
+    bias = jnp.asarray(rng.standard_normal(8))
+    attend = lambda q, k, v: jf.attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s + bias[h], return_lse=True, implementation=impl
+    )
+    out, lse = attend(q, k, v)
+    assert out.shape == (*batch, sq, hq, 3) and lse.shape == (*batch, sq, hq)
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, -np.inf)
-    for x in jax.tree.leaves(_hvp(lambda q, k, v: jf.attention(q, k, v, return_lse=True))(q, k, v, q, k, v)):
+    for x in jax.tree.leaves(_hvp(attend)(q, k, v, q, k, v)):
         np.testing.assert_array_equal(x, 0.0)  # no gradient, nor any change to it
+    bias_loss = lambda bias: jnp.sum(jf.attention(q, k, v, score_mod=lambda s, b, h, i, j: s + bias[h], implementation=impl) ** 2)  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(bias_loss)(bias), 0.0)
+    vmapped = jax.vmap(attend)(*(jnp.zeros((0, *x.shape)) for x in (q, k, v)))  # a vmap of size 0
+    assert [x.shape for x in vmapped] == [(0, *out.shape), (0, *lse.shape)]
+
+
+@over_impls_and_pallas
+@pytest.mark.parametrize("dims", [(0, 3), (4, 0)], ids=["no_key_features", "no_value_features"])
+def test_empty_head_dims(impl, dims):
+    """D = 0: every score is the score mod's of 0 (uniform attention without one); Dv = 0: an empty
+    output, and the lse all the same. Values, gradients and their jvp against the dense attention."""
+    d, dv = dims
+    rng = np.random.default_rng(29)
+    q, k, v = qkv(rng, (B,), 9, 13, HQ, HKV, d, dv)
+    alibi = lambda s, b, h, i, j: s - 0.25 * (h + 1) * abs(i - j)  # noqa: E731
+    ours = lambda q, k, v: jf.attention(  # noqa: E731
+        q, k, v, mask=masks.causal(4), score_mod=alibi, scale=0.5, return_lse=True, implementation=impl
+    )
+    want_out, want_lse = dense(q, k, v, lambda b, h, i, j: j <= i + 4, alibi, scale=0.5)
+    out, lse = ours(q, k, v)
+    assert_close(out, want_out)
+    assert_close(lse, want_lse)
+    visible = allowed(lambda b, h, i, j: j <= i + 4, B, HQ, 9, 13)
+    theirs = lambda q, k, v: dense_jnp(q, k, v, visible, alibi, scale=0.5)  # noqa: E731
+    for a, w in zip(*(jax.tree.leaves(_hvp(f)(q, k, v, q, k, v)) for f in (ours, theirs))):
+        assert_close(a, w, **DTOL)
+
+
+@pytest.mark.parametrize("case", ["no_keys", "no_heads", "no_query_heads", "no_value_features"])
+def test_dense_rules_take_empty_calls(case):
+    """Third order, and second order in a captured array, differentiate the dense reference: it
+    too takes calls with no keys, no heads or no value features, against jax's derivatives of the
+    dense attention."""
+    batch, sq, skv, hq, hkv = EMPTY_CASES.get(case, ((B,), 9, 13, HQ, HKV))
+    rng = np.random.default_rng(30)
+    q, k, v = qkv(rng, batch, sq, skv, hq, hkv, 4, 0 if case == "no_value_features" else 3)
+    bias = jnp.asarray(rng.standard_normal(HQ))
+    ours = lambda q, bias: jf.attention(q, k, v, score_mod=lambda s, b, h, i, j: s * bias[h], return_lse=True)  # noqa: E731
+    theirs = lambda q, bias: dense_jnp(q, k, v, None, lambda s, b, h, i, j: s * bias[h])  # noqa: E731
+
+    def derivatives(attend):
+        loss = lambda x, bias: jnp.sum(jnp.where(jnp.isfinite(lse := attend(q * x, bias)[1]), lse, 0) ** 2)  # noqa: E731
+        return jax.jvp(jax.grad(jax.grad(loss)), (1.0, bias), (1.0, bias))[1], jax.hessian(loss, argnums=1)(1.0, bias)
+
+    for a, w in zip(derivatives(ours), derivatives(theirs)):
+        assert_close(a, w, **DTOL)
 
 
 def _positions_case():

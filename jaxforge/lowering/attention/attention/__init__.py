@@ -111,7 +111,7 @@ def _dispatch(prim, platform: str | None):
         elif name == "pallas_mosaic_gpu" and (mosaic_why_not is not None or platform != "cuda"):
             name = "pallas_triton"  # the tangent and backward fall back to Triton's kernels
         name = name or "xla"
-        if args[0].shape[-3] == 0 or args[1].shape[-3] == 0:
+        if _is_empty(*args[:2]):
             return _empty_sequence(prim, args, mods, params)
         extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
@@ -171,8 +171,15 @@ def _global_indices(q_shape, shards):
     return flat.astype(jnp.int32), head_index * q_shape[-2]
 
 
+def _is_empty(q, k) -> bool:
+    """Whether the call has no rows (no batch item, query head or query) or no keys: then its
+    tiles, loops and grids would have no extent, and :func:`_empty_sequence` gives its results."""
+    return 0 in (math.prod(q.shape[:-3]), q.shape[-2], q.shape[-3], k.shape[-3])
+
+
 def _empty_sequence(prim, args, mods, params):
-    """No queries: empty outputs. No keys: every row fully masked (out 0, lse -inf, no gradient)."""
+    """No rows: empty outputs (and zero gradients of the arrays a score mod captures). No keys:
+    every row fully masked (out 0, lse -inf, no gradient)."""
     q, k, v = args[:3]
     if prim is attention_fwd_p:
         lse = jnp.full(q.shape[:-1], -jnp.inf, lse_dtype(q.dtype))
@@ -201,11 +208,12 @@ for _prim in IMPLEMENTATIONS:
 
 def _second_order(impl, empty):
     """Second order runs XLA on every platform (no kernels): ``impl`` at global batch and head
-    indices; no queries or no keys, ``empty(args, mods, params)``: zeros (a fully masked map)."""
+    indices; no rows or no keys (:func:`_is_empty`), ``empty(args, mods, params)``: zeros (a fully
+    masked map)."""
 
     def lowering(*args, mods, implementation, shards, **params):
         q, k = args[:2]
-        if q.shape[-3] == 0 or k.shape[-3] == 0:
+        if _is_empty(q, k):
             return empty(args, mods, params)
         batch_ids, head_offset = _global_indices(q.shape, shards)
         return impl(*args, mods=mods, implementation=implementation, batch_ids=batch_ids, head_offset=head_offset, **params)

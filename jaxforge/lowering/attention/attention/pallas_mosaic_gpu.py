@@ -90,7 +90,7 @@ def mosaic_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
 
     The mask and score_mod must be elementwise arithmetic on the indices and on the mask's
     positional arrays (integers of up to 32 bits, as jf.masks hands over document segment ids and
-    per-item prefix lengths), with no other captured array; bf16/f16 operands; head dims up to 256.
+    per-item prefix lengths), with no other captured array; bf16/f16 operands; head dims from 1 to 256.
     """
     if pallas_triton.reads_captured_arrays(mods) or not pallas_triton.triton_can_run(mods):
         return (
@@ -102,8 +102,8 @@ def mosaic_can_run(mods: Mods, q, v, mask_consts=()) -> str | None:
             return f"its mask's positional arrays must be integers of up to 32 bits, got {x.dtype}"
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         return f"it takes bfloat16 or float16 operands, got {q.dtype}"
-    if max(q.shape[-1], v.shape[-1]) > 256:
-        return f"it takes head dims up to 256, got {q.shape[-1]} and {v.shape[-1]}"
+    if min(q.shape[-1], v.shape[-1]) == 0 or max(q.shape[-1], v.shape[-1]) > 256:
+        return f"it takes head dims from 1 to 256, got {q.shape[-1]} and {v.shape[-1]}"
     return None
 
 

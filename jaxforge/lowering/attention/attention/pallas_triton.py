@@ -101,7 +101,7 @@ def _seq_major(x, padded: int, width: int | None = None):
     over (``width`` by default the power of two Triton wants, ``_padded_dim(D)``)."""
     s, h, d = x.shape[-3:]
     width = _padded_dim(d) if width is None else width
-    return jnp.pad(x.reshape(-1, s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
+    return jnp.pad(x.reshape(math.prod(x.shape[:-3]), s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
 
 
 def _q_block(geo: Geometry, d: int, splits: int = 1):  # one query tile of one head, grid (b, h, i * splits + s)

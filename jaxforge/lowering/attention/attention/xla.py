@@ -9,6 +9,7 @@ its gradients' tiles, in place. Runs on every platform; it is also the GPU fallb
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -86,7 +87,7 @@ def unpack_heads(geo: Geometry, x, rows: bool = False):
 def heads_first(x, padded: int, group: int):
     """A query-side ``(*batch, S, H, D)`` -> ``(B, H/group, group, padded, D)``."""
     s, h, d = x.shape[-3:]
-    x = x.reshape(-1, s, h, d)
+    x = x.reshape(math.prod(x.shape[:-3]), s, h, d)  # not -1: the size may be 0 (d = 0)
     x = jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
     return jnp.swapaxes(x, 1, 2).reshape(x.shape[0], h // group, group, padded, d)
 
@@ -94,7 +95,7 @@ def heads_first(x, padded: int, group: int):
 def seq_last(x, padded: int, group: int | None = None):
     """``(*batch, S, H)`` rows (lse, delta) -> ``(B, H, padded)`` or ``(B, H/group, group, padded)``."""
     s, h = x.shape[-2:]
-    x = jnp.swapaxes(x.reshape(-1, s, h), 1, 2)
+    x = jnp.swapaxes(x.reshape(math.prod(x.shape[:-2]), s, h), 1, 2)
     x = jnp.pad(x, ((0, 0), (0, 0), (0, padded - s)))
     return x if group is None else x.reshape(x.shape[0], h // group, group, padded)
 
@@ -139,7 +140,7 @@ def _kv_rows(x, padded: int):
     """``(*batch, S, H, D)`` -> ``(B, padded, H, D)``: the key side keeps its layout (the loops
     read its tiles in place, :func:`_over_heads`); it is copied only to pad S to whole tiles."""
     s, h, d = x.shape[-3:]
-    x = x.reshape(-1, s, h, d)
+    x = x.reshape(math.prod(x.shape[:-3]), s, h, d)
     return x if padded == s else jnp.pad(x, ((0, 0), (0, padded - s), (0, 0), (0, 0)))
 
 
