@@ -19,9 +19,10 @@ def shard(f: Callable | None = None, *, mesh: Mesh | None = None, in_specs, out_
     Args:
       f: the per-device function; it sees local shards and may call ``jf.collectives`` on the
         mesh's axis names. Usable as a decorator: ``@jf.shard(in_specs=..., out_specs=...)``.
-      mesh: a ``jax.sharding.Mesh``. Default: all devices (of every process) on one axis, named
-        after the one axis name the specs use ("data" if they use none). On a mesh with explicit
-        axes the arguments (host arrays too) are first resharded as ``in_specs`` say.
+      mesh: a ``jax.sharding.Mesh``. Default: the mesh of ``jax.set_mesh`` where one is set (as
+        ``jax.shard_map``), else all devices (of every process) on one axis, named after the one
+        axis name the specs use ("data" if they use none). On a mesh with explicit axes the
+        arguments (host arrays too) are first resharded as ``in_specs`` say.
       in_specs, out_specs: ``PartitionSpec`` pytrees (prefixes of the arguments / results).
       check_vma: track which values vary across devices (JAX's default); it is what makes every
         transpose exact, e.g. the gradient of a replicated parameter is summed once, never
@@ -37,7 +38,7 @@ def shard(f: Callable | None = None, *, mesh: Mesh | None = None, in_specs, out_
 
     @functools.wraps(f)
     def sharded(*args):
-        the_mesh = mesh if mesh is not None else default_mesh(_axis_names((in_specs, out_specs)))
+        the_mesh = mesh if mesh is not None else _context_mesh() or default_mesh(_axis_names((in_specs, out_specs)))
         _check_in_specs(args, in_specs, the_mesh)
         _check_axes("out_specs", out_specs, the_mesh)
         args = _placed(args, in_specs, the_mesh)
@@ -56,6 +57,12 @@ def default_mesh(axis_names=()) -> Mesh:
         )
     name = names[0] if names else "data"
     return jax.make_mesh((jax.device_count(),), (name,), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+def _context_mesh():
+    """The mesh of ``jax.set_mesh`` (abstract under ``jit``, where only its shape is known), or None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return None if mesh.empty else mesh
 
 
 def _is_spec(x) -> bool:

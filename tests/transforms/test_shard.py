@@ -294,3 +294,21 @@ def test_explicit_mesh_takes_host_arrays():
     with jax.set_mesh(mesh):
         grad = jax.grad(lambda x: jax.jit(f)(x, 1.0).sum())(jnp.asarray(x))
     np.testing.assert_allclose(grad, np.ones(8), **TOL)
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Explicit, jax.sharding.AxisType.Auto])
+def test_the_mesh_of_set_mesh_is_the_default(axis_type):
+    """As jax.shard_map: with a mesh set, jf.shard without ``mesh=`` runs on it (here two axes,
+    which the default mesh could not give), eagerly, under jit and in a gradient."""
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(axis_type,) * 2)
+    f = jf.shard(lambda x: C.all_reduce(x, "b", op="max"), in_specs=P("a", "b"), out_specs=P("a"))
+    x = rng_normal(4, 8)
+    want = np.max(x.reshape(4, 4, 2), axis=1)
+    with jax.set_mesh(mesh):
+        for run in (f, jax.jit(f)):
+            y = run(x)
+            np.testing.assert_allclose(y, want, **TOL)
+            assert y.sharding.mesh.shape == mesh.shape
+        grad = jax.grad(lambda x: jnp.sum(jax.jit(f)(x) * np.arange(2.0)))(jnp.asarray(x))
+    column = np.tile(want, (1, 4))  # shard j holds columns 2j, 2j + 1
+    np.testing.assert_allclose(grad, (x == column) * np.tile(np.arange(2.0), 4), **TOL)  # to each max
