@@ -70,6 +70,9 @@ def all_reduce(x, axis_name, op: str = "sum"):
     goes to the devices whose value equals the result, shared equally among ties.
     """
     _check_op("all_reduce", op, _REDUCE_OPS)
+    _axis_size("all_reduce", axis_name)
+    if op in ("max", "min") and jnp.iscomplexobj(x):
+        raise TypeError(f"all_reduce: op={op!r} takes real or integer values (complex numbers have no order), got {jnp.result_type(x)}")
     if op == "sum":
         return lax.psum(x, axis_name)
     if op == "mean":
@@ -96,6 +99,7 @@ def _extremum_jvp(axis_name, op, primals, tangents):
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     """Every device's ``x`` along a new axis ``axis`` (stacked), or concatenated when ``tiled``."""
     axis = _axis("all_gather", "axis", axis, x.ndim + (0 if tiled else 1))
+    _axis_size("all_gather", axis_name)
     return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
 
 
@@ -131,7 +135,9 @@ def all_to_all_uneven(x, axis_name, sizes, *, axis: int = 0):
     the largest entry carries the data; the transpose is the same exchange with the table transposed.
     """
     axis = _axis("all_to_all_uneven", "axis", axis, x.ndim)
-    n = lax.axis_size(axis_name)
+    n = _axis_size("all_to_all_uneven", axis_name)
+    if isinstance(sizes, jax.core.Tracer):
+        raise TypeError("all_to_all_uneven: `sizes` must be a static table (nested lists or a numpy array), got a traced array")
     try:
         table = np.asarray(sizes)
     except ValueError:
@@ -175,7 +181,7 @@ def broadcast(x, axis_name, root: int = 0):
 
     The gradient flows to ``root`` only.
     """
-    n = lax.axis_size(axis_name)
+    n = _axis_size("broadcast", axis_name)
     if not isinstance(root, (int, np.integer)) or not 0 <= root < n:
         raise ValueError(f"broadcast: `root` must be an int in [0, {n}) for axis {axis_name!r}, got {root!r}")
     return lax.psum(jnp.where(lax.axis_index(axis_name) == root, x, jnp.zeros_like(x)), axis_name)
@@ -184,7 +190,7 @@ def broadcast(x, axis_name, root: int = 0):
 def permute(x, axis_name, perm):
     """Sends device ``src``'s ``x`` to ``dst`` for each pair ``(src, dst)`` in ``perm``; devices that
     receive nothing get zeros."""
-    n = lax.axis_size(axis_name)
+    n = _axis_size("permute", axis_name)
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) < len(srcs) or len(set(dsts)) < len(dsts):
@@ -204,13 +210,14 @@ def permute(x, axis_name, perm):
 
 def shift(x, axis_name, offset: int = 1):
     """The ring step: device ``i``'s ``x`` goes to device ``(i + offset) mod n``."""
-    n = lax.axis_size(axis_name)
+    n = _axis_size("shift", axis_name)
     return lax.ppermute(x, axis_name, [(i, (i + offset) % n) for i in range(n)])
 
 
 def copy_to_parallel(x, axis_name):
     """Identity forward, all-reduce backward (Megatron's *f*): an invariant value entering
     per-device computation. Its gradient sums the devices' contributions."""
+    _axis_size("copy_to_parallel", axis_name)
     return _to_varying(x, axis_name)
 
 
@@ -228,6 +235,7 @@ def _typed_axis(axis_name) -> bool:
 
 def reduce_from_parallel(x, axis_name):
     """All-reduce forward, identity backward (Megatron's *g*): partial per-device results summed."""
+    _axis_size("reduce_from_parallel", axis_name)
     return lax.psum(x, axis_name)
 
 
@@ -235,7 +243,7 @@ def scatter_to_parallel(x, axis_name, *, axis: int = -1):
     """This device's chunk of an invariant ``x`` along ``axis`` (no communication forward)."""
     axis = _axis("scatter_to_parallel", "axis", axis, x.ndim)
     _check_divisible("scatter_to_parallel", "axis", x, axis, axis_name)
-    size = x.shape[axis] // lax.axis_size(axis_name)
+    size = x.shape[axis] // _axis_size("scatter_to_parallel", axis_name)
     x = _to_varying(x, axis_name)
     return lax.dynamic_slice_in_dim(x, lax.axis_index(axis_name) * size, size, axis)
 
@@ -248,6 +256,7 @@ def gather_from_parallel(x, axis_name, *, axis: int = -1, tensor_parallel_output
     (the result is invariant), so the backward only keeps this device's slice — no communication.
     """
     axis = _axis("gather_from_parallel", "axis", axis, x.ndim)
+    _axis_size("gather_from_parallel", axis_name)
     # Under vmap every item is its own computation: the varying gather is the exact semantics.
     invariant = not tensor_parallel_output_grad and _typed_axis(axis_name)
     return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying" if invariant else "varying")
@@ -268,8 +277,20 @@ def _axis(fn, name, axis, ndim):
     return int(axis) % ndim
 
 
+def _axis_size(fn, axis_name) -> int:
+    """The size of ``axis_name`` (a name or a tuple of names), or an error naming the function where
+    it is not bound (inside shard_map, jax's psum and ppermute fail on an assertion)."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as err:
+        raise NameError(
+            f"{fn}: `axis_name` {axis_name!r} names no axis here ({err}); call {fn} inside jf.shard, "
+            "jax.shard_map or jax.vmap(axis_name=...) with that axis"
+        ) from None
+
+
 def _check_divisible(fn, name, x, axis, axis_name):
-    n = lax.axis_size(axis_name)
+    n = _axis_size(fn, axis_name)
     if x.shape[axis] % n:
         raise ValueError(
             f"{fn}: dimension {axis} of x (shape {x.shape}, the `{name}`) must be a multiple of the "

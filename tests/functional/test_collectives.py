@@ -617,3 +617,48 @@ def test_ragged_sizes_table_names_the_argument():
     ragged = [[1] * N] * (N - 1) + [[1] * (N - 1)]
     with pytest.raises(ValueError, match=r"all_to_all_uneven: `sizes`"):
         trace(lambda x: C.all_to_all_uneven(x, "i", ragged))
+
+
+EVERY_COLLECTIVE = {  # each public collective, called with an axis name
+    "all_reduce": lambda x, a: C.all_reduce(x, a),
+    "all_reduce-max": lambda x, a: C.all_reduce(x, a, op="max"),
+    "all_gather": lambda x, a: C.all_gather(x, a),
+    "reduce_scatter": lambda x, a: C.reduce_scatter(x, a),
+    "all_to_all": lambda x, a: C.all_to_all(x, a, 0, 1),
+    "all_to_all_uneven": lambda x, a: C.all_to_all_uneven(x, a, SIZES),
+    "broadcast": lambda x, a: C.broadcast(x, a),
+    "permute": lambda x, a: C.permute(x, a, [(0, 1)]),
+    "shift": lambda x, a: C.shift(x, a),
+    "copy_to_parallel": lambda x, a: C.copy_to_parallel(x, a),
+    "reduce_from_parallel": lambda x, a: C.reduce_from_parallel(x, a),
+    "scatter_to_parallel": lambda x, a: C.scatter_to_parallel(x, a),
+    "gather_from_parallel": lambda x, a: C.gather_from_parallel(x, a),
+}
+
+
+@pytest.mark.parametrize("name", list(EVERY_COLLECTIVE))
+def test_an_unbound_axis_name_is_named_in_the_error(name):
+    """Inside shard_map jax's psum and ppermute fail on a bare assertion for a name the mesh lacks."""
+    fn = EVERY_COLLECTIVE[name]
+    fn_name = name.split("-")[0]
+    with pytest.raises(NameError, match=rf"{fn_name}: `axis_name` 'j' names no axis here"):
+        trace(lambda x: fn(x, "j"))
+    with pytest.raises(NameError, match=rf"{fn_name}: `axis_name` \('i', 'j'\) names no axis here"):
+        trace(lambda x: fn(x, ("i", "j")))
+    with pytest.raises(NameError, match=rf"{fn_name}: `axis_name` 'i' names no axis here"):
+        fn(jnp.ones((16, 8)), "i")  # outside any mapped function
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_complex_extrema_are_refused(op):
+    with pytest.raises(TypeError, match=rf"all_reduce: op='{op}' takes real or integer values .* got complex128"):
+        trace(lambda x: C.all_reduce(x * 1j, "i", op=op))
+
+
+def test_a_traced_sizes_table_is_refused():
+    """The exchange's layout is built at trace time: a table jit has made a tracer cannot serve."""
+    sizes = jnp.asarray(SIZES)
+    with pytest.raises(TypeError, match=r"all_to_all_uneven: `sizes` must be a static table"):
+        jax.jit(lambda x, sizes: jax.shard_map(lambda x: C.all_to_all_uneven(x, "i", sizes)[0], mesh=mesh(), in_specs=P("i"), out_specs=P("i"))(x))(
+            jnp.zeros((N * ROWS, 2)), sizes
+        )
