@@ -338,6 +338,25 @@ def test_decoding_prompts_of_different_lengths_in_one_batch():
     np.testing.assert_array_equal(cache["length"], lengths + 4)
 
 
+def test_a_cache_of_another_dtype_and_a_step_of_no_tokens():
+    """A bfloat16 cache (init_kv_cache's dtype=) under float32 params stays bfloat16 and decodes as
+    a float32 cache whose attention reads k and v rounded to bfloat16; a step of no tokens returns
+    the cache as it was."""
+    params = nn.init_transformer(KEY, **CONFIG)
+    rounded = lambda q, k, v, **kw: jf.attention(q, *(x.astype(jnp.bfloat16).astype(q.dtype) for x in (k, v)), **kw)  # noqa: E731
+    caches = [nn.init_kv_cache(params["blocks"]["attention"], TOKENS.shape[:1], 12, dtype=d) for d in (jnp.bfloat16, None)]
+    for i, j in ((0, 4), *((i, i + 1) for i in range(4, TOKENS.shape[1]))):
+        (logits, caches[0]), (want, caches[1]) = (
+            nn.transformer(params, TOKENS[:, i:j], cache=caches[0]),
+            nn.transformer(params, TOKENS[:, i:j], cache=caches[1], attention_fn=rounded),
+        )
+        np.testing.assert_allclose(logits, want, rtol=1e-6, atol=1e-6)
+    assert caches[0]["k"].dtype == caches[0]["v"].dtype == jnp.bfloat16
+    none, same = nn.transformer(params, TOKENS[:, :0], cache=caches[0])
+    assert none.shape == (TOKENS.shape[0], 0, CONFIG["vocab_size"])
+    jax.tree.map(np.testing.assert_array_equal, same, caches[0])
+
+
 def test_transformer_vmap_and_jit_match():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
     batched = jax.jit(nn.transformer)(params, TOKENS)
@@ -411,6 +430,12 @@ def test_bad_input_errors_name_the_argument():
         nn.init_multi_head_attention(KEY, 12, 6, num_kv_heads=4)
     with pytest.raises(ValueError, match=r"lstm: `xs` must have 3 features"):
         nn.lstm(nn.init_lstm(KEY, 3, 2), jnp.ones((4, 2)))
+    with pytest.raises(ValueError, match=r"gru: `xs` must have shape \(\.\.\., time, 3\), got shape \(3,\)"):
+        unchecked(nn.gru)(nn.init_gru(KEY, 3, 2), jnp.ones(3))
+    params = nn.init_transformer(KEY, **CONFIG)
+    cache = nn.init_kv_cache(params["blocks"]["attention"], (2,), 12)
+    with pytest.raises(ValueError, match=r"multi_head_attention: `cache` holds items of batch shape \(2,\) .* batch shape \(3,\)"):
+        nn.transformer(params, jnp.zeros((3, 1), jnp.int32), cache=cache)
     with pytest.raises(ValueError, match=r"cross_entropy: `labels` shape \(3,\) must equal"):
         unchecked(nn.cross_entropy)(jnp.ones((4, 5)), jnp.zeros(3, int))
     with pytest.raises(TypeError, match=r"cross_entropy: `labels` must be integers, got dtype float"):

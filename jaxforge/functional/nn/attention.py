@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -125,24 +126,30 @@ def multi_head_attention(
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
     if cache is not None:
         length = cache["length"]
+        if length.shape != x.shape[:-2]:
+            raise ValueError(
+                f"multi_head_attention: `cache` holds items of batch shape {length.shape} (its `length`), "
+                f"`x` of shape {x.shape} has batch shape {x.shape[:-2]}"
+            )
         positions = length[..., None] + jnp.arange(x.shape[-2]) if positions is None else positions
     if rotary_base is not None:
         if positions is None:
             positions = jnp.arange(x.shape[-2])
         q, k = (rotary_embedding(t, positions, base=rotary_base) for t in (q, k))
     if cache is not None:
-        k, v = (_written(cache[name], new, length) for name, new in (("k", k), ("v", v)))
+        cache = {name: _written(cache[name], new, length) for name, new in (("k", k), ("v", v))}
+        k, v = (cache[name].astype(q.dtype) for name in "kv")  # a cache may store another dtype (init_kv_cache)
         mask = masks.causal(length) if mask is None else masks.causal(length) & mask
     out = attention_fn(q, k, v, mask=mask, **({"sinks": params["sinks"]} if "sinks" in params else {}))
     out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
     if cache is None:
         return out
-    return out, {"k": k, "v": v, "length": length + x.shape[-2]}
+    return out, {**cache, "length": length + x.shape[-2]}
 
 
 def _written(cache, new, length):
     """``cache (*batch, max_len, H, D)`` with ``new (*batch, seq, H, D)`` at each item's ``length``."""
     batch = length.shape
     write = lambda c, n, at: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), at, axis=0)  # noqa: E731
-    flat = jax.vmap(write)(*(x.reshape(-1, *x.shape[len(batch) :]) for x in (cache, new, length)))
+    flat = jax.vmap(write)(*(x.reshape(math.prod(batch), *x.shape[len(batch) :]) for x in (cache, new, length)))
     return flat.reshape(cache.shape)

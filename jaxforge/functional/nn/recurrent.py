@@ -39,7 +39,7 @@ def lstm(
     Returns all hidden states ``(..., time, H)`` and the final ``(h, c)``; ``state`` (default zeros)
     is the initial ``(h, c)``.
     """
-    xs = check_features("lstm", "xs", xs, params["w_input"].shape[0])
+    xs = _sequence("lstm", xs, params["w_input"].shape[0])
     hidden = params["w_hidden"].shape[0]
     if state is None:
         zeros = jnp.zeros((*xs.shape[:-2], hidden), jnp.result_type(xs, params["w_hidden"]))
@@ -49,6 +49,14 @@ def lstm(
     x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b"], -2, 0)
     final, hs = _lstm_steps(params["w_hidden"], state, x_gates)
     return jnp.moveaxis(hs, 0, -2), final
+
+
+def _sequence(fn: str, xs, features: int):
+    """``xs`` as an array, checked at trace time to be ``(..., time, features)``."""
+    xs = check_features(fn, "xs", xs, features)
+    if xs.ndim < 2:
+        raise ValueError(f"{fn}: `xs` must have shape (..., time, {features}), got shape {xs.shape}")
+    return xs
 
 
 @jax.jit  # an eager call compiles once per shape: a scan over a fresh closure compiles every time
@@ -84,7 +92,7 @@ def gru(
 
     Returns all hidden states ``(..., time, H)`` and the final one; ``state`` defaults to zeros.
     """
-    xs = check_features("gru", "xs", xs, params["w_input"].shape[0])
+    xs = _sequence("gru", xs, params["w_input"].shape[0])
     hidden = params["w_hidden"].shape[0]
     if state is None:
         state = jnp.zeros((*xs.shape[:-2], hidden), jnp.result_type(xs, params["w_hidden"]))
