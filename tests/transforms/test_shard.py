@@ -312,3 +312,19 @@ def test_the_mesh_of_set_mesh_is_the_default(axis_type):
         grad = jax.grad(lambda x: jnp.sum(jax.jit(f)(x) * np.arange(2.0)))(jnp.asarray(x))
     column = np.tile(want, (1, 4))  # shard j holds columns 2j, 2j + 1
     np.testing.assert_allclose(grad, (x == column) * np.tile(np.arange(2.0), 4), **TOL)  # to each max
+
+
+def test_an_eager_call_and_gradient_compile_one_program(backend_compiles):
+    """jf.shard jits its shard_map: called outside jit, f runs as one program (not an op and a
+    collective at a time, each dispatched and compiled on its own: 8 programs here), compiled once
+    per shape; so does an eager gradient."""
+    mesh = jax.make_mesh((N,), ("i",), axis_types=(jax.sharding.AxisType.Auto,))  # nothing to reshard first
+    f = jf.shard(lambda x: jnp.sin(scaled_by_total(x)) * lax.axis_index("i"), mesh=mesh, in_specs=P("i"), out_specs=P("i"))
+    x, y = (jax.device_put(rng_normal(16, seed=s), NamedSharding(mesh, P("i"))) for s in (0, 1))  # placed: no program moves them
+    jax.block_until_ready(f(x))
+    assert len(backend_compiles) == 1
+    grad = jax.grad(lambda x: f(x).sum())
+    jax.block_until_ready(grad(x))
+    backend_compiles.clear()
+    jax.block_until_ready((f(y), grad(y)))
+    assert backend_compiles == []
