@@ -128,13 +128,26 @@ def load_balance(x, num_shards: int, *, axis: int = -3):
     Reorder once, on the host or where the data is made: applied to an array already sharded
     along ``axis``, the reorder is a reshuffle across devices (all-to-alls and permutes), and so
     is its transpose in the backward pass."""
-    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    chunks = _chunks("load_balance", x, num_shards, axis)
     order = [c for r in range(num_shards) for c in (chunks[r], chunks[2 * num_shards - 1 - r])]
     return jnp.concatenate(order, axis=axis)
 
 
 def unbalance(x, num_shards: int, *, axis: int = -3):
     """Inverse of :func:`load_balance`."""
-    chunks = jnp.split(x, 2 * num_shards, axis=axis)
+    chunks = _chunks("unbalance", x, num_shards, axis)
     heads, tails = chunks[0::2], chunks[1::2]
     return jnp.concatenate(heads + tails[::-1], axis=axis)
+
+
+def _chunks(fn: str, x, num_shards: int, axis: int):
+    """``x`` cut into ``2 * num_shards`` equal chunks along ``axis``, or an error naming what fails."""
+    x = jnp.asarray(x)
+    if not isinstance(num_shards, int) or num_shards < 1:
+        raise ValueError(f"{fn}: `num_shards` must be a positive int, got {num_shards!r}")
+    if not -x.ndim <= axis < x.ndim or x.shape[axis] % (2 * num_shards):
+        raise ValueError(
+            f"{fn}: `x` of shape {x.shape} must have an `axis` ({axis}) whose length is a multiple of "
+            f"2 * num_shards = {2 * num_shards} (each shard holds a head and a tail chunk)"
+        )
+    return jnp.split(x, 2 * num_shards, axis=axis)

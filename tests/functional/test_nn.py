@@ -238,6 +238,12 @@ def test_cross_entropy_matches_numpy():
     np.testing.assert_allclose(nn.cross_entropy(logits, labels), nll.mean(), rtol=1e-12)
     np.testing.assert_allclose(nn.cross_entropy(logits, labels, where=where), nll[np.asarray(where)].mean(), rtol=1e-12)
     assert float(nn.cross_entropy(logits, labels, where=jnp.zeros((3, 4), bool))) == 0.0
+    for bad in (-1, 7):  # a label outside the classes: NaN, not a wrap to the last class
+        wrong = labels.at[1, 2].set(bad)
+        assert np.isnan(nn.cross_entropy(logits, wrong))
+        ignored = where.at[1, 2].set(False)  # unless `where` leaves it out, gradient included
+        np.testing.assert_allclose(nn.cross_entropy(logits, wrong, where=ignored), nll[np.asarray(ignored)].mean(), rtol=1e-12)
+        assert np.isfinite(jax.grad(nn.cross_entropy)(logits, wrong, where=ignored)).all()
 
 
 def loss(params, tokens, segments, attention_fn=jf.attention):

@@ -153,6 +153,11 @@ def test_load_balance_round_trip_and_layout():
     lb = par.load_balance(x, 4)
     assert lb[0, :, 0, 0].tolist() == [0, 1, 14, 15, 2, 3, 12, 13, 4, 5, 10, 11, 6, 7, 8, 9]
     np.testing.assert_array_equal(par.unbalance(lb, 4), x)
+    for fn in (par.load_balance, par.unbalance):
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: `x` of shape \(1, 12, 1, 1\) .* multiple of 2 \* num_shards = 8"):
+            fn(x[:, :12], 4)
+        with pytest.raises(ValueError, match=rf"{fn.__name__}: `num_shards` must be a positive int, got 0"):
+            fn(x, 0)
 
 
 def test_merge_attention_of_two_halves_is_attention_of_the_whole():

@@ -143,14 +143,17 @@ def cross_entropy(
     logits: Float[ArrayLike, "*batch classes"], labels: Int[ArrayLike, "*batch"], *, where: Bool[ArrayLike, "*batch"] | None = None
 ) -> Float[Array, ""]:
     r"""Mean negative log-likelihood :math:`-\frac1N\sum_i \log \operatorname{softmax}(z_i)_{y_i}` over
-    the positions where ``where`` is True (all by default; 0 when none), in float32 or wider."""
+    the positions where ``where`` is True (all by default; 0 when none), in float32 or wider. A
+    label outside ``[0, classes)`` where ``where`` holds gives NaN (negative ones too: they do not
+    wrap round to the last classes)."""
     labels = jnp.asarray(labels)
     if not jnp.issubdtype(labels.dtype, jnp.integer):
         raise TypeError(f"cross_entropy: `labels` must be integers, got dtype {labels.dtype}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: `labels` shape {labels.shape} must equal logits' leading shape {logits.shape[:-1]}")
     log_p = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
-    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]
+    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
+    nll = jnp.where(labels >= 0, nll, jnp.nan)
     if where is None:
         return jnp.mean(nll)
     where = jnp.broadcast_to(where, nll.shape)
