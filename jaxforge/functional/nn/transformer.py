@@ -152,8 +152,8 @@ def cross_entropy(
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: `labels` shape {labels.shape} must equal logits' leading shape {logits.shape[:-1]}")
     log_p = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
-    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1, mode="fill", fill_value=jnp.nan)[..., 0]
-    nll = jnp.where(labels >= 0, nll, jnp.nan)
+    nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]  # NaN past the classes
+    nll = jnp.where(labels >= 0, nll, jnp.nan)  # and before them, where the index would wrap
     if where is None:
         return jnp.mean(nll)
     where = jnp.broadcast_to(where, nll.shape)
