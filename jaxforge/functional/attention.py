@@ -174,7 +174,7 @@ def _positive_float(name, value) -> float:
 def _implementation(impl) -> Implementation:
     if impl is None:
         return Implementation()
-    if isinstance(impl, str):
+    if isinstance(impl, str) and impl in IMPLEMENTATION_NAMES:
         impl = Implementation(impl)
     if not isinstance(impl, Implementation) or impl.name not in (None, *IMPLEMENTATION_NAMES):
         raise ValueError(

@@ -40,16 +40,21 @@ def save_attention(*names: str, policy: Callable | None = None) -> Callable:
     f32[1,8,2,4] named 'attention_out' from ...
     f32[1,8,2] named 'attention_lse' from ...
     """
-    return _saving(ATTENTION_RESIDUALS + names, policy)
+    return _saving("save_attention", ATTENTION_RESIDUALS, names, policy)
 
 
 def save_linalg(*names: str, policy: Callable | None = None) -> Callable:
     """:func:`save_attention` for ``jf.linalg``'s residuals (``LINALG_RESIDUALS``): the backward of an
     ``svd`` or ``lstsq`` inside a checkpointed function reuses the forward's factors instead of
     factoring again. ``save_linalg(*ATTENTION_RESIDUALS)`` keeps both families'."""
-    return _saving(LINALG_RESIDUALS + names, policy)
+    return _saving("save_linalg", LINALG_RESIDUALS, names, policy)
 
 
-def _saving(names: tuple[str, ...], policy: Callable | None) -> Callable:
-    saved = jax.checkpoint_policies.save_only_these_names(*names)
+def _saving(fn: str, residuals: tuple[str, ...], names: tuple, policy) -> Callable:
+    bad = [name for name in names if not isinstance(name, str)]
+    if bad:
+        raise TypeError(f"{fn}: `names` must be the strings given to checkpoint_name, got {bad!r}")
+    if policy is not None and not callable(policy):
+        raise TypeError(f"{fn}: `policy` must be None or a jax.checkpoint policy (a callable), got {policy!r}")
+    saved = jax.checkpoint_policies.save_only_these_names(*residuals, *names)
     return saved if policy is None else jax.checkpoint_policies.save_from_both_policies(saved, policy)

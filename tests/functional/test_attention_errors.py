@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -274,7 +276,8 @@ def test_scale_and_softcap_must_be_static(name):
 
 @pytest.mark.parametrize("implementation", ["triton", "XLA", "cudnn", 3, ("xla",)])
 def test_unknown_implementation(implementation):
-    with pytest.raises(ValueError, match=r"attention: `implementation` must be None, one of \('xla', 'pallas_triton', 'pallas_mosaic_gpu'\) or an Implementation, got"):
+    got = re.escape(repr(implementation))  # what was passed, not an Implementation made of it
+    with pytest.raises(ValueError, match=rf"attention: `implementation` must be None, one of \('xla', 'pallas_triton', 'pallas_mosaic_gpu'\) or an Implementation, got {got}$"):
         jf.attention(*qkv(), implementation=implementation)
 
 

@@ -86,3 +86,12 @@ def test_saved_factors_spare_the_backward_a_factorization(name, policy, runs):
     assert len(re.findall(rf"\b{primitive}\[", str(jax.make_jaxpr(grad)(A, RHS)))) == runs
     for got, want in zip(jax.jit(grad)(A, RHS), jax.grad(f, argnums=(0, 1))(A, RHS)):
         np.testing.assert_allclose(got, want, rtol=1e-11, atol=1e-12)
+
+
+@pytest.mark.parametrize("policy_of", [jf.remat.save_attention, jf.remat.save_linalg])
+def test_names_and_policies_of_the_wrong_kind_are_refused(policy_of):
+    fn = policy_of.__name__
+    with pytest.raises(TypeError, match=rf"{fn}: `names` must be the strings given to checkpoint_name, got \[3\]"):
+        policy_of("queries", 3)
+    with pytest.raises(TypeError, match=rf"{fn}: `policy` must be None or a jax.checkpoint policy"):
+        policy_of(policy="dots_saveable")
