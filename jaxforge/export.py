@@ -17,6 +17,7 @@ that wrote it is sure to read: such artifacts load under that version only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +27,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 from jax import export as jax_export
 
 from jaxforge import __version__
@@ -66,13 +68,36 @@ def custom_call_targets(exported: jax_export.Exported) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Artifact:
-    """A loaded function: call it like the original (same argument pytree, shapes and dtypes)."""
+    """A loaded function: call it like the original (same argument pytree, shapes and dtypes).
+
+    A function exported across ``n`` devices (a ``jf.shard`` inside, or arguments placed on a mesh)
+    runs on this process's first ``n``: on a mesh of the saved one's axes where the arguments were
+    placed on one (their shardings are the export's), else with its arguments replicated there
+    (the module lays them out itself)."""
 
     exported: jax_export.Exported
     header: dict
 
-    def __call__(self, *args, **kwargs):
-        return self.exported.call(*args, **kwargs)
+    def __call__(self, *args):
+        return self._call(*args)
+
+    @functools.cached_property
+    def _call(self) -> Callable:
+        exported, n = self.exported, self.exported.nr_devices
+        if n == 1:
+            return exported.call
+        if jax.device_count() < n:
+            raise ValueError(f"export: this function was exported for {n} devices; this process has {jax.device_count()}")
+        saved = self.header.get("mesh")
+        if saved is None:
+            mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("devices",))
+            shardings = [jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())] * len(exported.in_avals)
+        else:
+            types = tuple(jax.sharding.AxisType[t] for t in saved["axis_types"])
+            mesh = jax.make_mesh(tuple(saved["axis_sizes"]), tuple(saved["axis_names"]), axis_types=types, devices=jax.devices()[:n])
+            shardings = exported.in_shardings_jax(mesh)
+        args, _ = jax.tree.unflatten(exported.in_tree, shardings)  # save() passes no kwargs
+        return jax.jit(exported.call, in_shardings=args)
 
 
 def save(fn: Callable, args: Sequence, path: str | os.PathLike, *, platforms: Sequence[str] | None = None) -> Artifact:
@@ -85,8 +110,20 @@ def save(fn: Callable, args: Sequence, path: str | os.PathLike, *, platforms: Se
     ours = [jax_export.DisabledSafetyCheck.custom_call(t) for t in (*_kernel_targets(), *VERSION_BOUND_CUSTOM_CALLS)]
     exported = jax_export.export(jax.jit(fn), platforms=platforms, disabled_checks=ours)(*args)
     _refuse_unknown_targets(custom_call_targets(exported), str(path))
-    header = _write(exported, pathlib.Path(path))
+    header = _write(exported, _mesh_of(args), pathlib.Path(path))
     return Artifact(exported, header)
+
+
+def _mesh_of(args) -> dict | None:
+    """The mesh the arguments are placed on (its axes, for load to rebuild), or None."""
+    meshes = {leaf.sharding.mesh for leaf in jax.tree.leaves(args) if isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)}
+    meshes = {m for m in meshes if m.size > 1}
+    if len(meshes) > 1:
+        raise ValueError(f"export.save: the arguments are placed on {len(meshes)} different meshes; place them on one")
+    if not meshes:
+        return None
+    (mesh,) = meshes
+    return {"axis_names": list(mesh.axis_names), "axis_sizes": list(mesh.axis_sizes), "axis_types": [t.name for t in mesh.axis_types]}
 
 
 def load(path: str | os.PathLike) -> Artifact:
@@ -126,7 +163,7 @@ def _refuse_unknown_targets(targets: list[str], where: str) -> None:
         )
 
 
-def _write(exported: jax_export.Exported, path: pathlib.Path) -> dict:
+def _write(exported: jax_export.Exported, mesh: dict | None, path: pathlib.Path) -> dict:
     payload = bytes(exported.serialize())
     header = {
         "format": FORMAT,
@@ -136,6 +173,7 @@ def _write(exported: jax_export.Exported, path: pathlib.Path) -> dict:
         "in_avals": [str(a) for a in exported.in_avals],
         "out_avals": [str(a) for a in exported.out_avals],
         "custom_calls": custom_call_targets(exported),
+        "mesh": mesh,
         "payload_bytes": len(payload),
         "payload_sha256": hashlib.sha256(payload).hexdigest(),
     }
@@ -164,4 +202,12 @@ def _parse(raw: bytes, path: pathlib.Path) -> tuple[dict, bytes]:
     payload = raw[start + size :]
     if len(payload) != expected[1] or hashlib.sha256(payload).hexdigest() != expected[2]:
         raise ValueError(f"export.load: {path} is corrupted: its payload does not match the sha256 in its header")
+    mesh = header.get("mesh")
+    axes = None if not isinstance(mesh, dict) else [mesh.get(k) for k in ("axis_names", "axis_sizes", "axis_types")]
+    if mesh is not None and not (
+        axes and all(isinstance(a, list) and len(a) == len(axes[0]) for a in axes)
+        and all(isinstance(n, str) for n in axes[0]) and all(isinstance(n, int) and n > 0 for n in axes[1])
+        and all(t in jax.sharding.AxisType.__members__ for t in axes[2])
+    ):  # fmt: skip
+        raise ValueError(f"export.load: {path} is corrupted: its header's mesh {mesh!r} is not valid")
     return header, payload

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jaxforge as jf
 from jaxforge import export
@@ -113,6 +115,37 @@ def test_linalg_results_round_trip_with_their_named_tuple(tmp_path):
     assert all(c.startswith("lapack_") for c in loaded.header["custom_calls"]) and loaded.header["custom_calls"]
     for g, w in zip((*result, s), (*want, want_s)):
         np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("placed", [False, True], ids=["host_arguments", "arguments_on_the_mesh"])
+def test_a_function_sharded_over_devices_round_trips(tmp_path, placed):
+    """A jf.shard function on 4 of the 8 devices: the artifact runs on this process's first 4, on a
+    mesh of the saved one's axes where the arguments were placed on it (their shardings are the
+    export's), else with its arguments replicated (jax's own call refuses a 1-device context)."""
+    mesh = jax.make_mesh((4,), ("i",), devices=jax.devices()[:4])
+    f = jf.shard(lambda x, w: jf.collectives.all_reduce(x @ w, "i"), mesh=mesh, in_specs=(P("i"), P()), out_specs=P())
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(8, 3)), rng.normal(size=(3, 2))
+    if placed:
+        x = jax.device_put(x, NamedSharding(mesh, P("i")))
+    export.save(f, (x, w), tmp_path / "sharded.jfx")
+    loaded = export.load(tmp_path / "sharded.jfx")
+    assert loaded.exported.nr_devices == 4
+    assert loaded.header["mesh"] == ({"axis_names": ["i"], "axis_sizes": [4], "axis_types": ["Explicit"]} if placed else None)
+    for x in (x, rng.normal(size=(8, 3))):
+        np.testing.assert_allclose(loaded(x, w), f(x, w), rtol=1e-12, atol=1e-12)
+
+
+def test_a_bad_mesh_in_the_header_is_refused(tmp_path, artifact_bytes):
+    raw = artifact_bytes
+    start = len(export.MAGIC) + 8
+    size = int.from_bytes(raw[len(export.MAGIC) : start], "little")
+    header = json.loads(raw[start : start + size])
+    for mesh in ({"axis_names": ["i"], "axis_sizes": [4]}, {"axis_names": ["i"], "axis_sizes": [-1], "axis_types": ["Auto"]}, [4]):
+        encoded = json.dumps(dict(header, mesh=mesh)).encode()
+        (tmp_path / "m.jfx").write_bytes(export.MAGIC + len(encoded).to_bytes(8, "little") + encoded + raw[start + size :])
+        with pytest.raises(ValueError, match=r"is corrupted: its header's mesh .* is not valid"):
+            export.load(tmp_path / "m.jfx")
 
 
 def test_symbolic_batch_dim(tmp_path):
