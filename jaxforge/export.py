@@ -202,12 +202,23 @@ def _parse(raw: bytes, path: pathlib.Path) -> tuple[dict, bytes]:
     payload = raw[start + size :]
     if len(payload) != expected[1] or hashlib.sha256(payload).hexdigest() != expected[2]:
         raise ValueError(f"export.load: {path} is corrupted: its payload does not match the sha256 in its header")
-    mesh = header.get("mesh")
-    axes = None if not isinstance(mesh, dict) else [mesh.get(k) for k in ("axis_names", "axis_sizes", "axis_types")]
-    if mesh is not None and not (
-        axes and all(isinstance(a, list) and len(a) == len(axes[0]) for a in axes)
-        and all(isinstance(n, str) for n in axes[0]) and all(isinstance(n, int) and n > 0 for n in axes[1])
-        and all(t in jax.sharding.AxisType.__members__ for t in axes[2])
-    ):  # fmt: skip
-        raise ValueError(f"export.load: {path} is corrupted: its header's mesh {mesh!r} is not valid")
+    if not _valid_mesh(header.get("mesh")):
+        raise ValueError(f"export.load: {path} is corrupted: its header's mesh {header['mesh']!r} is not valid")
     return header, payload
+
+
+def _valid_mesh(mesh) -> bool:
+    """Whether a header's ``mesh`` is None or what :func:`_mesh_of` writes: equal-length lists of
+    axis names, positive sizes and AxisType names."""
+    if mesh is None:
+        return True
+    if not isinstance(mesh, dict):
+        return False
+    names, sizes, types = (mesh.get(key) for key in ("axis_names", "axis_sizes", "axis_types"))
+    return (
+        all(isinstance(axes, list) for axes in (names, sizes, types))
+        and len(names) == len(sizes) == len(types)
+        and all(isinstance(name, str) for name in names)
+        and all(isinstance(size, int) and size > 0 for size in sizes)
+        and all(t in jax.sharding.AxisType.__members__ for t in types)
+    )

@@ -112,7 +112,7 @@ def _dispatch(prim, platform: str | None):
             name = "pallas_triton"  # the tangent and backward fall back to Triton's kernels
         name = name or "xla"
         if _is_empty(*args[:2]):
-            return _empty_sequence(prim, args, mods, params)
+            return _empty_results(prim, args, mods, params)
         extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
@@ -173,11 +173,11 @@ def _global_indices(q_shape, shards):
 
 def _is_empty(q, k) -> bool:
     """Whether the call has no rows (no batch item, query head or query) or no keys: then its
-    tiles, loops and grids would have no extent, and :func:`_empty_sequence` gives its results."""
+    tiles, loops and grids would have no extent, and :func:`_empty_results` gives its results."""
     return 0 in (math.prod(q.shape[:-3]), q.shape[-2], q.shape[-3], k.shape[-3])
 
 
-def _empty_sequence(prim, args, mods, params):
+def _empty_results(prim, args, mods, params):
     """No rows: empty outputs (and zero gradients of the arrays a score mod captures). No keys:
     every row fully masked (out 0, lse -inf, no gradient)."""
     q, k, v = args[:3]
@@ -230,6 +230,6 @@ def _zeros_like(*positions: int):
 for _prim, _impl, _empty, _shared in (
     (attention_tangent2_p, xla.attention_tangent2_xla, _zeros_like(3, 4), shared_operands(5, 8)),  # (dout, dlse)
     (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, _zeros_like(0, 1, 2, 3, 4), shared_operands(5, 5)),
-    (attention_bwd_tangent_p, xla.attention_bwd_tangent_xla, functools.partial(_empty_sequence, attention_bwd_p), shared_operands(5, 9)),
+    (attention_bwd_tangent_p, xla.attention_bwd_tangent_xla, functools.partial(_empty_results, attention_bwd_p), shared_operands(5, 9)),
 ):
     _core.register_lowering(_prim, _second_order(_impl, _empty), shards=True, shared_operands=_shared)
