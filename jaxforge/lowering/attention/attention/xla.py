@@ -158,12 +158,22 @@ def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head
 
         return fn(b, h, *head, load_kv)
 
-    per_g = jax.vmap(lane, in_axes=(None, None, None, 0) + (0,) * len(head_args))
-    per_hk = jax.vmap(per_g, in_axes=(None, 0, None, 0) + (0,) * len(head_args))
-    per_b = jax.vmap(per_hk, in_axes=(0, None, 0, None) + (0,) * len(head_args))
+    # Tracing batches the loops' bodies once per vmap level: (b, hk) is one vmap, and a group of
+    # one head takes none.
+    if geo.group == 1:
+
+        def per_group(b_local, hk, b, h, *head):
+            first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+            return jax.tree.map(lambda x: x[None], lane(b_local, hk, b, h[0], *first(head)))
+
+    else:
+        per_group = jax.vmap(lane, in_axes=(None, None, None, 0) + (0,) * len(head_args))
+    nb, lanes = batch_ids.shape[0], batch_ids.shape[0] * hkv
+    b_local, hk = jnp.arange(lanes, dtype=jnp.int32) // hkv, jnp.arange(lanes, dtype=jnp.int32) % hkv
     heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset // geo.pack).reshape(hkv, geo.group)
-    local = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
-    return per_b(local(batch_ids.shape[0]), local(hkv), batch_ids, heads, *head_args)
+    by_lane = lambda tree: jax.tree.map(lambda x: x.reshape(lanes, *x.shape[2:]), tree)  # noqa: E731
+    out = jax.vmap(per_group)(b_local, hk, batch_ids[b_local], heads[hk], *by_lane(head_args))
+    return jax.tree.map(lambda x: x.reshape(nb, hkv, *x.shape[1:]), out)
 
 
 def _over_key_tiles(cols, geo: Geometry, hkv: int, head_args, fused, kv_args, batch_ids, head_offset):
