@@ -363,6 +363,25 @@ def test_a_cache_of_another_dtype_and_a_step_of_no_tokens():
     jax.tree.map(np.testing.assert_array_equal, same, caches[0])
 
 
+def test_a_cache_that_overflows_gives_nan_for_that_item_only():
+    """A step whose tokens do not fit an item's cache (``length + seq > max_len``: the write is
+    clipped) gives that item NaN logits, at that step and after; the other items decode as
+    before. A step longer than the cache is refused at trace time."""
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    cache = nn.init_kv_cache(params["blocks"]["attention"], (2,), 6)
+    _, cache = nn.transformer(params, TOKENS[:2, :4], cache=cache)
+    cache = cache | {"length": jnp.asarray([5, 3], jnp.int32)}  # item 0 has room for one token, item 1 for three
+    step = jax.jit(lambda params, tokens, cache: nn.transformer(params, tokens, cache=cache))
+    logits, after = step(params, TOKENS[:2, 4:6], cache)
+    assert np.all(np.isnan(logits[0])) and np.all(np.isfinite(logits[1]))
+    alone = nn.transformer(params, jnp.concatenate([TOKENS[1, :3], TOKENS[1, 4:6]]))
+    np.testing.assert_allclose(logits[1], alone[3:], rtol=1e-12, atol=1e-12)
+    logits, _ = step(params, TOKENS[:2, 6:7], after)  # item 0 stays past its cache, item 1 fills its last slot
+    assert np.all(np.isnan(logits[0])) and np.all(np.isfinite(logits[1]))
+    with pytest.raises(ValueError, match="7 tokens an item, more than the cache's max_len 6"):
+        nn.transformer(params, TOKENS[:2, :7], cache=nn.init_kv_cache(params["blocks"]["attention"], (2,), 6))
+
+
 def test_transformer_vmap_and_jit_match():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
     batched = jax.jit(nn.transformer)(params, TOKENS)

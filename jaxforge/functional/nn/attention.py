@@ -112,12 +112,12 @@ def multi_head_attention(
         params have sinks); :func:`jf.attention` by default. Swap in another implementation to
         compare against it.
       cache: decoding (:func:`init_kv_cache`): ``x`` is the next ``seq`` tokens of each item, its
-        keys and values go into the cache at the item's ``length`` (which must leave room: past
-        ``max_len`` the write would be clipped), and its queries attend causally to the cache,
-        ``jf.masks.causal(length)``, and ``mask``: its ``q_idx`` counts this call's tokens, its
+        keys and values go into the cache at the item's ``length``, and its queries attend causally
+        to the cache, ``jf.masks.causal(length)``, and ``mask``: its ``q_idx`` counts this call's tokens, its
         ``kv_idx`` the cache's positions (the last ``w`` keys: ``~jf.masks.causal(length - w)``).
         A batch of prompts of different lengths is prefilled padded, then ``length`` set to the
-        true ones: the next steps overwrite the padding.
+        true ones: the next steps overwrite the padding. An item whose tokens do not fit (``length +
+        seq > max_len``) gets NaN outputs, at that step and after: its write would be clipped.
 
     Returns:
       ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more.
@@ -125,12 +125,14 @@ def multi_head_attention(
     x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
     if cache is not None:
-        length = cache["length"]
+        length, max_len = cache["length"], cache["k"].shape[-3]
         if length.shape != x.shape[:-2]:
             raise ValueError(
                 f"multi_head_attention: `cache` holds items of batch shape {length.shape} (its `length`), "
                 f"`x` of shape {x.shape} has batch shape {x.shape[:-2]}"
             )
+        if x.shape[-2] > max_len:
+            raise ValueError(f"multi_head_attention: `x` has {x.shape[-2]} tokens an item, more than the cache's max_len {max_len}")
         positions = length[..., None] + jnp.arange(x.shape[-2]) if positions is None else positions
     if rotary_base is not None:
         if positions is None:
@@ -144,7 +146,8 @@ def multi_head_attention(
     out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
     if cache is None:
         return out
-    return out, {**cache, "length": length + x.shape[-2]}
+    overflows = length + x.shape[-2] > max_len  # its write was clipped: the outputs are not this item's
+    return jnp.where(overflows[..., None, None], jnp.nan, out), {**cache, "length": length + x.shape[-2]}
 
 
 def _written(cache, new, length):
