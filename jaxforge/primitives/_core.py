@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax import core
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
-from jax.sharding import NamedSharding, PartitionSpec
 from jax.interpreters import ad, batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = [
     "PrimitiveSpec",
@@ -36,11 +36,18 @@ __all__ = [
     "define_primitive",
     "instantiate_zeros",
     "is_linear_input",
+    "is_symbolic_zero",
+    "jvp_along",
+    "jvp_in_floats",
+    "literal_value",
+    "moving_tangents",
+    "named_residuals",
     "output_aval",
     "register_lowering",
     "registered_primitives",
     "trace_function",
     "varying_axes",
+    "zero_tangent",
 ]
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
 from jaxforge.primitives._core import StaticFunction, literal_value
 
 __all__ = ["PointArray", "Reads", "evaluate", "reads_points", "reads_refs"]
