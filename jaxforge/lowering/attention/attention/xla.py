@@ -169,7 +169,7 @@ def _over_heads(fn, geo: Geometry, hkv: int, head_args, kv_args, batch_ids, head
     else:
         per_group = jax.vmap(lane, in_axes=(None, None, None, 0) + (0,) * len(head_args))
     nb, lanes = batch_ids.shape[0], batch_ids.shape[0] * hkv
-    b_local, hk = jnp.arange(lanes, dtype=jnp.int32) // hkv, jnp.arange(lanes, dtype=jnp.int32) % hkv
+    b_local, hk = divmod(jnp.arange(lanes, dtype=jnp.int32), hkv)
     heads = (jnp.arange(hkv * geo.group, dtype=jnp.int32) + head_offset // geo.pack).reshape(hkv, geo.group)
     by_lane = lambda tree: jax.tree.map(lambda x: x.reshape(lanes, *x.shape[2:]), tree)  # noqa: E731
     out = jax.vmap(per_group)(b_local, hk, batch_ids[b_local], heads[hk], *by_lane(head_args))
