@@ -112,12 +112,13 @@ def multi_head_attention(
         params have sinks); :func:`jf.attention` by default. Swap in another implementation to
         compare against it.
       cache: decoding (:func:`init_kv_cache`): ``x`` is the next ``seq`` tokens of each item, its
-        keys and values go into the cache at the item's ``length``, and its queries attend causally
-        to the cache, ``jf.masks.causal(length)``, and ``mask``: its ``q_idx`` counts this call's tokens, its
-        ``kv_idx`` the cache's positions (the last ``w`` keys: ``~jf.masks.causal(length - w)``).
-        A batch of prompts of different lengths is prefilled padded, then ``length`` set to the
-        true ones: the next steps overwrite the padding. An item whose tokens do not fit (``length +
-        seq > max_len``) gets NaN outputs, at that step and after: its write would be clipped.
+        keys and values go into the cache at the item's ``length``, and its queries attend
+        causally to the cache, ``jf.masks.causal(length)``, and ``mask``: its ``q_idx`` counts this
+        call's tokens, its ``kv_idx`` the cache's positions (the last ``w`` keys:
+        ``~jf.masks.causal(length - w)``). A batch of prompts of different lengths is prefilled
+        padded, then ``length`` set to the true ones: the next steps overwrite the padding. An
+        item whose tokens do not fit (``length + seq > max_len``) gets NaN outputs, at that step
+        and after: its write would be clipped.
 
     Returns:
       ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more.
@@ -146,8 +147,9 @@ def multi_head_attention(
     out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
     if cache is None:
         return out
-    overflows = length + x.shape[-2] > max_len  # its write was clipped: the outputs are not this item's
-    return jnp.where(overflows[..., None, None], jnp.nan, out), {**cache, "length": length + x.shape[-2]}
+    length = length + x.shape[-2]
+    overflows = length > max_len  # its write was clipped: the outputs are not this item's
+    return jnp.where(overflows[..., None, None], jnp.nan, out), {**cache, "length": length}
 
 
 def _written(cache, new, length):
