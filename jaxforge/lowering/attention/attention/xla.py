@@ -9,6 +9,7 @@ its gradients' tiles, in place. Runs on every platform; it is also the GPU fallb
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -206,8 +207,22 @@ def _keys_back(x, batch, s: int):
     return x[:, :s].reshape(*batch, s, *x.shape[2:])
 
 
+def _traced_once(tiles):
+    """``tiles(*arrays, geo=, mods=, ...)`` jitted on its keywords, which fix its program (config.py
+    is read before, into ``geo``): a lowering that meets the same call again, in another program
+    (the forward in a jvp's and in a gradient's), reuses jax's trace of the vmapped tile loops,
+    most of a lowering's time, and a program that calls it twice emits it once."""
+    keywords = [p.name for p in inspect.signature(tiles).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    return jax.jit(tiles, static_argnames=keywords)
+
+
 def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
     geo = _geometry(q, k, scale, implementation, mods)
+    return _fwd_tiles(q, k, v, consts, batch_ids, head_offset, geo=geo, mods=mods)
+
+
+@_traced_once
+def _fwd_tiles(q, k, v, consts, batch_ids, head_offset, *, geo: Geometry, mods: Mods):
     mask_c, score_c = _split(consts, mods)
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -231,6 +246,11 @@ def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, implementation
 
 def attention_tangent_xla(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, batch_ids, head_offset):
     geo = _geometry(q, k, scale, implementation, mods)
+    return _tangent_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, geo=geo, mods=mods)
+
+
+@_traced_once
+def _tangent_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, geo: Geometry, mods: Mods):
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
     dq, dk, dv, *dscore = operands[n_consts:]
@@ -288,6 +308,11 @@ def attention_bwd_xla(
     consts' cotangents accumulated in the loop carry (the probabilities are computed once).
     GQA heads are vmapped like the others and their gk, gv summed over the group tile by tile."""
     geo = _geometry(q, k, scale, implementation, mods, backward=True)
+    return _bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, geo=geo, mods=mods, const_grads=const_grads)
+
+
+@_traced_once
+def _bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, geo: Geometry, mods: Mods, const_grads):
     per_head = dataclasses.replace(geo, group=1)
     *consts, g_out, g_lse = operands
     mask_c, score_c = _split(consts, mods)
@@ -345,6 +370,11 @@ def attention_tangent_bwd_xla(
     """The tangent map's transpose in (q, k, v, out, lse) — a grad through a jvp — as attention_bwd_xla:
     one pass over key tiles per (batch item, query head), the query side in the loop carry."""
     geo = _geometry(q, k, scale, implementation, mods, backward=True)
+    return _tangent_bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, geo=geo, mods=mods)
+
+
+@_traced_once
+def _tangent_bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, geo: Geometry, mods: Mods):
     per_head = dataclasses.replace(geo, group=1)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     mask_c, score_c = _split(operands[:n_consts], mods)
