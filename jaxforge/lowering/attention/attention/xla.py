@@ -211,7 +211,7 @@ def _traced_once(tiles):
     """``tiles(*arrays, geo=, mods=, ...)`` jitted on its keywords, which fix its program (config.py
     is read before, into ``geo``): a lowering that meets the same call again, in another program
     (the forward in a jvp's and in a gradient's), reuses jax's trace of the vmapped tile loops,
-    most of a lowering's time, and a program that calls it twice emits it once."""
+    most of a lowering's time."""
     keywords = [p.name for p in inspect.signature(tiles).parameters.values() if p.kind is p.KEYWORD_ONLY]
     return jax.jit(tiles, static_argnames=keywords)
 
