@@ -25,18 +25,34 @@ COMPILER = shutil.which("g++")
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
 
 
+def emulated(source: str, exe: pathlib.Path) -> pathlib.Path:
+    """``tests/cuda_emulation/<source>`` built by the host compiler against the emulation."""
+    subprocess.run(
+        [COMPILER, "-std=c++20", "-O2", "-U_FORTIFY_SOURCE", "-pthread", "-ffp-contract=off", "-DJAXFORGE_HOST_EMULATION",
+         f"-I{HARNESS}", f"-I{build.PACKAGE_LOWERING}", str(HARNESS / source), "-o", str(exe)],
+        check=True,
+    )  # fmt: skip
+    return exe
+
+
+def test_emulated_threads_meet_at_barriers_shuffle_and_exit_early(tmp_path):
+    exe = emulated("emulation_check.cc", tmp_path / "check")
+    result = subprocess.run([str(exe), "barriers"], capture_output=True, text=True, check=True, timeout=60)
+    live = [t for t in range(96) if t % 3]
+    total = sum(sum(range(t // 32 * 32, t // 32 * 32 + 32)) for t in live)
+    assert result.stdout == f"block 0: {total}\nblock 1: {total}\n"
+    deadlock = subprocess.run([str(exe), "deadlock"], capture_output=True, text=True, timeout=60)
+    assert deadlock.returncode != 0
+    assert "emulated block 0: deadlock, 64 threads wait at barriers that cannot complete" in deadlock.stderr
+
+
 @pytest.fixture(scope="module")
 def run_kernel(tmp_path_factory):
     """``run_kernel(kernel, x, *extra, tail=None)``: the kernel on the (batch, m, n) array ``x`` (and
     the extra arguments and second input ``tail`` some kernels take); returns the raw bytes of its
     outputs, back to back."""
     work = tmp_path_factory.mktemp("emulated")
-    exe = work / "run_kernel"
-    subprocess.run(
-        [COMPILER, "-std=c++20", "-O2", "-pthread", "-ffp-contract=off", "-DJAXFORGE_HOST_EMULATION",
-         f"-I{HARNESS}", f"-I{build.PACKAGE_LOWERING}", str(HARNESS / "run_kernel.cc"), "-o", str(exe)],
-        check=True,
-    )  # fmt: skip
+    exe = emulated("run_kernel.cc", work / "run_kernel")
 
     def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None) -> bytes:
         batch, m, n = x.shape

@@ -1,0 +1,47 @@
+// Checks the emulation's own machinery (cuda_runtime.h): fibers meeting at barriers, warp
+// shuffles, threads that exit before a barrier, and a barrier no thread can complete.
+// tests/lowering/linalg/test_kernels_emulated.py builds and runs it.
+//
+//   emulation_check barriers   prints, per block, the sum over live threads of their warp's tid sum
+//   emulation_check deadlock   lane 0 waits for the block, the rest of warp 0 for the warp: aborts
+#include "cuda_runtime.h"
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+constexpr unsigned kThreads = 96;
+int warp_sums[kThreads];
+
+void barriers() {
+  int sum = static_cast<int>(threadIdx.x);
+  for (int mask = 16; mask >= 1; mask /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, mask);
+  if (threadIdx.x % 3 == 0) return;  // drops out of the barriers below
+  warp_sums[threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.x == 1) {
+    long total = 0;
+    for (unsigned t = 0; t < kThreads; ++t) total += t % 3 == 0 ? 0 : warp_sums[t];
+    std::printf("block %u: %ld\n", blockIdx.x, total);
+  }
+  __syncthreads();
+}
+
+void deadlock() {
+  if (threadIdx.x == 0 || threadIdx.x >= 32) {
+    __syncthreads();
+  } else {
+    __syncwarp();
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string mode = argc == 2 ? argv[1] : "";
+  if (mode == "barriers") emu::launch(2, kThreads, barriers);
+  else if (mode == "deadlock") emu::launch(1, 64, deadlock);
+  else return 2;
+  return 0;
+}
