@@ -854,11 +854,11 @@ def test_hessians_forward_and_reverse_over_reverse_and_third_order():
     att = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(-2), softcap=2.0, return_lse=True)
     visible = allowed(lambda b, h, i, j: j <= i - 2, 1, 4, 9, 11)
     loss = lambda attend: lambda k: jnp.sum(jnp.sin(attend(q, k, v)[0]))
-    want = jax.hessian(loss(lambda q, k, v: dense_jnp(q, k, v, visible, softcap=2.0)))(k)
+    want = jax.jit(jax.hessian(loss(lambda q, k, v: dense_jnp(q, k, v, visible, softcap=2.0))))(k)
     for outer in (jax.jacfwd, jax.jacrev):
-        assert_close(outer(jax.grad(loss(att)))(k), want, **DTOL)
+        assert_close(jax.jit(outer(jax.grad(loss(att))))(k), want, **DTOL)
     dq, dk, dv = qkv(rng, (1,), 9, 11, 4, 2, 4, 3)
-    check_grads(lambda q, k, v: _hvp(att)(q, k, v, dq, dk, dv)[1], (q, k, v), order=1, modes=("fwd", "rev"))
+    check_grads(jax.jit(lambda q, k, v: _hvp(att)(q, k, v, dq, dk, dv)[1]), (q, k, v), order=1, modes=("fwd", "rev"))
 
 
 def test_vmapped_and_sharded_hessian_vector_products_match():
@@ -923,7 +923,7 @@ def test_vmapped_grad_through_a_jvp_matches_a_loop():
     rng = np.random.default_rng(33)
     q, k, v = qkv(rng, (3,), 13, 13, HQ, HKV, D, DV)
     dq, dk, dv = qkv(rng, (3,), 13, 13, HQ, HKV, D, DV)
-    grad = jax.grad(_jvp_loss(lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(), return_lse=True)), argnums=(0, 3))
+    grad = jax.jit(jax.grad(_jvp_loss(lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(), return_lse=True)), argnums=(0, 3)))
     batched = jax.vmap(grad)(q, k, v, dq, dk, dv)
     for i in range(3):
         for g, w in zip(batched, grad(q[i], k[i], v[i], dq[i], dk[i], dv[i])):
@@ -1261,6 +1261,7 @@ def test_dense_rules_take_empty_calls(case):
         loss = lambda x, bias: jnp.sum(jnp.where(jnp.isfinite(lse := attend(q * x, bias)[1]), lse, 0) ** 2)  # noqa: E731
         return jax.jvp(jax.grad(jax.grad(loss)), (1.0, bias), (1.0, bias))[1], jax.hessian(loss, argnums=1)(1.0, bias)
 
+    derivatives = jax.jit(derivatives, static_argnums=0)  # eager, ~300 small programs
     for a, w in zip(derivatives(ours), derivatives(theirs)):
         assert_close(a, w, **DTOL)
 
