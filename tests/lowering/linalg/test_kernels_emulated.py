@@ -35,7 +35,7 @@ def emulated(source: str, exe: pathlib.Path) -> pathlib.Path:
     return exe
 
 
-def test_emulated_threads_meet_at_barriers_shuffle_and_exit_early(tmp_path):
+def test_emulation_runs_barriers_shuffles_and_early_exits_and_reports_a_deadlock(tmp_path):
     exe = emulated("emulation_check.cc", tmp_path / "check")
     result = subprocess.run([str(exe), "barriers"], capture_output=True, text=True, check=True, timeout=60)
     live = [t for t in range(96) if t % 3]
