@@ -20,6 +20,7 @@ once and returns False, and the default lowering runs.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -263,16 +264,22 @@ def main(argv: list[str] | None = None) -> int:
         out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="jaxforge-build-"))
         out.mkdir(parents=True, exist_ok=True)
         archs = args.arch or SUPPORTED_ARCHS
-        for kernel in _KERNELS.values():
-            compile_kernel(kernel, archs, out / f"{kernel.name}.so", nvcc=nvcc)
+        for kernel, _ in _each_kernel(lambda kernel: compile_kernel(kernel, archs, out / f"{kernel.name}.so", nvcc=nvcc)):
             print(f"compiled {kernel.name} for {', '.join(archs)}")
         return 0
     arch = (args.arch or [gpu_arch()])[0]
     if arch is None:
         print("no CUDA GPU is visible; use --compile-only --arch ... to compile without one", file=sys.stderr)
         return 1
-    for kernel in _KERNELS.values():
-        library = verified_library(kernel, arch, nvcc=nvcc)
+    for kernel, library in _each_kernel(lambda kernel: verified_library(kernel, arch, nvcc=nvcc)):
         load(kernel, library)
         print(f"{kernel.name} ({arch}): {library}")
     return 0
+
+
+def _each_kernel(build):
+    """(kernel, build(kernel)) for every declared kernel, the nvcc calls run side by side (each is
+    one single-threaded process, and each kernel is a library of its own)."""
+    kernels = list(_KERNELS.values())
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(kernels))) as pool:
+        return list(zip(kernels, pool.map(build, kernels)))
