@@ -1,8 +1,8 @@
 """What a GPU run says of the kernels config.py keeps off until a GPU has checked them: for each
 ``*_VALIDATED = False`` flag, its gpu tests (the PASSED / FAILED lines pytest -rA left in
-tests.log) and its bench rows against the kernel it would replace (the JSON files of
+tests.log, or outcomes.log as they happened) and its bench rows against the kernel it would replace (the JSON files of
 ``python -m jaxforge.bench``), and a verdict: flip the flag when every one of its tests ran and
-passed and each candidate row is faster than its incumbent at no worse than twice its error.
+passed (each one pytest collects under its prefixes) and each candidate row is faster than its incumbent at no worse than twice its error.
 
     python3 benchmarks/pending_kernels.py OUT_DIR     # benchmarks/gpu_check.sh runs it last
 
@@ -16,6 +16,7 @@ import dataclasses
 import importlib
 import json
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -111,11 +112,13 @@ PENDING = (
     ),
 )
 
-_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (\S+)")
+_OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$")  # node ids may hold spaces: [causal-(64, 64)]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def outcomes(log: str) -> dict[str, str]:
-    """Node id -> PASSED / FAILED / ERROR, from pytest's -rA summary lines."""
+    """Node id -> PASSED / FAILED / ERROR, from pytest's -rA summary lines (or tests/conftest.py's
+    outcome log, in the same form)."""
     found = {}
     for line in log.splitlines():
         if match := _OUTCOME.match(line):
@@ -135,14 +138,28 @@ def _record(rows: list[dict], row: Row, name: str) -> dict | None:
     return None
 
 
-def verdict(pending: Pending, tests: dict[str, str], rows: list[dict]) -> tuple[bool, list[str]]:
-    """Whether ``pending`` has earned its flag, and the facts that say so, one line each."""
+def collected(prefixes) -> set[str]:
+    """The node ids of the gpu tests in the files ``prefixes`` name, as pytest collects them (no GPU
+    needed), so that a run its time limit cut off cannot pass for a complete one."""
+    files = sorted({prefix.split("::")[0] for prefix in prefixes})
+    command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    return {line.strip() for line in done.stdout.splitlines() if "::" in line}
+
+
+def verdict(pending: Pending, tests: dict[str, str], rows: list[dict], expected: set[str] = frozenset()) -> tuple[bool, list[str]]:
+    """Whether ``pending`` has earned its flag, and the facts that say so, one line each; every node
+    of ``expected`` under its prefixes must have run."""
     ran = {node: outcome for node, outcome in tests.items() if node.startswith(pending.tests)}
     failed = sorted(node for node, outcome in ran.items() if outcome != "PASSED")
     missing = [prefix for prefix in pending.tests if not any(node.startswith(prefix) for node in ran)]
-    lines = [f"tests: {len(ran) - len(failed)} passed, {len(failed)} failed" + "".join(f"\n    {n}" for n in failed)]
+    not_run = sorted(node for node in expected if node.startswith(pending.tests) and node not in ran)
+    lines = [
+        f"tests: {len(ran) - len(failed)} passed, {len(failed)} failed, {len(not_run)} not run"
+        + "".join(f"\n    {n}" for n in failed)
+    ]
     lines += [f"    no test ran for {prefix}" for prefix in missing]
-    earned = bool(ran) and not failed and not missing
+    earned = bool(ran) and not failed and not missing and not not_run
     for row in pending.rows:
         mine, theirs = _record(rows, row, row.candidate), _record(rows, row, row.incumbent)
         case = f"{row.op} {row.shape_name}{' ' + row.mode if row.mode else ''}"
@@ -168,16 +185,19 @@ def flag_value(flag: str):
 
 
 def main(out: Path) -> int:
-    log = out / "tests.log"
-    tests = outcomes(log.read_text()) if log.exists() else {}
+    tests = {}
+    for name in ("tests.log", "outcomes.log"):  # the outcome log also holds what a cut-off run finished
+        if (out / name).exists():
+            tests |= outcomes((out / name).read_text())
     rows = records(out)
+    expected = collected(prefix for pending in PENDING for prefix in pending.tests)
     print("== pending kernels: flip a flag only where the verdict says so")
     for pending in PENDING:
         name = pending.flag.split(":")[1]
         if flag_value(pending.flag):
             print(f"{name}: already True; its entry in PENDING goes")
             continue
-        earned, lines = verdict(pending, tests, rows)
+        earned, lines = verdict(pending, tests, rows, expected)
         print(f"{name}: {'flip to True' if earned else 'keep False'}")
         for line in lines:
             print(f"  {line}")

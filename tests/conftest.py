@@ -72,10 +72,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_logreport(report):
-    """Under JAXFORGE_FAILURE_LOG each failure's traceback is appended to that file as it happens,
-    so a run its time limit cuts off still says why (gpu_check.sh); xdist's workers leave it to the
-    controller, which sees every report."""
-    path = os.environ.get("JAXFORGE_FAILURE_LOG")
-    if path and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
-        with open(path, "a") as log:
-            log.write(f"=== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+    """Under JAXFORGE_OUTCOME_LOG each test's outcome (pytest -rA's ``PASSED node-id`` line) and
+    each failure's traceback are appended to that file as they happen, so a run its time limit cuts
+    off still says what passed and why the rest failed (gpu_check.sh, pending_kernels.py); xdist's
+    workers leave it to the controller, which sees every report."""
+    path = os.environ.get("JAXFORGE_OUTCOME_LOG")
+    if not path or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    if report.failed:
+        outcome = "FAILED" if report.when == "call" else "ERROR"
+        entry = f"{outcome} {report.nodeid}\n=== {report.nodeid} ({report.when})\n{report.longreprtext}\n"
+    elif report.passed and report.when == "call":
+        entry = f"PASSED {report.nodeid}\n"
+    else:
+        return
+    with open(path, "a") as log:
+        log.write(entry)

@@ -48,8 +48,26 @@ def _passing():
 def test_a_flag_is_earned_by_passing_tests_and_a_faster_accurate_row(tmp_path):
     tests = pending_kernels.outcomes(_log(_passing()))
     earned, lines = pending_kernels.verdict(PENDING[0], tests, _rows(1.0, 1.5e-5))
-    assert earned and lines[0] == f"tests: {len(PENDING[0].tests)} passed, 0 failed"
+    assert earned and lines[0] == f"tests: {len(PENDING[0].tests)} passed, 0 failed, 0 not run"
     assert "(0.50x)" in lines[1]
+
+
+def test_every_collected_test_must_have_run_and_node_ids_keep_their_spaces():
+    # a run its time limit cut off: one test of the first prefix ran and passed, its sibling did not
+    node = PENDING[0].tests[0] + "-(64, 64)]"
+    tests = pending_kernels.outcomes(_log(_passing()) + f"\nPASSED {node}\nFAILED {node[:-1]}x] - AssertionError")
+    assert tests[node] == "PASSED" and tests[node[:-1] + "x]"] == "FAILED"
+    del tests[node[:-1] + "x]"]
+    earned, lines = pending_kernels.verdict(PENDING[0], tests, _rows(1.0, 1e-5), expected={node, node + "-sibling"})
+    assert not earned and lines[0].endswith("0 failed, 1 not run")
+    assert pending_kernels.verdict(PENDING[0], tests, _rows(1.0, 1e-5), expected={node})[0]
+
+
+def test_pytest_collects_the_gpu_tests_each_entry_names():
+    nodes = pending_kernels.collected(prefix for pending in PENDING for prefix in pending.tests)
+    for pending in PENDING:
+        for prefix in pending.tests:
+            assert any(node.startswith(prefix) for node in nodes), prefix
 
 
 @pytest.mark.parametrize(
@@ -73,8 +91,10 @@ def test_a_flag_stays_off_otherwise(outcomes, candidate_ms, error):
     assert not earned
 
 
-def test_the_report_reads_an_output_folder(tmp_path, capsys):
-    (tmp_path / "tests.log").write_text(_log(_passing()))
+def test_the_report_reads_an_output_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(pending_kernels, "collected", lambda prefixes: {node for node, _ in _passing()})
+    (tmp_path / "tests.log").write_text(_log(_passing()[1:]))
+    (tmp_path / "outcomes.log").write_text(_log(_passing()[:1]))  # what a cut-off run finished
     (tmp_path / "bench.json").write_text(json.dumps({"records": _rows(1.0, 1e-5)}))
     assert pending_kernels.main(tmp_path) == 0
     report = capsys.readouterr().out.splitlines()

@@ -85,9 +85,11 @@ def test_the_warp_kernel_agrees_with_the_block_kernel_and_numpy(shape, dtype):
         a[2, :, 0] = 0
         a[3, :, -1] = a[3, :, 0]
     rcond = default_rcond(dtype, m, n)
-    run = jax.jit(lambda a, b, targets: cuda.qr_solve_cuda(a, b, rcond, targets)[:3], static_argnums=2)
-    r, x, certified = (np.asarray(v) for v in run(*on_gpu(a, b), cuda.QR_SOLVE_WARP_TARGETS))
-    r_block, _, _ = (np.asarray(v) for v in run(*on_gpu(a, b), cuda.QR_SOLVE_TARGETS))
+    def run(targets):  # the targets are a dict, so closed over rather than a static argument
+        return (np.asarray(v) for v in jax.jit(lambda a, b: cuda.qr_solve_cuda(a, b, rcond, targets)[:3])(*on_gpu(a, b)))
+
+    r, x, certified = run(cuda.QR_SOLVE_WARP_TARGETS)
+    r_block, _, _ = run(cuda.QR_SOLVE_TARGETS)
     bad = [1, 2, 3] if n > 1 else [1]
     good = np.setdiff1d(np.arange(batch), bad)
     np.testing.assert_array_equal(certified[bad], 0)

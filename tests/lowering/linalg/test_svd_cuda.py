@@ -47,8 +47,8 @@ def test_complex_kernel_is_used_and_matches_numpy(dtype, shape):
     check_svd(a, s, u, vh)
 
 
-@pytest.mark.parametrize("sweeps", ["lanes", "pairs"])
 @pytest.mark.parametrize("shape", [(4096, 32, 32), (257, 32, 17), (100, 9, 31), (3, 1, 1), (64, 2, 7)])
+@pytest.mark.parametrize("sweeps", ["lanes", "pairs"])  # closest, so ids start with it (pending_kernels' prefixes)
 def test_float32_sweeps_are_used_and_match_numpy(sweeps, shape, monkeypatch):
     """float32's column-per-lane and column-pair sweeps, each as config.jacobi_warp_sweeps picks it.
     (The other tests here run the pairs on float32: the fixture lets unvalidated kernels run.)"""
@@ -108,10 +108,10 @@ def test_block_kernel_is_used_and_matches_numpy(shape):
     check_svd(a, s, u, vh)
 
 
-@pytest.mark.parametrize("sweeps", ["block", "slots"])
 @pytest.mark.parametrize(
     "shape", [(1024, 64, 64), (16, 33, 33), (9, 100, 40), (5, 37, 50), (3, 128, 64), (64, 128, 128), (6, 70, 100)]
 )
+@pytest.mark.parametrize("sweeps", ["block", "slots"])  # closest, so ids start with it (pending_kernels' prefixes)
 def test_either_block_sweeps_where_the_slots_fit(sweeps, shape, monkeypatch):
     """The block kernel's column pairs in shared memory or in registers, as config.use_jacobi_slots
     picks them. (The other tests here run the slots where they fit: unvalidated kernels may run.)"""

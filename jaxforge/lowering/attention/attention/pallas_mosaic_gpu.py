@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -244,10 +245,16 @@ def values_smem(values, count: int, size: int):
     return None if values is None else plgpu.SMEM((count, values.shape[1], size), jnp.int32)
 
 
+# jax 0.10 requires plgpu.load's index; jax 0.11 deprecates it (the ref comes indexed, ref.at[...])
+_LOAD_TAKES_INDEX = getattr(inspect.signature(plgpu.load).parameters.get("idx"), "default", None) is inspect.Parameter.empty
+
+
 def load_in_layout(ref, layout, interpret: bool):
     """A shared-memory tile or row in registers in ``layout`` (the interpreter ignores layouts and
     lacks ``plgpu.load``)."""
-    return ref[...] if interpret else plgpu.load(ref, (), layout=layout)
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=layout) if _LOAD_TAKES_INDEX else plgpu.load(ref, layout=layout)
 
 
 def int32(*xs):
