@@ -108,7 +108,7 @@ fi
 if wants pending; then
   echo "== attention benchmark: the rows that decide the attention flags still off (pending_kernels.py)"
   limit=$(cap 240)
-  timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_gqa_8to1,decode_long_kv,short_d64,long_d128_causal,document_causal,alibi_causal \
+  timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_gqa_8to1,decode_long_kv,short_d64,long_d128_causal,document_causal \
     --budget 0,$((limit - 40)) --tag pending --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[pending]=${PIPESTATUS[0]}
 fi

@@ -5,6 +5,8 @@ tests.log, or outcomes.log as they happened) and its bench rows against the kern
 passed (each one pytest collects under its prefixes) and each candidate row is faster than its incumbent at no worse than twice its error.
 
     python3 benchmarks/pending_kernels.py OUT_DIR     # benchmarks/gpu_check.sh runs it last
+    python3 benchmarks/pending_kernels.py OUT_DIR benchmarks/results/2026-12-04-h200-*.json
+                                     # a tests-only run, with bench rows of an earlier one
 
 A flag flipped in config.py leaves PENDING with it (tests/bench/test_pending_kernels.py holds every
 entry to a flag that is still False).
@@ -44,35 +46,9 @@ class Pending:
 
 PENDING = (
     Pending(
-        "jaxforge.lowering.linalg.svd.config:JACOBI_PAIRS_VALIDATED",
-        (
-            LINALG + "test_svd_cuda.py::test_float32_sweeps_are_used_and_match_numpy[pairs",
-            LINALG + "test_svd_cuda.py::test_kernel_is_used_and_matches_numpy",  # float32: the pairs
-            LINALG + "test_svd_cuda.py::test_ill_conditioned_and_rank_deficient",
-        ),
-        (Row("svd", "tiny_batch", "jaxforge-pairs", "jaxforge-lanes"),),
-    ),
-    Pending(
-        "jaxforge.lowering.linalg.svd.config:JACOBI_SLOTS_VALIDATED",
-        (
-            LINALG + "test_svd_cuda.py::test_either_block_sweeps_where_the_slots_fit[slots",
-            LINALG + "test_svd_cuda.py::test_block_kernel_is_used_and_matches_numpy",  # the slots where they fit
-            LINALG + "test_svd_cuda.py::test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64",
-        ),
-        (
-            Row("svd", "small_batch", "jaxforge-slots", "jaxforge-block"),
-            Row("svd", "medium_batch", "jaxforge-slots", "jaxforge-block"),
-        ),
-    ),
-    Pending(
         "jaxforge.lowering.linalg.lstsq.config:QR_SOLVE_WARP_VALIDATED",
         (LINALG + "test_lstsq_cuda.py::test_the_warp_kernel_agrees_with_the_block_kernel_and_numpy",),
         (Row("lstsq", "tiny_batch", "lstsq-qr_solve_warp", "lstsq-householder"),),
-    ),
-    Pending(  # captured arrays read at points; "jaxforge" runs XLA's tiles on these cases until then
-        "jaxforge.lowering.attention.attention.config:TRITON_POINT_READS_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_captured_arrays_read_at_points_run_in_the_triton_kernels",),
-        tuple(Row("attention", "alibi_causal", "jaxforge-triton", "jaxforge", mode) for mode in ("fwd", "fwd+bwd", "jvp")),
     ),
     Pending(  # GQA packing and split-KV: "jaxforge" runs the unpacked, unsplit Triton kernels until then
         "jaxforge.lowering.attention.attention.config:TRITON_DECODING_VALIDATED",
@@ -184,12 +160,12 @@ def flag_value(flag: str):
     return getattr(importlib.import_module(module), attribute)
 
 
-def main(out: Path) -> int:
+def main(out: Path, more_results: tuple[Path, ...] = ()) -> int:
     tests = {}
     for name in ("tests.log", "outcomes.log"):  # the outcome log also holds what a cut-off run finished
         if (out / name).exists():
             tests |= outcomes((out / name).read_text())
-    rows = records(out)
+    rows = records(out) + [r for path in more_results for r in json.loads(path.read_text()).get("records", [])]
     expected = collected(prefix for pending in PENDING for prefix in pending.tests)
     print("== pending kernels: flip a flag only where the verdict says so")
     for pending in PENDING:
@@ -205,4 +181,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/jaxforge-gpu")))
+    raise SystemExit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/jaxforge-gpu"), tuple(map(Path, sys.argv[2:]))))

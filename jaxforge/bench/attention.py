@@ -17,8 +17,8 @@ its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.
 with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the Pallas Triton
 ``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge with its Mosaic GPU
 forward (``jaxforge-mgpu``) and jax's FlashAttention-3 ``attention_mgpu``; on a GPU, jaxforge's Triton
-kernels by name where the default does not yet run them (``jaxforge-triton``: captured arrays;
-``jaxforge-decoding``: GQA packing and split-KV on decoding shapes); where torch with CUDA is importable,
+kernels by name where the default does not yet run them (``jaxforge-decoding``: GQA packing and
+split-KV on decoding shapes); where torch with CUDA is importable,
 ``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
 ``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
 (a mask it has no way to take, GQA, unequal head dims, forward-mode AD) is recorded as skipped with
@@ -651,14 +651,6 @@ def _jf_mosaic(case: Case) -> Callable | str:
     return _jf_forward("pallas_mosaic_gpu")(case)
 
 
-def _jf_triton(case: Case) -> Callable | str:
-    """``jf.attention`` on the Triton kernels by name where the default may not run them: a
-    score_mod reading captured arrays (config.TRITON_POINT_READS_VALIDATED)."""
-    if case.mask != "alibi_causal":
-        return "the default runs the Triton kernels on this case"
-    return _jf_forward("pallas_triton")(case)
-
-
 def _jf_decoding(case: Case) -> Callable | str:
     """``jf.attention`` on the Triton kernels by name where the default may not pack GQA heads or
     split the keys (decoding shapes, config.TRITON_DECODING_VALIDATED)."""
@@ -827,7 +819,6 @@ def _contenders(backend: str) -> list[Contender]:
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
         _jax_contender("jaxforge-mgpu", _jf_mosaic, essential=everywhere),
-        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(

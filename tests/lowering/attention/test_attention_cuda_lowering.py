@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jaxforge as jf
+from jaxforge.lowering.attention.attention import config
 
 KERNELS = {"jaxforge_attention_fwd", "jaxforge_attention_tangent", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
 B, S, HQ, HKV, D = 2, 200, 4, 2, 64
@@ -102,7 +103,9 @@ def test_masks_reading_captured_arrays_at_points_run_the_triton_kernels_once_val
     table = jnp.asarray(np.random.default_rng(0).random((7, 5)) > 0.3)
     reading = lambda seg: jf.masks.from_mask_mod(lambda b, h, i, j: table[i % 7, j % 5]) & jf.masks.document(seg)
     assert triton_kernels(reading, implementation="pallas_triton") == KERNELS
-    assert triton_kernels(reading) == set()  # config.TRITON_POINT_READS_VALIDATED: XLA's tiles until then
+    assert triton_kernels(reading) == KERNELS  # config.TRITON_POINT_READS_VALIDATED (H200, 2026-12-04)
+    monkeypatch.setattr(config, "TRITON_POINT_READS_VALIDATED", False)
+    assert triton_kernels(reading) == set()  # XLA's tiles until a GPU validates them
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     assert triton_kernels(reading) == KERNELS
 
@@ -153,7 +156,6 @@ def triton_compiler_params(implementation):
 
 
 def test_num_warps_and_num_stages_reach_every_triton_kernel():
-    from jaxforge.lowering.attention.attention import config
     from jaxforge.lowering.attention.attention.pallas_triton import CALL_KERNELS
 
     tuned = jf.functional.attention.Implementation("pallas_triton", num_warps=8, num_stages=3)

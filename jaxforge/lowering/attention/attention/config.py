@@ -217,9 +217,9 @@ def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, items
 
 # Masks and score_mods reading captured arrays (ALiBi slopes, a bias table) at points: the Triton
 # kernels load them at each score's address and the dq kernel sums their cotangents with atomic
-# adds (points.py). True once the gpu test test_captured_arrays_read_at_points_run_in_the_triton_kernels
-# passes on an H200: then the default runs them there (until then XLA's tiles, as before).
-TRITON_POINT_READS_VALIDATED = False
+# adds (points.py). On the H200 (2026-12-04) the gpu test passes and ALiBi (2 x 4096^2 x 16, D 128,
+# causal) takes 0.75 / 2.6 / 2.1 ms fwd / fwd+bwd / jvp against XLA's tiles' 10.7 / 25.7 / 26.9.
+TRITON_POINT_READS_VALIDATED = True
 
 # Mosaic GPU (pallas_mosaic_gpu.py): each consumer warpgroup owns 64 query rows (one wgmma M);
 # the key/value ring fits sm90's 227 KiB. Mosaic places each shared-memory buffer at a multiple

@@ -18,23 +18,22 @@ JACOBI_WARP_VALIDATED = True
 # (bench rows jaxforge-lanes, jaxforge-rows; 2026-11-30).
 JACOBI_LANES = True
 # float32: two lanes a column pair (jacobi_sweeps_pairs: rows split in halves, one column of a pair
-# moving between rounds, 128 registers) in place of either, once they pass their gpu tests and
-# beat the column per lane (bench rows jaxforge-pairs, jaxforge-lanes). Not yet run on a GPU: in
-# the emulation they take the lanes' sweeps within 4% (17% at condition 1e6), the same accuracy, and
-# half the shuffles and arithmetic a round at 32 x 32; ptxas gives them 128 registers against 225,
-# so an SM holds 16 warps instead of 8. Past 16 columns they play 31 rounds a sweep, where the
-# circle method of the lanes plays C - 1 (C rounded up to even).
-JACOBI_PAIRS_VALIDATED = False
+# moving between rounds, 128 registers against the lanes' 225, so an SM holds 16 warps instead of
+# 8) in place of either. On the H200 (2026-12-04) they pass their gpu tests and take 1.84 ms at
+# 8192 x 32 x 32 against the lanes' 3.49 (orthogonality 3.6e-5 against 2.9e-5; bench rows
+# jaxforge-pairs, jaxforge-lanes). Past 16 columns they play 31 rounds a sweep, where the circle
+# method of the lanes plays C - 1 (C rounded up to even).
+JACOBI_PAIRS_VALIDATED = True
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
 # float32 with 32 < max(m, n) <= 128: the block kernel with its column pairs in registers
 # (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 512 a block; V in float64 registers up to 64
-# columns, past them in shared memory), in place of the shared-memory sweeps, once it passes its
-# gpu tests and beats them (bench rows jaxforge-slots, jaxforge-block; the anchors 1024 x 64 x 64
-# and 256 x 128 x 128 took 10.1 and 27.3 ms, targets 1.5 and 3). Not yet run on a GPU: in the
-# emulation it takes 0-15% more sweeps at the same accuracy; ptxas gives it 208 registers (two
-# 64 x 64 matrices an SM, 8 warps) and, with V in shared memory, 128 (one 128 x 128, 16 warps).
-JACOBI_SLOTS_VALIDATED = False
+# columns, past them in shared memory), in place of the shared-memory sweeps. On the H200
+# (2026-12-04) it passes its gpu tests and takes 5.69 ms at 1024 x 64 x 64 and 11.3 at
+# 256 x 128 x 128 against the shared-memory sweeps' 9.73 and 26.9, at their accuracy (bench rows
+# jaxforge-slots, jaxforge-block); ptxas gives it 208 registers (two 64 x 64 matrices an SM,
+# 8 warps) and, with V in shared memory, 128 (one 128 x 128, 16 warps).
+JACOBI_SLOTS_VALIDATED = True
 JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 128
 JACOBI_SLOTS_MAX_COLS_IN_REGISTERS = 64  # past it V stays in shared memory
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
@@ -106,11 +105,12 @@ def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | Non
 # each either on A or, for a tall A = QR, on R. `python -m jaxforge.bench linalg` times every pair
 # on the large shapes (rows "svd-<method>" and "svd-qr-<method>"). LARGE_SVD holds the winners as
 # rules (min(m, n) at least, max/min at least, method, qr_first); the first that matches wins and
-# none leaves jax's default (gesvdj up to 1024, gesvd beyond). On the H200 (2026-11-30) QDWH takes
-# 8192 x 512 in 18.4 ms after cuSOLVER's QR (the default: 41.7; the QR is CholeskyQR2's since, where
-# lstsq's rules take it: lstsq/cuda.thin_qr, not yet timed) and 2048 x 2048 in 72.9 ms (default: 285).
-# cuSOLVER's gesvdp was faster still (15.5 and 64.7 ms) but has not run the gpu tests' ill-conditioned
-# and rank-deficient inputs, which QDWH passes; the aspects between 1 and 16 are not measured.
+# none leaves jax's default (gesvdj up to 1024, gesvd beyond). On the H200 (2026-12-04) QDWH takes
+# 8192 x 512 in 14.4 ms after CholeskyQR2's QR (lstsq/cuda.thin_qr; 18.4 after cuSOLVER's on
+# 11-30; the default: 43.7) and 2048 x 2048 in 72.9 ms (default: 292). cuSOLVER's gesvdp is faster
+# at 2048 x 2048 (65.1 ms) but fails the gpu test's singular-value bar in float32 and float64
+# (test_large_svd_methods_on_the_gpu_match_numpy: ill-conditioned, rank-deficient and tall
+# inputs), which QDWH passes; the aspects between 1 and 16 are not measured.
 LARGE_SVD_METHODS = ("gesvd", "gesvdj", "gesvdp", "qdwh")
 LARGE_SVD: tuple[tuple[int, float, str, bool], ...] = ((512, 4.0, "qdwh", True), (512, 1.0, "qdwh", False))
 
