@@ -5,7 +5,8 @@
 :func:`run` measures one family and returns one record per (op, shape, implementation): the
 timed calls and their median, the accuracy of the results, and ``ratio`` = anchor time / jaxforge
 time (> 1 means jaxforge is faster). :func:`write_results` saves them as JSON with the versions
-and the device; :func:`format_table` prints them.
+and the device (``run`` does after each shape too, marked incomplete, so that a run killed at a
+time limit leaves what it measured); :func:`format_table` prints them.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def run(
     budget_s=None,
     **options,
 ) -> list[dict]:
-    """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given.
+    """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given,
+also as they come (``complete: false``) after each shape.
 
     ``shapes`` selects named shapes (default: those tagged for this device), ``quick`` uses tiny
     shapes and one or two repeats, ``progress(done, total, label)`` follows the run, ``budget_s``
@@ -48,33 +50,43 @@ def run(
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown benchmark family {family!r}; known families: {sorted(FAMILIES)}")
-    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s, **options)
+    checkpoint = None
+    if out_dir is not None:
+        checkpoint = lambda so_far: write_results(so_far, family, out_dir, quick=quick, tag=tag, complete=False)  # noqa: E731
+    records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s, checkpoint=checkpoint, **options)
     if out_dir is not None:
         write_results(records, family, out_dir, quick=quick, tag=tag)
     return records
 
 
-def write_results(
-    records: list[dict], family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None
-) -> Path:
-    """Writes ``<date>-<device>-<family>[-quick][-<tag>].json`` under ``out_dir``; returns its path."""
-    date, device = datetime.date.today().isoformat(), device_name()
+def results_path(family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None) -> Path:
+    """``out_dir/<date>-<device>-<family>[-quick][-<tag>].json``."""
     suffix = "".join(f"-{part}" for part in ("quick" if quick else None, tag) if part)
-    path = Path(out_dir) / f"{date}-{device}-{family}{suffix}.json"
+    return Path(out_dir) / f"{datetime.date.today().isoformat()}-{device_name()}-{family}{suffix}.json"
+
+
+def write_results(
+    records: list[dict], family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None, complete: bool = True
+) -> Path:
+    """Writes ``records`` to :func:`results_path` (``complete``: the run finished); returns the path."""
+    path = results_path(family, out_dir, quick=quick, tag=tag)
     path.parent.mkdir(parents=True, exist_ok=True)
     results = dict(
         family=family,
-        date=date,
-        device=device,
+        date=datetime.date.today().isoformat(),
+        device=device_name(),
         device_kind=jax.devices()[0].device_kind,
         backend=jax.default_backend(),
         jax_version=jax.__version__,
         numpy_version=np.__version__,
         quick=quick,
         tag=tag,
+        complete=complete,
         records=records,
     )
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")  # whole files only, even if the run is killed while writing
+    tmp.write_text(json.dumps(results, indent=1) + "\n")
+    tmp.replace(path)
     return path
 
 

@@ -7,7 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
-from jaxforge.bench import FAMILIES, ProgressBar, format_table, run, write_results
+from jaxforge.bench import FAMILIES, ProgressBar, format_table, results_path, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,11 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         records = run(
-            args.family, shapes=args.shapes, quick=args.quick, progress=ProgressBar(), budget_s=budget, **options
+            args.family,
+            shapes=args.shapes,
+            quick=args.quick,
+            out_dir=args.out,
+            tag=args.tag,
+            progress=ProgressBar(),
+            budget_s=budget,
+            **options,
         )
     except ValueError as e:  # an unknown shape name or mode: a usage error, not a crash
         parser.error(str(e))
-    path = write_results(records, args.family, args.out, quick=args.quick, tag=args.tag)
+    path = results_path(args.family, args.out, quick=args.quick, tag=args.tag)
     print(format_table(records))
     print(f"\n{len(records)} measurements in {time.perf_counter() - start:.0f} s; wrote {path}")
     return 0

@@ -154,7 +154,14 @@ class _Op:
 
 
 def measure(
-    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None, variants=(), modes=MODES
+    *,
+    shapes: Sequence[str] | None = None,
+    quick: bool = False,
+    progress=None,
+    budget_s=None,
+    variants=(),
+    modes=MODES,
+    checkpoint=None,
 ) -> list[dict]:
     """Times every contender on each selected case in each mode; one record per triple.
 
@@ -165,7 +172,8 @@ def measure(
     none elsewhere). ``variants``: ``jf.attention`` Implementations (Triton tiles, warps, stages)
     measured as essential contenders beside the default one, named by ``variant_name``: a tuning
     sweep. ``modes``: some of ``ALL_MODES``. ``progress(done, total, label)`` is called before each
-    measurement and at the end.
+    measurement and at the end; ``checkpoint(records)``, if given, gets every record after each case
+    and mode (those not yet measured marked skipped).
     """
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -229,7 +237,18 @@ def measure(
                     notes = [n for n in (contender.note(case), ref_note if record["status"] == "ok" else None) if n]
                     record["note"] = "; ".join(notes) or None
                     measured[case.name, mode, contender.name] = record
+                if checkpoint:
+                    checkpoint(_records(op, cases, modes, contenders, measured))
             del inputs, reference
+    if progress:
+        progress(total, total, "done")
+    return _records(op, cases, modes, contenders, measured)
+
+
+def _records(op, cases: list[Case], modes, contenders, measured: dict[tuple[str, str, str], dict]) -> list[dict]:
+    """One record per (case, mode, contender), in that order, with ratios, TFLOP/s and time over the
+    forward; a triple ``measured`` lacks (a run under way) is marked skipped."""
+    not_yet = _not_timed("skipped", "not measured yet: the run was cut off before it")
     records: list[dict] = []
     for case in cases:
         fraction = _visible_fraction(case, _segment_ids(case))
@@ -246,14 +265,12 @@ def measure(
                     implementation=contender.name,
                     mode=mode,
                 )
-                record.update(measured[case.name, mode, contender.name])
+                record.update(measured.get((case.name, mode, contender.name), not_yet))
                 group.append(record)
             _add_ratios_and_tflops(group, case, mode, fraction)
             case_records += group
         _add_time_over_fwd(case_records)
         records += case_records
-    if progress:
-        progress(total, total, "done")
     return records
 
 

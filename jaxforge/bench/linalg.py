@@ -76,7 +76,7 @@ class _Op:
 
 
 def measure(
-    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None
+    *, shapes: Sequence[str] | None = None, quick: bool = False, progress=None, budget_s=None, checkpoint=None
 ) -> list[dict]:
     """Times every implementation of svd and lstsq on each selected shape; one record per triple.
 
@@ -86,7 +86,8 @@ def measure(
     ``progress(done, total, label)`` is called before each measurement and once at the end.
     ``budget_s``: seconds after which anchors are skipped, or ``(anchors, all)`` to skip jaxforge's
     own rows too past the second, so that a run under a time limit still writes its results
-    (default: ``GPU_BUDGET_S`` for the anchors on a GPU, unlimited elsewhere).
+    (default: ``GPU_BUDGET_S`` for the anchors on a GPU, unlimited elsewhere). ``checkpoint(records)``,
+    if given, gets the records so far after each shape.
     """
     start = time.perf_counter()
     backend = jax.default_backend()
@@ -141,6 +142,8 @@ def measure(
                     outcome = timed_record(outcome.first_s, timing, outcome.accuracy)
             records.append({**record, **outcome})
         _add_ratios(records[-len(impls):])
+        if checkpoint:
+            checkpoint(records)
     if progress:
         progress(total, total, "done")
     return records

@@ -56,8 +56,33 @@ def test_results_are_written_as_json(quick_run):
     records, out_dir = quick_run
     (path,) = out_dir.glob("*-linalg-quick.json")
     saved = json.loads(path.read_text())
-    assert saved["family"] == "linalg" and saved["jax_version"] and saved["device"]
+    assert saved["family"] == "linalg" and saved["jax_version"] and saved["device"] and saved["complete"]
     assert saved["records"] == records
+    assert not list(out_dir.glob("*.tmp"))  # written whole, then renamed
+
+
+class _Killed(BaseException):
+    """What a time limit's kill is to the run: nothing in it catches this."""
+
+
+def _killed_at(label: str):
+    """A progress callback that stops the run where ``label`` is about to be measured."""
+
+    def progress(done, total, text):
+        if text.startswith(label):
+            raise _Killed(text)
+
+    return progress
+
+
+def test_a_run_cut_off_leaves_the_shapes_it_finished(tmp_path):
+    with pytest.raises(_Killed):
+        run("linalg", quick=True, shapes=["quick_tall", "quick_wide"], out_dir=tmp_path, progress=_killed_at("svd quick_wide"))
+    (path,) = tmp_path.glob("*-linalg-quick.json")
+    saved = json.loads(path.read_text())
+    assert saved["complete"] is False
+    assert {(r["op"], r["shape_name"]) for r in saved["records"]} == {("svd", "quick_tall")}
+    assert all(r["status"] == "ok" for r in saved["records"] if r["implementation"] == "jaxforge")
 
 
 def test_table_has_one_row_per_record(quick_run):
@@ -135,8 +160,18 @@ def test_attention_results_are_written_as_json(attention_run):
     records, out_dir = attention_run
     (path,) = out_dir.glob("*-attention-quick.json")
     saved = json.loads(path.read_text())
-    assert saved["family"] == "attention" and saved["records"] == records
+    assert saved["family"] == "attention" and saved["records"] == records and saved["complete"]
     assert len(format_table(records).splitlines()) == len(records) + 1
+
+
+def test_an_attention_run_cut_off_leaves_the_modes_it_finished(tmp_path):
+    with pytest.raises(_Killed):
+        run("attention", quick=True, shapes=["quick_causal"], modes=["fwd", "jvp"], out_dir=tmp_path, progress=_killed_at("quick_causal jvp"))
+    (path,) = tmp_path.glob("*-attention-quick.json")
+    saved = json.loads(path.read_text())
+    status = {(r["mode"], r["implementation"]): r["status"] for r in saved["records"]}
+    assert saved["complete"] is False and status[("fwd", "jaxforge")] == "ok" and status[("fwd", "jax.nn-xla")] == "ok"
+    assert {s for (mode, _), s in status.items() if mode == "jvp"} == {"skipped"}
 
 
 def test_attention_budget_measures_the_essential_contenders_of_every_case_first():
