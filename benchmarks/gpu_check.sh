@@ -62,7 +62,7 @@ if wants tests; then
   export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
   groups=${GPU_TEST_GROUPS:-linalg attention demo}
   for group in $groups; do
-    select=()
+    select=() per_test=120
     case $group in
       linalg) paths=tests/lowering/linalg workers=6 ;;  # 6 + 8 + 1 of the 16 cores
       attention) paths=tests/lowering/attention workers=8 ;;  # Triton compiles dominate
@@ -70,12 +70,12 @@ if wants tests; then
         select=(-k "sweeps or kernel or ill_conditioned") ;;
       triton-pending) paths=tests/lowering/attention/test_attention_gpu.py workers=2 select=(-k "captured_arrays_read or decoding") ;;
       mosaic-pending) paths=tests/lowering/attention/test_attention_gpu.py workers=9 select=(-k mosaic) ;;
-      demo) paths=tests/test_demo.py workers=0 ;;
+      demo) paths=tests/test_demo.py workers=0 per_test=240 ;;  # the demo's own limit (it took over 120 s on 2026-12-04)
     esac
     # every kernel, also those config.py does not dispatch to yet (build.enabled); the benchmarks
     # below run the dispatch as users get it, and time the other kernels in rows of their own
-    # -rA: a PASSED / FAILED line per test, which benchmarks/pending_kernels.py reads
-    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout 120 --tb=short "${select[@]}" $paths \
+    # -rA: a PASSED / FAILED line per test at the end (outcomes.log has them as they happen)
+    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout "$per_test" --tb=short "${select[@]}" $paths \
       >"$OUT/tests-$group.log" 2>&1 &
   done
   wait
