@@ -120,6 +120,8 @@ def collected(prefixes) -> set[str]:
     files = sorted({prefix.split("::")[0] for prefix in prefixes})
     command = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", *files]
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if done.returncode != 0:  # without the list a cut-off run could pass for a complete one
+        raise RuntimeError(f"pytest could not collect {files} (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return {line.strip() for line in done.stdout.splitlines() if "::" in line}
 
 

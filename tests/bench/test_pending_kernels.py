@@ -68,6 +68,8 @@ def test_pytest_collects_the_gpu_tests_each_entry_names():
     for pending in PENDING:
         for prefix in pending.tests:
             assert any(node.startswith(prefix) for node in nodes), prefix
+    with pytest.raises(RuntimeError, match="could not collect"):
+        pending_kernels.collected(["tests/no_such_file.py::test_x"])
 
 
 @pytest.mark.parametrize(
