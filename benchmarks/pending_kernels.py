@@ -1,8 +1,9 @@
 """What a GPU run says of the kernels config.py keeps off until a GPU has checked them: for each
 ``*_VALIDATED = False`` flag, its gpu tests (the PASSED / FAILED lines pytest -rA left in
-tests.log, or outcomes.log as they happened) and its bench rows against the kernel it would replace (the JSON files of
-``python -m jaxforge.bench``), and a verdict: flip the flag when every one of its tests ran and
-passed (each one pytest collects under its prefixes) and each candidate row is faster than its incumbent at no worse than twice its error.
+tests.log, or outcomes.log as they happened) and its bench rows against the kernel it would
+replace (the JSON files of ``python -m jaxforge.bench``), and a verdict: flip the flag when every
+test pytest collects under its prefixes ran and passed and each candidate row is faster than its
+incumbent at no worse than twice its error.
 
     python3 benchmarks/pending_kernels.py OUT_DIR     # benchmarks/gpu_check.sh runs it last
     python3 benchmarks/pending_kernels.py OUT_DIR benchmarks/results/2026-12-04-h200-*.json

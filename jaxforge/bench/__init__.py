@@ -12,6 +12,7 @@ time limit leaves what it measured); :func:`format_table` prints them.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import sys
 from collections.abc import Callable, Sequence
@@ -41,7 +42,7 @@ def run(
     **options,
 ) -> list[dict]:
     """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given,
-also as they come (``complete: false``) after each shape.
+    and as they come (``complete: false``) after each shape.
 
     ``shapes`` selects named shapes (default: those tagged for this device), ``quick`` uses tiny
     shapes and one or two repeats, ``progress(done, total, label)`` follows the run, ``budget_s``
@@ -52,7 +53,7 @@ also as they come (``complete: false``) after each shape.
         raise ValueError(f"unknown benchmark family {family!r}; known families: {sorted(FAMILIES)}")
     checkpoint = None
     if out_dir is not None:
-        checkpoint = lambda so_far: write_results(so_far, family, out_dir, quick=quick, tag=tag, complete=False)  # noqa: E731
+        checkpoint = functools.partial(write_results, family=family, out_dir=out_dir, quick=quick, tag=tag, complete=False)
     records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s, checkpoint=checkpoint, **options)
     if out_dir is not None:
         write_results(records, family, out_dir, quick=quick, tag=tag)
