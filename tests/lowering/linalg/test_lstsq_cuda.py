@@ -85,6 +85,7 @@ def test_the_warp_kernel_agrees_with_the_block_kernel_and_numpy(shape, dtype):
         a[2, :, 0] = 0
         a[3, :, -1] = a[3, :, 0]
     rcond = default_rcond(dtype, m, n)
+
     def run(targets):  # the targets are a dict, so closed over rather than a static argument
         return (np.asarray(v) for v in jax.jit(lambda a, b: cuda.qr_solve_cuda(a, b, rcond, targets)[:3])(*on_gpu(a, b)))
 
