@@ -12,9 +12,10 @@
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
 # --budget; linalg's shape names may name one op, as svd:tiny_batch); LINALG_CAP_S raises the
 # linalg benchmark's cap (100 s), TESTS_CAP_S the gpu tests' (120 s). The gpu tests run as pytest
-# processes side by side, one per group of GPU_TEST_GROUPS (default: linalg attention demo; the
-# *-pending groups are the tests pending_kernels.py reads, which the whole groups did not finish in
-# their cap on 2026-11-30 and 2026-12-04), each with its own log (joined into tests.log at the end),
+# processes side by side, one per group of GPU_TEST_GROUPS (default: linalg attention demo;
+# `pending` runs just the tests pending_kernels.py waits for, which the whole groups did not finish
+# in their cap on 2026-11-30 and 2026-12-04; GPU_TESTS_K, a pytest -k expression, narrows the other
+# groups), each with its own log (joined into tests.log at the end),
 # so one slow group cannot cut off another's report, and each test's outcome and each failure's
 # traceback go to outcomes.log as they happen, so not even a group's own time limit can.
 #
@@ -62,20 +63,18 @@ if wants tests; then
   export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
   groups=${GPU_TEST_GROUPS:-linalg attention demo}
   for group in $groups; do
-    select=() per_test=120
+    select=(${GPU_TESTS_K:+-k "$GPU_TESTS_K"}) per_test=120
     case $group in
-      linalg) paths=tests/lowering/linalg workers=6 ;;  # 6 + 8 + 1 of the 16 cores
-      attention) paths=tests/lowering/attention workers=8 ;;  # Triton compiles dominate
-      linalg-pending) paths="tests/lowering/linalg/test_svd_cuda.py tests/lowering/linalg/test_lstsq_cuda.py" workers=4
-        select=(-k "sweeps or kernel or ill_conditioned") ;;
-      triton-pending) paths=tests/lowering/attention/test_attention_gpu.py workers=2 select=(-k "captured_arrays_read or decoding") ;;
-      mosaic-pending) paths=tests/lowering/attention/test_attention_gpu.py workers=9 select=(-k mosaic) ;;
-      demo) paths=tests/test_demo.py workers=0 per_test=240 ;;  # the demo's own limit (it took over 120 s on 2026-12-04)
+      linalg) paths=(tests/lowering/linalg) workers=6 ;;  # 6 + 8 + 1 of the 16 cores
+      attention) paths=(tests/lowering/attention) workers=8 ;;  # Triton compiles dominate
+      pending) mapfile -t paths < <(python3 benchmarks/pending_kernels.py --tests); workers=4 select=() ;;
+      demo) paths=(tests/test_demo.py) workers=0 per_test=240 ;;  # the demo's own limit (it took over 120 s on 2026-12-04)
     esac
+    if ((${#paths[@]} == 0)); then echo "no tests in $group" >"$OUT/tests-$group.log"; continue; fi  # pytest would run them all
     # every kernel, also those config.py does not dispatch to yet (build.enabled); the benchmarks
     # below run the dispatch as users get it, and time the other kernels in rows of their own
     # -rA: a PASSED / FAILED line per test at the end (outcomes.log has them as they happen)
-    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout "$per_test" --tb=short "${select[@]}" $paths \
+    JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout "$per_test" --tb=short "${select[@]}" "${paths[@]}" \
       >"$OUT/tests-$group.log" 2>&1 &
   done
   wait
@@ -108,7 +107,7 @@ fi
 if wants pending; then
   echo "== attention benchmark: the rows that decide the attention flags still off (pending_kernels.py)"
   limit=$(cap 240)
-  timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_gqa_8to1,decode_long_kv,short_d64,long_d128_causal,document_causal \
+  timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_gqa_8to1,decode_long_kv \
     --budget 0,$((limit - 40)) --tag pending --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[pending]=${PIPESTATUS[0]}
 fi

@@ -8,6 +8,7 @@ incumbent at no worse than twice its error.
     python3 benchmarks/pending_kernels.py OUT_DIR     # benchmarks/gpu_check.sh runs it last
     python3 benchmarks/pending_kernels.py OUT_DIR benchmarks/results/2026-12-04-h200-*.json
                                      # a tests-only run, with bench rows of an earlier one
+    python3 benchmarks/pending_kernels.py --tests    # the node ids of those tests, one a line
 
 A flag flipped in config.py leaves PENDING with it (tests/bench/test_pending_kernels.py holds every
 entry to a flag that is still False).
@@ -60,33 +61,6 @@ PENDING = (
             for mode in ("fwd", "fwd+bwd", "jvp")  # the forward, tangent and dq kernels split
         ),
     ),
-    Pending(  # the gpu tests of the Mosaic forward (those of test_attention_mosaic_gpu.py run on CPU)
-        "jaxforge.lowering.attention.attention.config:MOSAIC_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_forward", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
-        (
-            Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "fwd"),
-            Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
-            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "fwd"),
-        ),
-    ),
-    Pending(  # jaxforge-mgpu's jvp is the Mosaic forward and tangent
-        "jaxforge.lowering.attention.attention.config:MOSAIC_TANGENT_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_tangent", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
-        (
-            Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "jvp"),
-            Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "jvp"),
-            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "jvp"),
-        ),
-    ),
-    Pending(  # jaxforge-mgpu's fwd+bwd is the Mosaic forward and backward
-        "jaxforge.lowering.attention.attention.config:MOSAIC_BWD_VALIDATED",
-        (ATTENTION + "test_attention_gpu.py::test_mosaic_backward", ATTENTION + "test_attention_gpu.py::test_mosaic_kernels_take_document_masks"),
-        (
-            Row("attention", "short_d64", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
-            Row("attention", "long_d128_causal", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
-            Row("attention", "document_causal", "jaxforge-mgpu", "jaxforge", "fwd+bwd"),
-        ),
-    ),
 )
 
 _OUTCOME = re.compile(r"^(PASSED|FAILED|ERROR) (.+?)(?: - .*)?$")  # node ids may hold spaces: [causal-(64, 64)]
@@ -124,6 +98,13 @@ def collected(prefixes) -> set[str]:
     if done.returncode != 0:  # without the list a cut-off run could pass for a complete one
         raise RuntimeError(f"pytest could not collect {files} (exit {done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     return {line.strip() for line in done.stdout.splitlines() if "::" in line}
+
+
+def pending_tests() -> list[str]:
+    """The node ids of every gpu test a flag of PENDING waits for (gpu_check.sh's ``pending`` group
+    runs them: ``pending_kernels.py --tests``)."""
+    prefixes = tuple(prefix for pending in PENDING for prefix in pending.tests)
+    return sorted(node for node in collected(prefixes) if node.startswith(prefixes))
 
 
 def verdict(pending: Pending, tests: dict[str, str], rows: list[dict], expected: set[str] = frozenset()) -> tuple[bool, list[str]]:
@@ -169,7 +150,7 @@ def main(out: Path, more_results: tuple[Path, ...] = ()) -> int:
         if (out / name).exists():
             tests |= outcomes((out / name).read_text())
     rows = records(out) + [r for path in more_results for r in json.loads(path.read_text()).get("records", [])]
-    expected = collected(prefix for pending in PENDING for prefix in pending.tests)
+    expected = set(pending_tests())
     print("== pending kernels: flip a flag only where the verdict says so")
     for pending in PENDING:
         name = pending.flag.split(":")[1]
@@ -184,4 +165,7 @@ def main(out: Path, more_results: tuple[Path, ...] = ()) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:] == ["--tests"]:
+        print("\n".join(pending_tests()))
+        raise SystemExit(0)
     raise SystemExit(main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/jaxforge-gpu"), tuple(map(Path, sys.argv[2:]))))

@@ -63,11 +63,12 @@ def test_every_collected_test_must_have_run_and_node_ids_keep_their_spaces():
     assert pending_kernels.verdict(PENDING[0], tests, _rows(1.0, 1e-5), expected={node})[0]
 
 
-def test_pytest_collects_the_gpu_tests_each_entry_names():
-    nodes = pending_kernels.collected(prefix for pending in PENDING for prefix in pending.tests)
-    for pending in PENDING:
-        for prefix in pending.tests:
-            assert any(node.startswith(prefix) for node in nodes), prefix
+def test_pytest_collects_the_gpu_tests_each_entry_names_and_no_other():
+    nodes = pending_kernels.pending_tests()
+    prefixes = [prefix for pending in PENDING for prefix in pending.tests]
+    for prefix in prefixes:
+        assert any(node.startswith(prefix) for node in nodes), prefix
+    assert all(node.startswith(tuple(prefixes)) for node in nodes) and len(set(nodes)) == len(nodes)
     with pytest.raises(RuntimeError, match="could not collect"):
         pending_kernels.collected(["tests/no_such_file.py::test_x"])
 

@@ -97,6 +97,24 @@ def test_every_primitive_lowers_to_mosaic_kernels_where_they_can_run(case):
     assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == triton
 
 
+def test_the_sm90_default_is_mosaic_but_for_decoding(monkeypatch):
+    """On Hopper the default runs the validated Mosaic GPU kernels (forward, tangent, dq and dkv),
+    but a decoding step (fewer queries a head than Triton's 16-row tile) keeps Triton's kernels,
+    as does any other GPU."""
+    from jaxforge.lowering import build
+
+    def kernels(sq, arch):
+        monkeypatch.setattr(build, "gpu_arch", lambda: arch)
+        att = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(256 - sq))  # noqa: E731
+        f = lambda q, k, v: (jax.jvp(att, (q, k, v), (q, k, v)), jax.grad(lambda *a: jnp.sum(att(*a).astype(jnp.float32)), (0, 1, 2))(q, k, v))
+        text = lowered(f, (2, sq, 4, 64), (2, 256, 2, 64), (2, 256, 2, 64))
+        return mosaic_kernels(text), set(re.findall(r'name = "jaxforge_attention_(\w+)"', text))
+
+    assert kernels(256, "sm_90a") == (5, set())  # two forwards (jvp's, grad's), the tangent, dq, dkv
+    assert kernels(1, "sm_90a") == (0, {"fwd", "tangent", "bwd_dq", "bwd_dkv"})
+    assert kernels(256, "sm_80") == (0, {"fwd", "tangent", "bwd_dq", "bwd_dkv"})
+
+
 def test_backward_head_dims_are_capped_with_the_reason():
     mods, _ = attention_mods(None, None, None, (1,), 128, 128, jnp.float32)
     arg = lambda d: jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)  # noqa: E731

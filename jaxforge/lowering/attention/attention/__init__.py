@@ -6,9 +6,9 @@ CPU) or "pallas_mosaic_gpu" (Hopper kernels).
 ``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory and the shapes
 are static, and for masks or score_mods reading captured arrays once
 config.TRITON_POINT_READS_VALIDATED; else "xla") and "xla" elsewhere; on an sm90 GPU each
-Mosaic GPU kernel, once validated there (config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED,
-MOSAIC_BWD_VALIDATED), runs where it can, but for calls that pack GQA heads (config.packs_gqa:
-decoding), which Triton's kernels do. The
+Mosaic GPU kernel (validated there: config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED,
+MOSAIC_BWD_VALIDATED) runs where it can, but for decoding (config.decoding: fewer queries a
+head than Triton's smallest tile) and calls that pack GQA heads, which Triton's kernels do. The
 Triton default packs GQA heads and splits the forward's keys (decoding) once
 config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
@@ -85,8 +85,11 @@ def _dispatch(prim, platform: str | None):
             name = "pallas_triton" if triton else "xla"
             if name == "pallas_triton" and not build.enabled(config.TRITON_DECODING_VALIDATED):
                 implementation = _without_decoding(implementation)
-            packs = config.packs_gqa(q.shape[-3], q.shape[-2] // k.shape[-2], implementation)  # Mosaic does not
-            if name == "pallas_triton" and mosaic_why_not is None and _mosaic_by_default(prim) and not packs:
+            # Mosaic neither packs GQA heads nor takes fewer than 128 rows a program: decoding stays
+            # on Triton's 16-row tiles (packed once validated)
+            packs = config.packs_gqa(q.shape[-3], q.shape[-2] // k.shape[-2], implementation)
+            mosaic = mosaic_why_not is None and _mosaic_by_default(prim) and not packs and not config.decoding(q.shape[-3])
+            if name == "pallas_triton" and mosaic:
                 name = "pallas_mosaic_gpu"
         elif name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
             raise ValueError(
