@@ -15,10 +15,11 @@ GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes, and two mor
 Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
 with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the Pallas Triton
-``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge with its Mosaic GPU
-forward (``jaxforge-mgpu``) and jax's FlashAttention-3 ``attention_mgpu``; on a GPU, jaxforge's Triton
-kernels by name where the default does not yet run them (``jaxforge-decoding``: GQA packing and
-split-KV on decoding shapes); where torch with CUDA is importable,
+``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge on its Triton
+kernels by name (``jaxforge-triton``: the default there runs the Mosaic GPU ones) and jax's
+FlashAttention-3 ``attention_mgpu``; on a GPU, jaxforge's Triton kernels by name where the default
+does not yet run them (``jaxforge-decoding``: GQA packing and split-KV on decoding shapes); where
+torch with CUDA is importable,
 ``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
 ``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
 (a mask it has no way to take, GQA, unequal head dims, forward-mode AD) is recorded as skipped with
@@ -658,14 +659,14 @@ def _hopper() -> str | None:
     return None if arch == "sm_90a" else f"Mosaic GPU attention is for sm90 (Hopper); this device is {arch or 'not a GPU'}"
 
 
-def _jf_mosaic(case: Case) -> Callable | str:
-    """``jf.attention`` on Mosaic GPU: its forward, and its tangent and backward where the head
-    dims fit (``d + dv <= 256``; Triton's beyond)."""
+def _jf_triton(case: Case) -> Callable | str:
+    """``jf.attention`` on the Triton kernels by name on a Hopper, where the default runs the
+    Mosaic GPU ones: the default of every other GPU."""
     if why := _hopper():
-        return why
-    if case.mask == "alibi_causal":
-        return "the Mosaic GPU kernels read no captured arrays (ALiBi's slopes): the default runs Triton's"
-    return _jf_forward("pallas_mosaic_gpu")(case)
+        return f"{why}: the default runs the Triton kernels"
+    if case.mask == "alibi_causal" or case.sq < config.PACK_GQA_BELOW:
+        return "the default runs the Triton kernels (ALiBi's captured slopes, decoding)"
+    return _jf_forward("pallas_triton")(case)
 
 
 def _jf_decoding(case: Case) -> Callable | str:
@@ -835,7 +836,7 @@ def _contenders(backend: str) -> list[Contender]:
         return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), jnn_xla]
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
-        _jax_contender("jaxforge-mgpu", _jf_mosaic, essential=everywhere),
+        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(
