@@ -664,7 +664,7 @@ def _jf_triton(case: Case) -> Callable | str:
     Mosaic GPU ones: the default of every other GPU."""
     if why := _hopper():
         return f"{why}: the default runs the Triton kernels"
-    if case.mask == "alibi_causal" or case.sq < config.PACK_GQA_BELOW:
+    if case.mask == "alibi_causal" or config.decoding(case.sq):
         return "the default runs the Triton kernels (ALiBi's captured slopes, decoding)"
     return _jf_forward("pallas_triton")(case)
 
@@ -672,7 +672,7 @@ def _jf_triton(case: Case) -> Callable | str:
 def _jf_decoding(case: Case) -> Callable | str:
     """``jf.attention`` on the Triton kernels by name where the default may not pack GQA heads or
     split the keys (decoding shapes, config.TRITON_DECODING_VALIDATED)."""
-    if not (case.sq < config.PACK_GQA_BELOW and case.hq > case.hkv):
+    if not (config.decoding(case.sq) and case.hq > case.hkv):
         return "not a decoding shape: the default runs the same kernels"
     return _jf_forward("pallas_triton")(case)
 

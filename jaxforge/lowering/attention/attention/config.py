@@ -13,6 +13,7 @@ from jaxforge.primitives.attention.attention import Implementation
 
 __all__ = [
     "PACK_GQA_BELOW",
+    "decoding",
     "kv_splits",
     "mosaic_bwd_smem",
     "mosaic_bwd_tiles",
@@ -72,6 +73,12 @@ _TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False
 PACK_GQA_BELOW = 16
 
 
+def decoding(sq: int) -> bool:
+    """Whether ``sq`` queries a head are fewer than the smallest Triton tile (a symbolic length
+    may be long)."""
+    return not jax.export.is_symbolic_dim(sq) and sq < PACK_GQA_BELOW
+
+
 # The XLA backward without a mask packs GQA groups at any length (xla.py passes ``any_length``):
 # each lane's key tile is then loaded once for the group and gk, gv need no sum over its heads.
 # Measured (2 cores, float32, backward alone): 2 x 1024 x 1024, 8 heads on 2, d64: 310 -> 290 ms;
@@ -79,12 +86,6 @@ PACK_GQA_BELOW = 16
 # whole: 2 x 16 x 4096, 32 on 8, d128 527 -> 317 ms; 2 x 1024 x 1024, 8 on 2, d64 551 -> 530). Not
 # the forward (those: 102 -> 86 but 277 -> 341 ms) nor masked calls, whose packed tiles span more
 # keys (causal backward 173 -> 252, document 57 -> 63).
-def decoding(sq: int) -> bool:
-    """Whether ``sq`` queries a head are fewer than the smallest Triton tile (a symbolic length
-    may be long)."""
-    return not jax.export.is_symbolic_dim(sq) and sq < PACK_GQA_BELOW
-
-
 def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = False) -> bool:
     """Whether the query heads of each GQA group share tiles: ``impl.pack_gqa``, else for short
     query sequences (``sq < PACK_GQA_BELOW``) or, told ``any_length``, at every length; never
