@@ -101,12 +101,12 @@ def test_decoding_packs_gqa_heads_and_splits_keys(dtype):
     from jaxforge.functional.attention import Implementation
 
     lengths = np.asarray([2000, 1234, 0])
+    decoding = Implementation("pallas_triton", pack_gqa=True, kv_splits=7)
     for sq in (1, 5):
         q, k, v = inputs(dtype, b=3, sq=sq, skv=2000, hq=8, hkv=2, d=128, dv=128)
         tangents = inputs(dtype, b=3, sq=sq, skv=2000, hq=8, hkv=2, d=128, dv=128, seed=1)
-        decoding = Implementation("pallas_triton", pack_gqa=True, kv_splits=7)
         mask = jf.masks.padding(jnp.asarray(lengths)) & jf.masks.causal(2000 - sq)
-        b, h, i, j = grid(3, 8, sq, 2000)
+        b, _, i, j = grid(3, 8, sq, 2000)
         visible = (j < lengths[b]) & (j <= i + 2000 - sq)
 
         def run(f, q, k, v, t):
