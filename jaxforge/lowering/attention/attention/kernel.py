@@ -173,9 +173,10 @@ def tile_loop(tiles, full_tiles, body, carry):
     lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*bounds)) for x in bounds)  # spans mix int widths
     full_lo = jnp.clip(full_lo, lo, hi)
     full_hi = jnp.clip(full_hi, full_lo, hi)
-    carry = lax.fori_loop(lo, full_lo, lambda t, c: body(t, c, True), carry)
+    masked = lambda t, c: body(t, c, True)  # noqa: E731
+    carry = lax.fori_loop(lo, full_lo, masked, carry)
     carry = lax.fori_loop(full_lo, full_hi, lambda t, c: body(t, c, False), carry)
-    return lax.fori_loop(full_hi, hi, lambda t, c: body(t, c, True), carry)
+    return lax.fori_loop(full_hi, hi, masked, carry)
 
 
 def _dot(geo: Geometry, a, b, contract=((1,), (0,))):
