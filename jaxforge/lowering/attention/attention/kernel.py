@@ -10,6 +10,7 @@ visit the tiles that ``Mods.span`` says can be visible, so causal and windowed m
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,15 +169,31 @@ def bounds_table(bounds, num_tiles: int, span_items) -> jax.Array:
 
 
 def tile_loop(tiles, full_tiles, body, carry):
-    """``body(t, carry, masked)`` over ``tiles``: the wholly visible ones in the middle unmasked."""
-    bounds = (*tiles, *full_tiles)
-    lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*bounds)) for x in bounds)  # spans mix int widths
+    """``body(t, carry, masked)`` over ``tiles``: the wholly visible ones in the middle unmasked.
+
+    A loop whose range is empty at trace time (no mask: no masked tiles where the keys fill whole
+    tiles; causal: none before the visible ones) is left out of the program."""
+    raw = (*tiles, *full_tiles)
+    lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*raw)) for x in raw)  # spans mix int widths
     full_lo = jnp.clip(full_lo, lo, hi)
     full_hi = jnp.clip(full_hi, full_lo, hi)
-    masked = lambda t, c: body(t, c, True)  # noqa: E731
-    carry = lax.fori_loop(lo, full_lo, masked, carry)
-    carry = lax.fori_loop(full_lo, full_hi, lambda t, c: body(t, c, False), carry)
-    return lax.fori_loop(full_hi, hi, masked, carry)
+    masked = lambda t, c: body(t, c, True)  # noqa: E731  (one function: jax traces it once for both loops)
+    loops = ((lo, full_lo, masked), (full_lo, full_hi, lambda t, c: body(t, c, False)), (full_hi, hi, masked))
+    # Decided on the bounds as given: clipping them against a traced one traces them all.
+    (raw_lo, raw_hi, raw_full_lo, raw_full_hi), none = raw, _known_le(raw[1], raw[0])
+    empty = (none or _known_le(raw_full_lo, raw_lo), none or _known_le(raw_full_hi, raw_full_lo), none or _known_le(raw_hi, raw_full_hi))
+    for (start, stop, step), skip in zip(loops, empty):
+        if not skip:
+            carry = lax.fori_loop(start, stop, step, carry)
+    return carry
+
+
+def _known_le(a, b) -> bool:
+    """Whether ``a <= b`` is known at trace time (both ints, not traced)."""
+    try:
+        return operator.index(a) <= operator.index(b)
+    except TypeError:  # a traced value
+        return False
 
 
 def _dot(geo: Geometry, a, b, contract=((1,), (0,))):
