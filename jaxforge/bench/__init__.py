@@ -39,6 +39,7 @@ def run(
     tag: str | None = None,
     progress: Callable[[int, int, str], None] | None = None,
     budget_s=None,
+    date: datetime.date | None = None,
     **options,
 ) -> list[dict]:
     """Measures ``family`` and returns its records; writes them as JSON under ``out_dir`` if given,
@@ -46,35 +47,46 @@ def run(
 
     ``shapes`` selects named shapes (default: those tagged for this device), ``quick`` uses tiny
     shapes and one or two repeats, ``progress(done, total, label)`` follows the run, ``budget_s``
-    is the family's time budget (see its ``measure``; default: its own on a GPU); ``options``
-    go to the family's ``measure`` (attention: ``variants``).
+    is the family's time budget (see its ``measure``; default: its own on a GPU); ``date`` names
+    the results (default: the day the run starts, for every write, so a run past midnight keeps
+    one file); ``options`` go to the family's ``measure`` (attention: ``variants``).
     """
     if family not in FAMILIES:
         raise ValueError(f"unknown benchmark family {family!r}; known families: {sorted(FAMILIES)}")
-    checkpoint = None
+    checkpoint, date = None, date or datetime.date.today()
     if out_dir is not None:
-        checkpoint = functools.partial(write_results, family=family, out_dir=out_dir, quick=quick, tag=tag, complete=False)
+        checkpoint = functools.partial(write_results, family=family, out_dir=out_dir, quick=quick, tag=tag, complete=False, date=date)
     records = FAMILIES[family](shapes=shapes, quick=quick, progress=progress, budget_s=budget_s, checkpoint=checkpoint, **options)
     if out_dir is not None:
-        write_results(records, family, out_dir, quick=quick, tag=tag)
+        write_results(records, family, out_dir, quick=quick, tag=tag, date=date)
     return records
 
 
-def results_path(family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None) -> Path:
-    """``out_dir/<date>-<device>-<family>[-quick][-<tag>].json``."""
+def results_path(
+    family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None, date: datetime.date | None = None
+) -> Path:
+    """``out_dir/<date>-<device>-<family>[-quick][-<tag>].json`` (``date`` by default today)."""
     suffix = "".join(f"-{part}" for part in ("quick" if quick else None, tag) if part)
-    return Path(out_dir) / f"{datetime.date.today().isoformat()}-{device_name()}-{family}{suffix}.json"
+    return Path(out_dir) / f"{(date or datetime.date.today()).isoformat()}-{device_name()}-{family}{suffix}.json"
 
 
 def write_results(
-    records: list[dict], family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None, complete: bool = True
+    records: list[dict],
+    family: str,
+    out_dir: str | Path,
+    *,
+    quick: bool = False,
+    tag: str | None = None,
+    complete: bool = True,
+    date: datetime.date | None = None,
 ) -> Path:
     """Writes ``records`` to :func:`results_path` (``complete``: the run finished); returns the path."""
-    path = results_path(family, out_dir, quick=quick, tag=tag)
+    date = date or datetime.date.today()
+    path = results_path(family, out_dir, quick=quick, tag=tag, date=date)
     path.parent.mkdir(parents=True, exist_ok=True)
     results = dict(
         family=family,
-        date=datetime.date.today().isoformat(),
+        date=date.isoformat(),
         device=device_name(),
         device_kind=jax.devices()[0].device_kind,
         backend=jax.default_backend(),

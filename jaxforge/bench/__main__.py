@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import time
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.family != "attention":
             parser.error("--modes is for the attention family")
         options["modes"] = args.modes
-    start = time.perf_counter()
+    start, date = time.perf_counter(), datetime.date.today()
     try:
         records = run(
             args.family,
@@ -76,11 +77,12 @@ def main(argv: list[str] | None = None) -> int:
             tag=args.tag,
             progress=ProgressBar(),
             budget_s=budget,
+            date=date,
             **options,
         )
     except ValueError as e:  # an unknown shape name or mode: a usage error, not a crash
         parser.error(str(e))
-    path = results_path(args.family, args.out, quick=args.quick, tag=args.tag)
+    path = results_path(args.family, args.out, quick=args.quick, tag=args.tag, date=date)
     print(format_table(records))
     print(f"\n{len(records)} measurements in {time.perf_counter() - start:.0f} s; wrote {path}")
     return 0

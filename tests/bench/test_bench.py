@@ -1,5 +1,6 @@
 """Smoke tests of the benchmark runner on tiny shapes (``quick``)."""
 
+import datetime
 import json
 
 import numpy as np
@@ -81,8 +82,17 @@ def test_a_run_cut_off_leaves_the_shapes_it_finished(tmp_path):
     (path,) = tmp_path.glob("*-linalg-quick.json")
     saved = json.loads(path.read_text())
     assert saved["complete"] is False
+    assert path.name.startswith(saved["date"])
     assert {(r["op"], r["shape_name"]) for r in saved["records"]} == {("svd", "quick_tall")}
     assert all(r["status"] == "ok" for r in saved["records"] if r["implementation"] == "jaxforge")
+
+
+def test_every_write_of_a_run_carries_the_date_it_started(tmp_path):
+    """The checkpoints and the last write name one file, even when the day changes during the run."""
+    started = datetime.date(2001, 2, 3)  # not today
+    run("linalg", quick=True, shapes=["quick_wide"], out_dir=tmp_path, date=started, budget_s=0.0)
+    (path,) = tmp_path.glob("*.json")
+    assert path.name.startswith("2001-02-03-") and json.loads(path.read_text())["date"] == "2001-02-03"
 
 
 def test_table_has_one_row_per_record(quick_run):
