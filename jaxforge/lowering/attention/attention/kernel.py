@@ -173,15 +173,19 @@ def tile_loop(tiles, full_tiles, body, carry):
 
     A loop whose range is empty at trace time (no mask: no masked tiles where the keys fill whole
     tiles; causal: none before the visible ones) is left out of the program."""
-    raw = (*tiles, *full_tiles)
+    raw_lo, raw_hi, raw_full_lo, raw_full_hi = raw = (*tiles, *full_tiles)
     lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*raw)) for x in raw)  # spans mix int widths
     full_lo = jnp.clip(full_lo, lo, hi)
     full_hi = jnp.clip(full_hi, full_lo, hi)
     masked = lambda t, c: body(t, c, True)  # noqa: E731  (one function: jax traces it once for both loops)
     loops = ((lo, full_lo, masked), (full_lo, full_hi, lambda t, c: body(t, c, False)), (full_hi, hi, masked))
-    # Decided on the bounds as given: clipping them against a traced one traces them all.
-    (raw_lo, raw_hi, raw_full_lo, raw_full_hi), none = raw, _known_le(raw[1], raw[0])
-    empty = (none or _known_le(raw_full_lo, raw_lo), none or _known_le(raw_full_hi, raw_full_lo), none or _known_le(raw_hi, raw_full_hi))
+    # Decided on the bounds as given: clipped against a traced bound, they are all traced.
+    none = _known_le(raw_hi, raw_lo)
+    empty = (
+        none or _known_le(raw_full_lo, raw_lo),
+        none or _known_le(raw_full_hi, raw_full_lo),
+        none or _known_le(raw_hi, raw_full_hi),
+    )
     for (start, stop, step), skip in zip(loops, empty):
         if not skip:
             carry = lax.fori_loop(start, stop, step, carry)
