@@ -112,10 +112,14 @@ fi
 
 if wants pending; then
   echo "== attention benchmark: the rows that decide the attention flags still off (pending_kernels.py)"
-  limit=$(cap 240)
+  limit=$(cap 160)
   timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_gqa_8to1,decode_long_kv \
     --budget 0,$((limit - 40)) --tag pending --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[pending]=${PIPESTATUS[0]}
+  limit=$(cap 120)  # a gradient through a jvp: XLA's tiles (the default) against the Triton kernels
+  timeout "$limit" python3 -m jaxforge.bench attention --shapes long_d128_causal --modes jvp-grad \
+    --budget 0,$((limit - 40)) --tag pending-jvp-grad --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
+  rc[pending-jvp-grad]=${PIPESTATUS[0]}
 fi
 
 if wants tune; then

@@ -1,5 +1,5 @@
 """Command line: ``python -m jaxforge.bench {linalg,attention} [--shapes NAME,...] [--quick] [--budget S[,S]]
-[--variants BQxBKVwWsS,...] [--modes fwd,fwd+bwd,jvp,hvp,jvp2] [--out DIR] [--tag TAG]``."""
+[--variants BQxBKVwWsS,...] [--modes fwd,fwd+bwd,jvp,hvp,jvp2,jvp-grad] [--out DIR] [--tag TAG]``."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes",
         type=lambda text: [m for m in text.split(",") if m],
-        help="attention only: comma-separated modes among fwd,fwd+bwd,jvp,hvp,jvp2 (default: fwd,fwd+bwd,jvp)",
+        help="attention only: comma-separated modes among fwd,fwd+bwd,jvp,hvp,jvp2,jvp-grad (default: fwd,fwd+bwd,jvp)",
     )
     parser.add_argument("--tag", help="a word added to the file name and stored in the JSON")
     args = parser.parse_args(argv)

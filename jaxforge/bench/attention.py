@@ -10,7 +10,9 @@ GPU, ``bench_cpu`` in float32 elsewhere) is measured in three modes, and two mor
 * ``hvp`` (asked for by ``modes``): ``jax.jvp`` of the ``fwd+bwd`` gradient along the jvp's
   tangents, a Hessian-vector product (forward over reverse), giving the gradient's tangents;
 * ``jvp2`` (asked for by ``modes``): ``jax.jvp`` of the jvp's ``dout`` along the same tangents,
-  the second directional derivative ``ddout`` (forward over forward, Taylor mode).
+  the second directional derivative ``ddout`` (forward over forward, Taylor mode);
+* ``jvp-grad`` (asked for by ``modes``): ``jax.grad`` of ``sum(sin(dout))`` with respect to q, k
+  and v, a gradient through the jvp (reverse over forward: consistency-model training).
 
 Contenders (shared/ANCHORS.md), all timed in this process on the default device: jaxforge with
 its default implementation (and, on a GPU, ``implementation="xla"`` too); ``jax.nn.dot_product_attention``
@@ -61,8 +63,8 @@ from jaxforge.primitives.attention.attention import SHAPES
 __all__ = ["ALL_MODES", "MODES", "OPS", "QUICK_SHAPES", "WINDOW", "measure", "parse_variant", "variant_name"]
 
 MODES = ("fwd", "fwd+bwd", "jvp")  # the default
-ALL_MODES = (*MODES, "hvp", "jvp2")
-_FORWARD_AD_MODES = ("jvp", "hvp", "jvp2")  # a contender without forward-mode AD skips these
+ALL_MODES = (*MODES, "hvp", "jvp2", "jvp-grad")
+_FORWARD_AD_MODES = ("jvp", "hvp", "jvp2", "jvp-grad")  # a contender without forward-mode AD skips these
 WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
 DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
 BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
@@ -403,7 +405,8 @@ def _make_inputs(case: Case) -> Inputs:
 # ---------------------------------------------------------------- reference and accuracy
 
 _ACCURACY_NAMES = {
-    "fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout"), "hvp": ("hq", "hk", "hv"), "jvp2": ("ddout",)
+    "fwd": ("out",), "fwd+bwd": ("dq", "dk", "dv"), "jvp": ("out", "dout"), "hvp": ("hq", "hk", "hv"), "jvp2": ("ddout",),
+    "jvp-grad": ("jgq", "jgk", "jgv"),
 }  # fmt: skip
 
 
@@ -432,8 +435,8 @@ def _device_memory_bytes() -> int | None:
 
 
 def _reference(case: Case, x: Inputs, modes: Sequence[str]) -> tuple[dict | None, str | None]:
-    """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv``, ``ddout`` where ``modes`` has
-    "hvp", "jvp2"), or None and why there is none."""
+    """float32 ``out``, ``dq, dk, dv``, ``dout`` (and ``hq, hk, hv``, ``ddout``, ``jgq, jgk, jgv``
+    where ``modes`` has "hvp", "jvp2", "jvp-grad"), or None and why there is none."""
     # One (batch item, kv head) at a time: its scores, their tangents and cotangents in float32.
     item_bytes = 8 * (case.hq // case.hkv) * case.sq * case.skv * 4
     memory = _device_memory_bytes()
@@ -441,15 +444,15 @@ def _reference(case: Case, x: Inputs, modes: Sequence[str]) -> tuple[dict | None
         return None, f"no accuracy: the float32 reference needs ~{item_bytes / 2**30:.0f} GiB per head, more than it may take"
     try:
         with jax.default_matmul_precision("highest"):
-            fn = _reference_fn(case, "hvp" in modes, "jvp2" in modes)
-            out, (gq, gk, gv), dout, hvp, ddout = fn(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
-        second = dict(zip(("hq", "hk", "hv"), hvp)) | dict(zip(("ddout",), ddout))
+            fn = _reference_fn(case, "hvp" in modes, "jvp2" in modes, "jvp-grad" in modes)
+            out, (gq, gk, gv), dout, hvp, ddout, jvp_grad = fn(x.q, x.k, x.v, x.seg, x.do, x.dq, x.dk, x.dv)
+        second = dict(zip(("hq", "hk", "hv"), hvp)) | dict(zip(("ddout",), ddout)) | dict(zip(("jgq", "jgk", "jgv"), jvp_grad))
         return dict(out=out, dq=gq, dk=gk, dv=gv, dout=dout, **second), None
     except Exception as e:  # e.g. out of memory: the timings still stand
         return None, f"no accuracy: the float32 reference failed ({type(e).__name__}: {str(e)[:150]})"
 
 
-def _reference_fn(case: Case, hvp: bool, jvp2: bool):
+def _reference_fn(case: Case, hvp: bool, jvp2: bool, jvp_grad: bool):
     attend = _jnn_forward(case, "xla")
     bsz, hkv = case.batch, case.hkv
 
@@ -469,19 +472,20 @@ def _reference_fn(case: Case, hvp: bool, jvp2: bool):
         tangent = lambda *a: jax.jvp(fn, a, d)[1]  # noqa: E731
         out, vjp = jax.vjp(fn, *x)
         hv = jax.jvp(lambda *a: jax.vjp(fn, *a)[1](do), x, d)[1] if hvp else ()
+        jg = jax.grad(lambda *a: jnp.sum(jnp.sin(tangent(*a))), argnums=(0, 1, 2))(*x) if jvp_grad else ()
         if jvp2:  # the jvp of the tangent gives the tangent too
             dout, ddout = jax.jvp(tangent, x, d)
-            return out, vjp(do), dout, hv, (ddout,)
-        return out, vjp(do), tangent(*x), hv, ()
+            return out, vjp(do), dout, hv, (ddout,), jg
+        return out, vjp(do), tangent(*x), hv, (), jg
 
     @jax.jit
     def reference(q, k, v, seg, do, dq, dk, dv):
         seg_items = None if seg is None else jnp.repeat(seg, hkv, axis=0)[:, None, :]
         slopes = jnp.tile(jnp.asarray(alibi_slopes(case.hq)).reshape(hkv, -1), (bsz, 1))  # each item's heads
         items = (split(q), split(k), split(v), seg_items, slopes, split(do), split(dq), split(dk), split(dv))
-        out, grads, dout, hvp, ddout = lax.map(one, items)
+        out, grads, dout, hvp, ddout, jvp_grad = lax.map(one, items)
         merged = lambda xs: tuple(merge(x) for x in xs)  # noqa: E731
-        return merge(out), merged(grads), merge(dout), merged(hvp), merged(ddout)
+        return merge(out), merged(grads), merge(dout), merged(hvp), merged(ddout), merged(jvp_grad)
 
     return reference
 
@@ -535,6 +539,13 @@ def _jax_modes(attend: Callable, mode: str, x: Inputs) -> tuple[Callable, tuple]
             return jax.jvp(lambda q, k, v: jvp(q, k, v, seg, dq, dk, dv)[1], (q, k, v), (dq, dk, dv))[1:]
 
         return jax.jit(jvp2), (x.q, x.k, x.v, x.seg, x.dq, x.dk, x.dv)
+    if mode == "jvp-grad":
+        jvp, _ = _jax_modes(attend, "jvp", x)
+
+        def loss(q, k, v, seg, dq, dk, dv):
+            return jnp.sum(jnp.sin(jvp(q, k, v, seg, dq, dk, dv)[1].astype(jnp.float32)))
+
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))), (x.q, x.k, x.v, x.seg, x.dq, x.dk, x.dv)
     raise ValueError(f"unknown mode {mode!r}")
 
 

@@ -252,12 +252,12 @@ def test_attention_variants_are_timed_beside_the_default():
 
 
 def test_attention_second_order_modes_on_request():
-    """``modes`` picks among fwd, fwd+bwd, jvp, hvp (a jvp of the gradient) and jvp2 (a jvp of the
-    jvp), each checked against the reference's."""
-    modes = ("fwd", "hvp", "jvp2")
+    """``modes`` picks among fwd, fwd+bwd, jvp, hvp (a jvp of the gradient), jvp2 (a jvp of the
+    jvp) and jvp-grad (a gradient through the jvp), each checked against the reference's."""
+    modes = ("fwd", "hvp", "jvp2", "jvp-grad")
     records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=modes)
     assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in ("jaxforge", "jax.nn-xla")}
-    names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}}
+    names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}, "jvp-grad": {"jgq", "jgk", "jgv"}}
     for r in records:
         assert r["status"] == "ok", r
         assert set(r["accuracy"]) == names[r["mode"]]

@@ -188,3 +188,20 @@ def test_calls_whose_tiles_fit_no_shared_memory_of_the_gpu_take_xla(monkeypatch)
         kernels(256, jnp.float32, implementation="pallas_triton")
     monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
     assert kernels(256, jnp.float32) == {"jaxforge_attention_fwd", "jaxforge_attention_tangent"}
+
+
+@pytest.mark.parametrize("implementation,validated,kernels", [("pallas_triton", False, True), (None, False, False), (None, True, True)])
+def test_a_gradient_through_a_jvp_runs_the_tangent_bwd_kernels_by_name_or_once_validated(monkeypatch, implementation, validated, kernels):
+    monkeypatch.setattr(config, "TRITON_TANGENT_BWD_VALIDATED", validated)
+
+    def f(q, k, v, dq, dk, dv):
+        att = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), implementation=implementation)
+        return jax.grad(lambda *a: jnp.sum(jnp.sin(jax.jvp(att, a[:3], a[3:])[1].astype(jnp.float32))), tuple(range(6)))(q, k, v, dq, dk, dv)
+
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, q, kv, kv)
+    names = set(re.findall(r'name = "(jaxforge_attention_\w+)"', exported.mlir_module()))
+    assert ({"jaxforge_attention_tangent_bwd_rows", "jaxforge_attention_tangent_bwd_cols"} <= names) == kernels
+    assert "jaxforge_attention_bwd_dkv" in names  # the transpose in dq, dk, dv: the backward's kernels

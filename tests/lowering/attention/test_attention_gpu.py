@@ -70,6 +70,29 @@ def test_jvp_and_grad(mask, impl, dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * scale * 4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("mask", ["causal", "window_causal"])
+def test_grad_through_a_jvp_in_the_triton_kernels(mask, dtype):
+    """A gradient through a jvp (consistency-model training), in all six of (q, k, v, dq, dk, dv):
+    the tangent map's transpose in the tangent_bwd rows and cols kernels (until
+    config.TRITON_TANGENT_BWD_VALIDATED only by name), GQA 4:2 and softcap, against dense attention
+    in float32."""
+    q, k, v = inputs(dtype, d=128, dv=128)
+    tangents = inputs(dtype, d=128, dv=128, seed=1)
+    b, i, j = (grid(2, 4, 300, 333)[n] for n in (0, 2, 3))
+    visible = {"causal": j <= i, "window_causal": (j <= i) & (i - j < 96)}[mask] | (b < 0)
+
+    def grads(attend, *args):
+        loss = lambda *a: jnp.sum(jnp.sin(jax.jvp(attend, a[:3], a[3:])[1].astype(jnp.float32)))  # noqa: E731
+        return jax.jit(jax.grad(loss, tuple(range(6))))(*args)
+
+    got = grads(lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), softcap=20.0, implementation="pallas_triton"), q, k, v, *tangents)
+    want = grads(lambda q, k, v: dense_jnp(q, k, v, visible, softcap=20.0)[0], *(x.astype(jnp.float32) for x in (q, k, v, *tangents)))
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * scale * 4, rtol=0)
+
+
 def test_mla_head_dims_and_gqa():
     q, k, v = inputs(jnp.bfloat16, hq=8, hkv=1, d=192, dv=128)
     out = jax.jit(lambda *a: jf.attention(*a, mask=jf.masks.causal(), implementation="pallas_triton"))(q, k, v)

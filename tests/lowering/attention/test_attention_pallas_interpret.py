@@ -91,15 +91,51 @@ def test_sinks_through_the_kernels_lse_match_xla():
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 
-def test_grad_through_a_jvp_matches_xla():
-    """The kernels' first-order pieces (fwd, tangent, bwd) with XLA's second-order transpose."""
+THROUGH_A_JVP = ["none", "window_causal", "document", "fully_masked_rows"]
+
+
+@pytest.mark.parametrize(
+    "impl,mask",
+    [(PALLAS, m) for m in THROUGH_A_JVP] + [(PACKED, "causal_per_item")],
+    ids=THROUGH_A_JVP + ["packed-causal_per_item"],
+)
+def test_grad_through_a_jvp_matches_xla(impl, mask):
+    """A gradient through a jvp, in all six of (q, k, v, dq, dk, dv): the first-order kernels and the
+    tangent map's transpose in two kernels (tangent_bwd rows and cols), against XLA's tiles; the
+    loss reads out, dout and dlse."""
     args = (*inputs(), *inputs(seed=2))
 
     def loss(impl):
-        attend = lambda q, k, v: jf.attention(q, k, v, mask=MASKS["document"](), softcap=4.0, implementation=impl)
-        return lambda q, k, v, dq, dk, dv: jnp.sum(jnp.sin(jax.jvp(attend, (q, k, v), (dq, dk, dv))[1]))
+        attend = lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), softcap=4.0, implementation=impl, return_lse=True)
 
-    for a, b in zip(jax.grad(loss(PALLAS), tuple(range(6)))(*args), jax.grad(loss("xla"), tuple(range(6)))(*args)):
+        def f(q, k, v, dq, dk, dv):
+            (out, lse), (dout, dlse) = jax.jvp(attend, (q, k, v), (dq, dk, dv))
+            return jnp.sum(jnp.sin(dout)) + jnp.sum(jnp.where(jnp.isinf(lse), 0, dlse) ** 2) + jnp.sum(out**2)
+
+        return f
+
+    for a, b in zip(jax.grad(loss(impl), tuple(range(6)))(*args), jax.grad(loss("xla"), tuple(range(6)))(*args)):
+        np.testing.assert_allclose(a, b, atol=1e-11)
+        assert np.isfinite(a).all()
+
+
+def test_grad_through_a_jvp_along_a_captured_bias_matches_xla():
+    """The jvp also along a bias the score_mod reads at points (its tangent read beside it in the
+    kernels), then a gradient in q, k, v and the bias's tangent."""
+    q, k, v = inputs()
+    r = np.random.default_rng(5)
+    bias, dbias = (jnp.asarray(r.standard_normal((HQ, SQ + SKV))) for _ in range(2))
+
+    def loss(impl):
+        def f(q, k, v, dbias):
+            attend = lambda q, bias: jf.attention(  # noqa: E731
+                q, k, v, mask=jf.masks.causal(SKV - SQ), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + SKV], implementation=impl)
+            return jnp.sum(jnp.sin(jax.jvp(attend, (q, bias), (q, dbias))[1]))
+
+        return f
+
+    argnums = (0, 1, 2, 3)
+    for a, b in zip(jax.grad(loss(PALLAS), argnums)(q, k, v, dbias), jax.grad(loss("xla"), argnums)(q, k, v, dbias)):
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 

@@ -14,6 +14,10 @@ config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where confi
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
 (Triton's where they cannot, and in interpret mode: a primitive's lowering cannot host Mosaic
 GPU's interpreter).
+
+Second order runs XLA's tiles, but for a gradient through a jvp (attention_tangent_bwd), which
+runs Triton kernels where a call names them and, on GPU, by default once
+config.TRITON_TANGENT_BWD_VALIDATED.
 """
 
 import dataclasses
@@ -76,13 +80,7 @@ def _dispatch(prim, platform: str | None):
         mosaic_why_not = _mosaic_why_not(prim, mods, args, params) if asks_mosaic else "not asked for"
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
-            triton = (
-                not _symbolic(q, k, v)
-                and pallas_triton.triton_can_run(mods)
-                and (not pallas_triton.reads_captured_arrays(mods) or build.enabled(config.TRITON_POINT_READS_VALIDATED))
-                and pallas_triton.triton_fits(_TRITON_CALL[prim], q, k, v, implementation)
-            )
-            name = "pallas_triton" if triton else "xla"
+            name = "pallas_triton" if _triton_by_default(_TRITON_CALL[prim], q, k, v, mods, implementation) else "xla"
             if name == "pallas_triton" and not build.enabled(config.TRITON_DECODING_VALIDATED):
                 implementation = _without_decoding(implementation)
             # Mosaic neither packs GQA heads nor takes fewer than 128 rows a program: decoding stays
@@ -123,6 +121,17 @@ def _dispatch(prim, platform: str | None):
         )
 
     return lowering
+
+
+def _triton_by_default(call: str, q, k, v, mods, implementation) -> bool:
+    """Whether the GPU default may run ``call``'s Triton kernels: static shapes, masks and score mods
+    they can apply (reading captured arrays once validated), tiles that fit the GPU."""
+    return (
+        not _symbolic(q, k, v)
+        and pallas_triton.triton_can_run(mods)
+        and (not pallas_triton.reads_captured_arrays(mods) or build.enabled(config.TRITON_POINT_READS_VALIDATED))
+        and pallas_triton.triton_fits(call, q, k, v, implementation)
+    )
 
 
 def _symbolic(*arrays) -> bool:
@@ -210,7 +219,7 @@ for _prim in IMPLEMENTATIONS:
 
 
 def _second_order(impl, empty):
-    """Second order runs XLA on every platform (no kernels): ``impl`` at global batch and head
+    """Second order in XLA's tiles on every platform: ``impl`` at global batch and head
     indices; no rows or no keys (:func:`_is_empty`), ``empty(args, mods, params)``: zeros (a fully
     masked map)."""
 
@@ -229,10 +238,36 @@ def _zeros_like(*positions: int):
     return lambda args, mods, params: tuple(jnp.zeros_like(args[i]) for i in positions)
 
 
-# A jvp of a jvp, a grad through a jvp and a jvp of a grad (a Hessian-vector product): XLA's tiles.
+# A jvp of a jvp and a jvp of a grad (a Hessian-vector product): XLA's tiles.
 for _prim, _impl, _empty, _shared in (
     (attention_tangent2_p, xla.attention_tangent2_xla, _zeros_like(3, 4), shared_operands(5, 8)),  # (dout, dlse)
-    (attention_tangent_bwd_p, xla.attention_tangent_bwd_xla, _zeros_like(0, 1, 2, 3, 4), shared_operands(5, 5)),
     (attention_bwd_tangent_p, xla.attention_bwd_tangent_xla, functools.partial(_empty_results, attention_bwd_p), shared_operands(5, 9)),
 ):
     _core.register_lowering(_prim, _second_order(_impl, _empty), shards=True, shared_operands=_shared)
+
+
+def _tangent_bwd(platform: str | None):
+    """A grad through a jvp: the Triton kernels where a call names them ("pallas_mosaic_gpu" too,
+    which has none) or, on GPU, by default once config.TRITON_TANGENT_BWD_VALIDATED; else XLA's
+    tiles."""
+    tiles = _second_order(xla.attention_tangent_bwd_xla, _zeros_like(0, 1, 2, 3, 4))
+
+    def lowering(*args, mods, implementation, shards, **params):
+        q, k, v = args[:3]
+        named = implementation.name in ("pallas_triton", "pallas_mosaic_gpu")
+        if platform == "cuda" and implementation.name is None and build.enabled(config.TRITON_TANGENT_BWD_VALIDATED):
+            named = _triton_by_default("tangent_bwd", q, k, v, mods, implementation)
+            implementation = implementation if build.enabled(config.TRITON_DECODING_VALIDATED) else _without_decoding(implementation)
+        if not named or _symbolic(q, k, v) or not pallas_triton.triton_can_run(mods) or _is_empty(q, k):
+            return tiles(*args, mods=mods, implementation=implementation, shards=shards, **params)
+        batch_ids, head_offset = _global_indices(q.shape, shards)
+        return pallas_triton.attention_tangent_bwd_pallas(
+            *args, mods=mods, implementation=implementation, interpret=platform != "cuda", batch_ids=batch_ids,
+            head_offset=head_offset, **params,
+        )  # fmt: skip
+
+    return lowering
+
+
+for _platform in (None, "cuda"):
+    _core.register_lowering(attention_tangent_bwd_p, _tangent_bwd(_platform), platform=_platform, shards=True, shared_operands=shared_operands(5, 5))

@@ -53,17 +53,23 @@ TRITON_TUNED = {
     ("tangent", 128): (128, 64, 8, 2),
     ("bwd", 128): (64, 64, 4, 2),
 }
+# A gradient through a jvp (tangent_bwd rows and cols kernels) holds twice the backward's tiles a
+# program: it starts at the backward's D128 tiles, which fit head dims up to 128 (not yet measured).
+_TRITON_CALL_START = {"tangent_bwd": (64, 64, 4, 2)}
 # Per kernel, in head dims (d of q/k, dv of v): the width of the program's own tile rows and of the
 # rows its inner loop loads, the matmul operands that go through shared memory. fwd owns q and loads
 # k, v; tangent owns q, dq and loads k, v, dk, dv; bwd_dq owns q, dout and loads k, v; bwd_dkv owns
-# k, v and loads q, dout (and its lse, delta rows, 8 bytes a row).
+# k, v and loads q, dout (and its lse, delta rows, 8 bytes a row); tangent_bwd_rows owns q, dq, dout
+# and loads k, v, dk, dv; tangent_bwd_cols the other way round.
 _TRITON_WIDTHS = {
     "fwd": (lambda d, dv: d, lambda d, dv: d + dv),
     "tangent": (lambda d, dv: 2 * d, lambda d, dv: 2 * (d + dv)),
     "bwd_dq": (lambda d, dv: d + dv, lambda d, dv: d + dv),
     "bwd_dkv": (lambda d, dv: d + dv, lambda d, dv: d + dv),
+    "tangent_bwd_rows": (lambda d, dv: 2 * d + dv, lambda d, dv: 2 * (d + dv)),
+    "tangent_bwd_cols": (lambda d, dv: 2 * (d + dv), lambda d, dv: 2 * d + dv),
 }
-_TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False}
+_TRITON_OWNS_Q = {"fwd": True, "tangent": True, "bwd_dq": True, "bwd_dkv": False, "tangent_bwd_rows": True, "tangent_bwd_cols": False}
 
 
 # GQA packing (kernel.Geometry.pack): with fewer queries a head than the smallest Triton tile (16
@@ -99,6 +105,12 @@ def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = Fals
 # unpacked, unsplit kernels: then the default does both where config says (until then, on GPU, only
 # a call naming "pallas_triton" does).
 TRITON_DECODING_VALIDATED = False
+
+# The Triton kernels of a gradient through a jvp (attention_tangent_bwd: pallas_triton.py's
+# tangent_bwd rows and cols kernels), in place of XLA's tiles: True once their gpu test
+# (test_grad_through_a_jvp_in_the_triton_kernels) passes on an H200 and the bench's jvp-grad row
+# beats the XLA tiles; until then a call naming "pallas_triton" runs them.
+TRITON_TANGENT_BWD_VALIDATED = False
 
 # Split-KV (flash-decoding) in the Triton forward and tangent: where a call's programs (batch x
 # heads x query tiles) are fewer than the GPU's SMs, each program's key tiles are shared out over
@@ -198,8 +210,8 @@ def _tile_within(n, tile: int) -> int:
 def triton_start(kernels, d: int) -> tuple[int, int, int, int]:
     """``(block_q, block_kv, num_warps, num_stages)`` before the Implementation's own and the fit to
     shared memory, for the call running ``kernels`` at padded head dim ``d``."""
-    call = "bwd" if kernels[0].startswith("bwd") else kernels[0]
-    return TRITON_TUNED.get((call, d), TRITON_START)
+    call = kernels[0].rsplit("_", 1)[0] if kernels[0].startswith(("bwd_", "tangent_bwd_")) else kernels[0]
+    return TRITON_TUNED.get((call, d), _TRITON_CALL_START.get(call, TRITON_START))
 
 
 def triton_compiler(impl: Implementation, kernels, d: int) -> tuple[int, int]:

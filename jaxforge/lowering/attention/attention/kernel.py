@@ -29,6 +29,7 @@ __all__ = [
     "bwd_dq_rows",
     "fwd_rows",
     "tangent_bwd_cols",
+    "tangent_bwd_rows",
     "tangent_rows",
     "tile_loop",
 ]
@@ -439,17 +440,40 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
     return (gk, gv) if fused is None else (gk, gv, fused)
 
 
-def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, mask: MaskTiles, score_c, dscore, fused):
+def _tile_pairing(geo: Geometry, mods: Mods, dq, dk, dv, g_dout, b, h, i, j, mask: MaskTiles, score_c, dscore, masked):
+    """Tile (i, j)'s term of the pairing of the tangent's outputs with their cotangents, a function
+    of ``(q, k, v, lse, c)`` (the tangents and ``g_dout`` fixed): see :func:`tangent_bwd_cols`."""
+    h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
+
+    def pairing(q, k, v, lse, c):
+        raw = _scores(geo, q, k) * geo.scale
+        draw = (_scores(geo, dq, k) + _scores(geo, q, dk)) * geo.scale
+        s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
+        p = jnp.exp(jnp.where(visible, s, -jnp.inf) - _per_query(geo, lse))
+        w = _scores(geo, g_dout, v) + _per_query(geo, c)
+        return jnp.sum(jnp.sum(p * (jnp.where(visible, ds, 0) * w + _scores(geo, g_dout, dv)), axis=1))
+
+    return pairing
+
+
+def _seen(lse, c):
+    """``lse`` and ``c`` with 0 at the rows that see no key (they pair nothing)."""
+    seen = jnp.isfinite(lse)
+    return jnp.where(seen, lse, 0), jnp.where(seen, c, 0)
+
+
+def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, mask: MaskTiles, score_c, dscore, fused=None):
     """Key tile ``j`` of the tangent map's transpose in ``(q, k, v, out, lse)``, one query head.
 
     With ``c = g_dlse - g_dout·out`` per row, the pairing of the tangent's outputs with their
     cotangents is a sum over tiles, ``g_dout·dout + g_dlse·dlse = Σ_ij p_ij (ds_ij (g_dout_i·v_j +
-    c_i) + g_dout_i·dv_j)``, so each tile's term is differentiated by ``jax.vjp`` (softcap's and
+    c_i) + g_dout_i·dv_j)``, so each tile's term is differentiated by ``jax.grad`` (softcap's and
     score_mod's second derivatives included): recomputed per tile, O(tile) memory, like the
     backward. ``dscore``: the float score consts' tangents (the consts themselves fixed).
     ``load_q(i) -> (q, dq, lse, c, g_dout)``. ``fused = (gq, glse, gc)``: the query side,
-    whole (``(padded Sq, D)``, rows, rows), accumulated over key tiles (XLA holds them). Returns
-    ``(gk, gv, fused)``; the cotangent of ``out`` is ``-gc·g_dout``.
+    whole (``(padded Sq, D)``, rows, rows), accumulated over key tiles (XLA holds them); returns
+    ``(gk, gv, fused)``, without it ``(gk, gv)`` (a GPU program: :func:`tangent_bwd_rows` gives the
+    query side). The cotangent of ``out`` is ``-gc·g_dout``.
     """
     mask = mask.cols_loaded(j)
     up = lambda x: x.astype(geo.acc_dtype)  # noqa: E731  (second derivatives in the accumulation dtype)
@@ -458,19 +482,12 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
     def body(i, carry, masked):
         gk, gv, fused = carry
         q, dq, lse, c, g_dout = map(up, load_q(i))
-        h_row, q_idx, kv_idx, visible = _visible(geo, mods, b, h, i, j, mask, masked)
-        seen = jnp.isfinite(lse)  # rows that see no key pair nothing
-
-        def pairing(q, k, v, lse, c):
-            raw = _scores(geo, q, k) * geo.scale
-            draw = (_scores(geo, dq, k) + _scores(geo, q, dk)) * geo.scale
-            s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
-            p = jnp.exp(jnp.where(visible, s, -jnp.inf) - _per_query(geo, lse))
-            w = _scores(geo, g_dout, v) + _per_query(geo, c)
-            return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _scores(geo, g_dout, dv)))
-
-        _, pullback = jax.vjp(pairing, q, k, v, jnp.where(seen, lse, 0), jnp.where(seen, c, 0))
-        g_q, g_k, g_v, g_lse, g_c = pullback(jnp.ones((), geo.acc_dtype))
+        pairing = _tile_pairing(geo, mods, dq, dk, dv, g_dout, b, h, i, j, mask, score_c, dscore, masked)
+        args = (q, k, v, *_seen(lse, c))
+        if fused is None:
+            g_k, g_v = jax.grad(pairing, argnums=(1, 2))(*args)
+            return gk + g_k, gv + g_v, None
+        g_q, g_k, g_v, g_lse, g_c = jax.grad(pairing, argnums=(0, 1, 2, 3, 4))(*args)
         start = jnp.asarray(i, jnp.int32) * geo.block_q
         add = lambda whole, tile: lax.dynamic_update_slice_in_dim(  # noqa: E731
             whole, lax.dynamic_slice_in_dim(whole, start, geo.block_q) + tile, start, axis=0
@@ -478,4 +495,22 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
         return gk + g_k, gv + g_v, tuple(add(x, t) for x, t in zip(fused, (g_q, g_lse, g_c)))
 
     init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
-    return tile_loop(*geo.col_tiles(mods, j, mask), body, init)
+    gk, gv, fused = tile_loop(*geo.col_tiles(mods, j, mask), body, init)
+    return (gk, gv) if fused is None else (gk, gv, fused)
+
+
+def tangent_bwd_rows(geo: Geometry, mods: Mods, q, dq, lse, c, g_dout, load, b, h, i, mask: MaskTiles, score_c, dscore):
+    """``(gq, glse, gc)`` of query tile ``i``: the query side of :func:`tangent_bwd_cols`'s terms,
+    summed over the key tiles it sees; ``load(j) -> (k, v, dk, dv)``."""
+    mask = mask.rows_loaded(i)
+    up = lambda x: x.astype(geo.acc_dtype)  # noqa: E731
+    q, dq, g_dout = map(up, (q, dq, g_dout))
+    lse, c = _seen(up(lse), up(c))
+
+    def body(j, carry, masked):
+        k, v, dk, dv = map(up, load(j))
+        pairing = _tile_pairing(geo, mods, dq, dk, dv, g_dout, b, h, i, j, mask, score_c, dscore, masked)
+        return tuple(a + g for a, g in zip(carry, jax.grad(pairing, argnums=(0, 3, 4))(q, k, v, lse, c)))
+
+    init = (jnp.zeros(q.shape, geo.acc_dtype), jnp.zeros(lse.shape, geo.acc_dtype), jnp.zeros(lse.shape, geo.acc_dtype))
+    return tile_loop(*geo.row_tiles(mods, i, mask), body, init)

@@ -35,6 +35,8 @@ from jaxforge.lowering.attention.attention.kernel import (
     bwd_dkv_cols,
     bwd_dq_rows,
     fwd_rows,
+    tangent_bwd_cols,
+    tangent_bwd_rows,
     tangent_rows,
 )
 from jaxforge.primitives.attention import points
@@ -45,6 +47,7 @@ __all__ = [
     "CALL_KERNELS",
     "attention_bwd_pallas",
     "attention_fwd_pallas",
+    "attention_tangent_bwd_pallas",
     "attention_tangent_pallas",
     "reads_captured_arrays",
     "triton_can_run",
@@ -63,7 +66,12 @@ def triton_can_run(mods: Mods) -> bool:
 
 
 # The kernels of each call, which share its tiles.
-CALL_KERNELS = {"fwd": ("fwd",), "tangent": ("tangent",), "bwd": ("bwd_dq", "bwd_dkv")}
+CALL_KERNELS = {
+    "fwd": ("fwd",),
+    "tangent": ("tangent",),
+    "bwd": ("bwd_dq", "bwd_dkv"),
+    "tangent_bwd": ("tangent_bwd_rows", "tangent_bwd_cols"),
+}
 
 
 def triton_fits(call: str, q, k, v, implementation: Implementation) -> bool:
@@ -432,6 +440,94 @@ def attention_bwd_pallas(
         _back(gv, batch, geo.skv, v.shape[-1]),
         *(g.astype(score_c[c].dtype) for c, g in zip(wanted, g_consts)),
     )
+
+
+def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
+    """The tangent map's transpose in ``(q, k, v, out, lse)`` (a gradient through a jvp) as two
+    kernels, like the backward's: the query side ``(gq, glse, gc)`` over query tiles, the key side
+    ``(gk, gv)`` over key tiles (looping over the query heads of its GQA group); kernel.py's
+    tangent_bwd_rows and tangent_bwd_cols."""
+    geo, compiler = _geometry("tangent_bwd", q, k, v, scale, implementation)
+    offset = _global_offsets(geo, batch_ids, head_offset)
+    n_consts = mods.num_mask_consts + mods.num_score_consts
+    consts, (dq, dk, dv, g_dout, g_dlse, *dscore) = list(operands[:n_consts]), operands[n_consts:]
+    batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack, k.shape[-2]
+    sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    c = -xla.bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
+    rows = [_seq_major(xla.pack_heads(geo, x), sq_pad) for x in (q, dq, g_dout)]
+    rows += [xla.seq_last(xla.pack_heads(geo, x, rows=True), sq_pad) for x in (lse, c)]
+    cols = [_seq_major(x, skv_pad) for x in (k, v, dk, dv)]
+    d, dvp = rows[0].shape[-1], cols[1].shape[-1]
+    n_mask = mods.num_mask_consts
+    mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids, key_programs=True)
+    score_c, n_m, n_s = consts[n_mask:], len(mask_ops), len(consts) - n_mask
+    extra = (*mask_ops, *score_c, *dscore)
+    extra_specs = mask_specs + [_whole(x) for x in (*score_c, *dscore)]
+
+    def refs_of(in_refs):  # the mask's tiles, the score consts and their tangents (read at points)
+        values = [points.PointArray(r) for r in in_refs[n_m:]]
+        return mask_tiles(in_refs[:n_m]), values[:n_s], values[n_s:]
+
+    def rows_kernel(offset_ref, q_ref, dq_ref, g_ref, lse_ref, c_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
+        *in_refs, gq_ref, glse_ref, gc_ref = refs
+        b, h = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
+        load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)  # noqa: E731
+        gq, glse, gc = tangent_bwd_rows(
+            geo, mods, q_ref[...], dq_ref[...], lse_ref[...], c_ref[...], g_ref[...], load, b, h, pl.program_id(2), *refs_of(in_refs)
+        )
+        gq_ref[...] = gq.astype(gq_ref.dtype)
+        glse_ref[...], gc_ref[...] = glse, gc
+
+    gq, glse, gc = _call(
+        rows_kernel,
+        interpret,
+        (bsz, hq, geo.num_q_tiles),
+        [_whole(offset), _q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo), _row_block(geo)]
+        + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
+        + extra_specs,
+        [_q_block(geo, d), _row_block(geo), _row_block(geo)],
+        [jax.ShapeDtypeStruct(rows[0].shape, q.dtype), *(jax.ShapeDtypeStruct(rows[3].shape, geo.acc_dtype) for _ in range(2))],
+        (offset, *rows, *cols, *extra),
+        "jaxforge_attention_tangent_bwd_rows",
+        compiler,
+    )
+
+    def cols_kernel(offset_ref, k_ref, v_ref, dk_ref, dv_ref, q_ref, dq_ref, g_ref, lse_ref, c_ref, *refs):
+        *in_refs, gk_ref, gv_ref = refs
+        b, hk, j = offset_ref[pl.program_id(0)], offset_ref[bsz] // geo.group + pl.program_id(1), pl.program_id(2)
+        key_side = [r[...] for r in (k_ref, v_ref, dk_ref, dv_ref)]
+
+        def head(g, acc):
+            def load_q(i):
+                rows = pl.ds(i * geo.block_q, geo.block_q)
+                return q_ref[rows, g, :], dq_ref[rows, g, :], lse_ref[g, rows], c_ref[g, rows], g_ref[rows, g, :]
+
+            gk, gv = tangent_bwd_cols(geo, mods, *key_side, load_q, b, hk * geo.group + g, j, *refs_of(in_refs))
+            return acc[0] + gk, acc[1] + gv
+
+        zeros = tuple(jnp.zeros(x.shape, geo.acc_dtype) for x in key_side[:2])
+        gk, gv = jax.lax.fori_loop(0, geo.group, head, zeros)
+        gk_ref[...] = gk.astype(gk_ref.dtype)
+        gv_ref[...] = gv.astype(gv_ref.dtype)
+
+    kv_block = lambda d: pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))  # noqa: E731
+    group_q = lambda d: pl.BlockSpec((_SQ, sq_pad, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))  # noqa: E731
+    group_rows = pl.BlockSpec((_SQ, geo.group, sq_pad), lambda b, hk, j: (b, hk, 0))
+    gk, gv = _call(
+        cols_kernel,
+        interpret,
+        (bsz, hkv, geo.num_kv_tiles),
+        [_whole(offset), kv_block(d), kv_block(dvp), kv_block(d), kv_block(dvp), group_q(d), group_q(d), group_q(dvp), group_rows, group_rows]
+        + extra_specs,
+        [kv_block(d), kv_block(dvp)],
+        [jax.ShapeDtypeStruct(cols[0].shape, k.dtype), jax.ShapeDtypeStruct(cols[1].shape, v.dtype)],
+        (offset, *cols, *rows, *extra),
+        "jaxforge_attention_tangent_bwd_cols",
+        compiler,
+    )
+    gq, glse, gc = _queries_back(geo, batch, gq, q.shape[-1]), _queries_back(geo, batch, glse), _queries_back(geo, batch, gc)
+    gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
+    return gq, _back(gk, batch, geo.skv, k.shape[-1]), _back(gv, batch, geo.skv, v.shape[-1]), gout.astype(out.dtype), glse.astype(lse.dtype)
 
 
 def _wanted_consts(score_c, const_grads) -> list[int]:
