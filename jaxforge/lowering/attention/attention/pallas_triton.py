@@ -124,6 +124,18 @@ def _row_block(geo: Geometry, splits: int = 1):  # lse/delta rows (B, Hq, S) of 
     return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, p: (b, h, p // splits))
 
 
+def _key_block(geo: Geometry, d: int):  # one key tile of one kv head, grid (b, hk, j)
+    return pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))
+
+
+def _group_block(geo: Geometry, padded: int, d: int):  # every query of the kv head's GQA group, grid (b, hk, j)
+    return pl.BlockSpec((_SQ, padded, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))
+
+
+def _group_rows(geo: Geometry, padded: int):  # lse/delta rows (B, Hq, S) of the kv head's GQA group
+    return pl.BlockSpec((_SQ, geo.group, padded), lambda b, hk, j: (b, hk, 0))
+
+
 def _item_block(x):  # one local batch item's row of (B, ...), whole
     return pl.BlockSpec((_SQ, *x.shape[1:]), lambda b, *_: (b,) + (0,) * (x.ndim - 1))
 
@@ -418,17 +430,15 @@ def attention_bwd_pallas(
         gk_ref[...] = gk.astype(gk_ref.dtype)
         gv_ref[...] = gv.astype(gv_ref.dtype)
 
-    kv_block = lambda d: pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))
-    group_q = lambda d: pl.BlockSpec((_SQ, sq_pad, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))
-    group_rows = pl.BlockSpec((_SQ, geo.group, sq_pad), lambda b, hk, j: (b, hk, 0))
+    keys, group = (lambda d: _key_block(geo, d)), (lambda d: _group_block(geo, sq_pad, d))  # noqa: E731
     gk, gv = _call(
         dkv_kernel,
         interpret,
         (bsz, hkv, geo.num_kv_tiles),
-        [_whole(offset), kv_block(d), kv_block(dv), group_q(d), group_q(dv), group_rows, group_rows]
+        [_whole(offset), keys(d), keys(dv), group(d), group(dv), _group_rows(geo, sq_pad), _group_rows(geo, sq_pad)]
         + mask_specs
         + [_whole(c) for c in score_c],
-        [kv_block(d), kv_block(dv)],
+        [keys(d), keys(dv)],
         [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         (offset, kp, vp, qp, gp, lse_p, delta_p, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dkv",
@@ -510,16 +520,14 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
         gk_ref[...] = gk.astype(gk_ref.dtype)
         gv_ref[...] = gv.astype(gv_ref.dtype)
 
-    kv_block = lambda d: pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))  # noqa: E731
-    group_q = lambda d: pl.BlockSpec((_SQ, sq_pad, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))  # noqa: E731
-    group_rows = pl.BlockSpec((_SQ, geo.group, sq_pad), lambda b, hk, j: (b, hk, 0))
+    keys, group = (lambda d: _key_block(geo, d)), (lambda d: _group_block(geo, sq_pad, d))  # noqa: E731
     gk, gv = _call(
         cols_kernel,
         interpret,
         (bsz, hkv, geo.num_kv_tiles),
-        [_whole(offset), kv_block(d), kv_block(dvp), kv_block(d), kv_block(dvp), group_q(d), group_q(d), group_q(dvp), group_rows, group_rows]
+        [_whole(offset), keys(d), keys(dvp), keys(d), keys(dvp), group(d), group(d), group(dvp), _group_rows(geo, sq_pad), _group_rows(geo, sq_pad)]
         + extra_specs,
-        [kv_block(d), kv_block(dvp)],
+        [keys(d), keys(dvp)],
         [jax.ShapeDtypeStruct(cols[0].shape, k.dtype), jax.ShapeDtypeStruct(cols[1].shape, v.dtype)],
         (offset, *cols, *rows, *extra),
         "jaxforge_attention_tangent_bwd_cols",
