@@ -300,8 +300,9 @@ SHARDED_MASKS = {  # built inside the shard from the local blocks of the segment
 
 @pytest.mark.parametrize("mask", sorted(SHARDED_MASKS))
 def test_kernels_run_inside_shard_map(mask):
-    """Inside jf.shard (check_vma on) each device's kernels see their batch block: forward, jvp and
-    grad against the unsharded XLA lowering (pallas_call there needs its outputs' varying axes)."""
+    """Inside jf.shard (check_vma on) each device's kernels see their batch block: forward, jvp,
+    grad and a grad through the jvp against the unsharded XLA lowering (pallas_call there needs
+    its outputs' varying axes)."""
     q, k, v = inputs()
 
     def attend(implementation):
@@ -316,12 +317,17 @@ def test_kernels_run_inside_shard_map(mask):
     ref = lambda q, k, v: attend("xla")(q, k, v, SCATTERED[:, :SQ], SCATTERED)
     tangents = inputs(seed=2)
     loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    jvp_loss = lambda f: (lambda *a: jnp.sum(jnp.sin(jax.jvp(f, a[:3], a[3:])[1])))
+    six = tuple(range(6))
     with jax.set_mesh(mesh):
-        got = jax.jit(lambda *a: (ours(*a[:3]), jax.jvp(ours, a[:3], a[3:])[1], jax.grad(loss(ours), (0, 1, 2))(*a[:3])))
-        out, dout, grads = got(q, k, v, *tangents)
+        got = jax.jit(lambda *a: (
+            ours(*a[:3]), jax.jvp(ours, a[:3], a[3:])[1], jax.grad(loss(ours), (0, 1, 2))(*a[:3]), jax.grad(jvp_loss(ours), six)(*a)))
+        out, dout, grads, through = got(q, k, v, *tangents)
     np.testing.assert_allclose(out, ref(q, k, v), atol=1e-12)
     np.testing.assert_allclose(dout, jax.jvp(ref, (q, k, v), tangents)[1], atol=1e-11)
     for a, b in zip(grads, jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-11)
+    for a, b in zip(through, jax.grad(jvp_loss(ref), six)(q, k, v, *tangents)):
         np.testing.assert_allclose(a, b, atol=1e-11)
 
 
