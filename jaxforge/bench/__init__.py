@@ -62,12 +62,10 @@ def run(
     return records
 
 
-def results_path(
-    family: str, out_dir: str | Path, *, quick: bool = False, tag: str | None = None, date: datetime.date | None = None
-) -> Path:
-    """``out_dir/<date>-<device>-<family>[-quick][-<tag>].json`` (``date`` by default today)."""
+def results_path(family: str, out_dir: str | Path, *, date: datetime.date, quick: bool = False, tag: str | None = None) -> Path:
+    """``out_dir/<date>-<device>-<family>[-quick][-<tag>].json``."""
     suffix = "".join(f"-{part}" for part in ("quick" if quick else None, tag) if part)
-    return Path(out_dir) / f"{(date or datetime.date.today()).isoformat()}-{device_name()}-{family}{suffix}.json"
+    return Path(out_dir) / f"{date.isoformat()}-{device_name()}-{family}{suffix}.json"
 
 
 def write_results(
@@ -78,10 +76,10 @@ def write_results(
     quick: bool = False,
     tag: str | None = None,
     complete: bool = True,
-    date: datetime.date | None = None,
+    date: datetime.date,
 ) -> Path:
-    """Writes ``records`` to :func:`results_path` (``complete``: the run finished); returns the path."""
-    date = date or datetime.date.today()
+    """Writes ``records`` to :func:`results_path` (``complete``: the run finished; ``date``: the
+    day the run began); returns the path."""
     path = results_path(family, out_dir, quick=quick, tag=tag, date=date)
     path.parent.mkdir(parents=True, exist_ok=True)
     results = dict(

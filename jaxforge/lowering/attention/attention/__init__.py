@@ -254,11 +254,11 @@ def _tangent_bwd(platform: str | None):
 
     def lowering(*args, mods, implementation, shards, **params):
         q, k, v = args[:3]
-        named = implementation.name in ("pallas_triton", "pallas_mosaic_gpu")
+        triton = implementation.name in ("pallas_triton", "pallas_mosaic_gpu")
         if platform == "cuda" and implementation.name is None and build.enabled(config.TRITON_TANGENT_BWD_VALIDATED):
-            named = _triton_by_default("tangent_bwd", q, k, v, mods, implementation)
+            triton = _triton_by_default("tangent_bwd", q, k, v, mods, implementation)
             implementation = implementation if build.enabled(config.TRITON_DECODING_VALIDATED) else _without_decoding(implementation)
-        if not named or _symbolic(q, k, v) or not pallas_triton.triton_can_run(mods) or _is_empty(q, k):
+        if not triton or _symbolic(q, k, v) or not pallas_triton.triton_can_run(mods) or _is_empty(q, k):
             return tiles(*args, mods=mods, implementation=implementation, shards=shards, **params)
         batch_ids, head_offset = _global_indices(q.shape, shards)
         return pallas_triton.attention_tangent_bwd_pallas(

@@ -451,7 +451,7 @@ def _tile_pairing(geo: Geometry, mods: Mods, dq, dk, dv, g_dout, b, h, i, j, mas
         s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
         p = jnp.exp(jnp.where(visible, s, -jnp.inf) - _per_query(geo, lse))
         w = _scores(geo, g_dout, v) + _per_query(geo, c)
-        return jnp.sum(jnp.sum(p * (jnp.where(visible, ds, 0) * w + _scores(geo, g_dout, dv)), axis=1))
+        return jnp.sum(p * (jnp.where(visible, ds, 0) * w + _scores(geo, g_dout, dv)))
 
     return pairing
 
