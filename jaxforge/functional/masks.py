@@ -441,9 +441,11 @@ def _int32_ids(q_seg, kv_seg):
     return tuple(count_below(every, ids.ravel()).reshape(ids.shape) for ids in (q_seg, kv_seg))
 
 
+@jax.jit
 def _document_ranges(q_seg, kv_seg) -> tuple:
     """Which keys each query's document holds, and back (``SegmentSpan``'s arrays), over the
-    common leading dims of the two id arrays: tiles across documents are skipped."""
+    common leading dims of the two id arrays: tiles across documents are skipped. Jitted: a mask
+    built eagerly compiles one program per shape, not each of its operations."""
     try:
         lead = jnp.broadcast_shapes(q_seg.shape[:-1], kv_seg.shape[:-1])
     except ValueError:

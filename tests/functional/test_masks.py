@@ -96,6 +96,17 @@ def test_an_eager_call_with_new_segment_ids_compiles_nothing(dtype, backend_comp
     assert backend_compiles == []
 
 
+@pytest.mark.parametrize("kv_len", [None, SKV], ids=["self", "cross"])
+def test_a_document_mask_of_a_new_shape_built_eagerly_compiles_one_program(kv_len, backend_compiles):
+    """Its spans (a sort and a binary search each way) are one jitted program, not one compile
+    per operation (0.6 s a new shape, now 0.25)."""
+    ids = lambda n: jnp.asarray(np.sort(rng.integers(0, 3, (B + 1, n))).astype(np.int32))  # noqa: E731  a shape no other test uses
+    q_ids, kv_ids = ids(SQ + 1), None if kv_len is None else ids(kv_len + 1)
+    backend_compiles.clear()
+    jax.block_until_ready(jax.tree.leaves(jf.masks.document(q_ids, kv_ids)))
+    assert len(backend_compiles) == 1
+
+
 @pytest.mark.parametrize("name", sorted(MASKS))
 def test_a_mask_passes_into_jit_as_an_argument(name):
     """A mask is a pytree of its runtime arrays: given to ``jit`` as an argument (its arrays

@@ -315,7 +315,7 @@ def segment_ranges(ids, other):
     size = other.shape[-1]
     order = jnp.argsort(other, axis=-1, stable=True).astype(jnp.int32)
     ordered = jnp.take_along_axis(other, order, axis=-1)
-    left, right = count_below(ordered, ids), count_below(ordered, ids, inclusive=True)
+    left, right = _counts_below(ordered, ids, (False, True))  # both bounds in one search
     present = right > left
     first = jnp.take_along_axis(order, jnp.clip(left, 0, size - 1), axis=-1)
     last = jnp.take_along_axis(order, jnp.clip(right - 1, 0, size - 1), axis=-1)
@@ -333,23 +333,28 @@ def count_below(values, queries, inclusive: bool = False):
     symbolic lengths (``jax.export``); a symbolic ``T`` takes the steps of int32's range. Int32.
     Jitted: called eagerly (a document mask built outside ``jit``), its loop compiles once per
     shape, not at every call."""
+    return _counts_below(values, queries, (inclusive,))[0]
+
+
+def _counts_below(values, queries, inclusive: tuple[bool, ...]) -> tuple:
+    """:func:`count_below` for each flag of ``inclusive``, the searches side by side in one loop."""
     size = values.shape[-1]
     steps = 31 if jax.export.is_symbolic_dim(size) else int(size).bit_length()
-    below = jnp.less_equal if inclusive else jnp.less
+    belows = [jnp.less_equal if flag else jnp.less for flag in inclusive]
 
-    def step(_, bounds):  # the count lies in [lo, hi]
-        lo, hi = bounds
-        mid = (lo + hi) // 2
-        value = jnp.take_along_axis(values, jnp.clip(mid, 0, size - 1), axis=-1)
-        right = (lo < hi) & below(value, queries)
-        return jnp.where(right, mid + 1, lo), jnp.where(right | (lo == hi), hi, mid)
+    def step(_, bounds):  # each count lies in its [lo, hi]
+        new = []
+        for below, (lo, hi) in zip(belows, bounds):
+            mid = (lo + hi) // 2
+            value = jnp.take_along_axis(values, jnp.clip(mid, 0, size - 1), axis=-1)
+            right = (lo < hi) & below(value, queries)
+            new.append((jnp.where(right, mid + 1, lo), jnp.where(right | (lo == hi), hi, mid)))
+        return tuple(new)
 
-    bounds = jnp.zeros(queries.shape, jnp.int32), jnp.full(queries.shape, size, jnp.int32)
-    if steps == 0:
-        return bounds[0]
-    # The first step outside the loop gives the carry its operands' type (under shard_map, the
-    # mesh axes they vary along), which a constant initial carry lacks.
-    return jax.lax.fori_loop(1, steps, step, step(0, bounds))[0]
+    # Bounds made like the queries carry their type (under shard_map, the mesh axes they vary
+    # along), which the loop's updates have and a constant lacks.
+    bounds = tuple((jnp.zeros_like(queries, jnp.int32), jnp.full_like(queries, size, jnp.int32)) for _ in belows)
+    return tuple(lo for lo, _ in jax.lax.fori_loop(0, steps, step, bounds))
 
 
 @dataclasses.dataclass(frozen=True)
