@@ -136,23 +136,24 @@ def _jvp(primals, tangents, *, rcond: float):
     x, residuals, rank, s, r = lstsq_p.bind(a, b, rcond=rcond)
     x, rank, r = _core.named_residuals((x, rank, r), RESIDUAL_NAMES)
     da, db = (_core.instantiate_zeros(t) for t in tangents)
-    m, n = a.shape[-2:]
-    k = min(m, n)
-    if k == 0:
-        dx, ds, dr = jnp.zeros_like(x), jnp.zeros_like(s), jnp.zeros_like(r)
+    if min(a.shape[-2:]) == 0:
+        dx, dres, ds, dr = jnp.zeros_like(x), jnp.zeros_like(residuals), jnp.zeros_like(s), jnp.zeros_like(r)
     else:
-        s, dx, ds, dr = _tangents(a, b, x, rank, r, da, db)
-    dres = jnp.zeros_like(residuals)
-    if m > n:
-        dres = 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
+        s, dx, dres, ds, dr = _tangents(a, b, x, rank, r, da, db)
     return (x, residuals, rank, s, r), (dx, dres, _core.zero_tangent(rank), ds, dr)
+
+
+def _residual_tangent(a, b, x, da, db, dx):
+    """The residuals' tangent ``2 Re Σ conj(b − Ax) ∘ (db − dA x − A dx)`` (tall problems)."""
+    return 2 * jnp.sum(jnp.real(jnp.conj(b - mm(a, x)) * (db - mm(da, x) - mm(a, dx))), axis=-2)
 
 
 @jax.jit
 def _tangents(a, b, x, rank, r, da, db):
-    """``(s, dx, ds, dr)`` of a nonempty problem: ``s`` recomputed (below), the tangents of the
-    solution, the singular values and the factor. Jitted: an eager jvp or grad (one outside
-    ``jit``) compiles its two ``lax.cond`` once per shape, not at every call."""
+    """``(s, dx, dres, ds, dr)`` of a nonempty problem: ``s`` recomputed (below), the tangents of
+    the solution, the residuals (tall problems; else empty), the singular values and the factor.
+    Jitted: an eager jvp or grad (one outside ``jit``) compiles one program per shape, its two
+    ``lax.cond`` included, not each of its operations."""
     k = min(a.shape[-2:])
     # On CPU every LAPACK call is chained after the previous one (_ops.after): R⁻¹'s solve after
     # the forward's solution, the rank-deficient branch's SVD of R after that solve, and last the
@@ -177,7 +178,9 @@ def _tangents(a, b, x, rank, r, da, db):
     )
     s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
     ds = _singular_value_tangent(a, s, v_r, rank, da)
-    return s, dx, ds, dr
+    m, n = a.shape[-2:]
+    dres = _residual_tangent(a, b, x, da, db, dx) if m > n else jnp.zeros((*a.shape[:-2], 0), ds.dtype)
+    return s, dx, dres, ds, dr
 
 
 def _right_svd(r):

@@ -45,6 +45,9 @@ Where things live:
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -99,14 +102,22 @@ def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     s, u, vh = svd_p.bind(a, full_matrices=full_matrices, compute_uv=True, grad_eps=grad_eps)
     s, u, vh = _core.named_residuals((s, u, vh), RESIDUAL_NAMES)
     da = _core.instantiate_zeros(da)
-    m, n = a.shape[-2:]
+    tangents = _tangents(s, u, vh, da, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
+    return ((s, u, vh) if compute_uv else (s,)), tangents
+
+
+@functools.partial(jax.jit, static_argnames=("full_matrices", "compute_uv", "grad_eps"))
+def _tangents(s, u, vh, da, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
+    """``(ds, du, dvh)`` (``(ds,)`` without ``compute_uv``) along ``da``. Jitted: an eager jvp or
+    grad compiles one program per shape, not each of its ~40 operations."""
+    m, n = da.shape[-2:]
     k = min(m, n)
     u_k, v_k = u[..., :, :k], ct(vh[..., :k, :])
 
     dp = mm(mm(ct(u_k), da), v_k)
     ds = jnp.real(diagonal(dp))
     if not compute_uv:
-        return (s,), (ds,)
+        return (ds,)
 
     # F_jk = 1/((s_k - s_j)(s_k + s_j)); the diagonal is masked before dividing so that no inf
     # reaches a where() (whose unselected branch would still poison second derivatives).
@@ -114,14 +125,14 @@ def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     off_diag = ~jnp.eye(k, dtype=bool)
     diff = jnp.where(off_diag, s_row - s_col, 1)
     f = jnp.where(off_diag, reciprocal(diff, grad_eps) * reciprocal(s_row + s_col, grad_eps), 0)
-    f = f.astype(a.dtype)
-    s_c = s.astype(a.dtype)
+    f = f.astype(da.dtype)
+    s_c = s.astype(da.dtype)
     dp_s = dp * s_c[..., None, :]  # dP S
     s_dp = s_c[..., :, None] * dp  # S dP
     omega_u = f * (dp_s + ct(dp_s))
     omega_v = f * (s_dp + ct(s_dp))
-    s_inv = reciprocal(s, grad_eps).astype(a.dtype)
-    if jnp.iscomplexobj(a):
+    s_inv = reciprocal(s, grad_eps).astype(da.dtype)
+    if jnp.iscomplexobj(da):
         phase = 0.5j * jnp.imag(diagonal(dp)) * s_inv
         omega_u = omega_u + diag(phase)
         omega_v = omega_v - diag(phase)
@@ -140,7 +151,7 @@ def _jvp(primals, tangents, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     if full_matrices and n > k:  # dV⊥ = -V S⁻¹ Uᴴ dA V⊥
         v_perp = ct(vh[..., k:, :])
         dv = jnp.concatenate([dv, -mm(v_k, s_inv[..., :, None] * mm(ct(u_k), mm(da, v_perp)))], -1)
-    return (s, u, vh), (ds, du, ct(dv))
+    return ds, du, ct(dv)
 
 
 def _example_args():

@@ -243,6 +243,21 @@ def test_jit_matches_eager():
     jax.tree.map(lambda x, y: np.testing.assert_array_equal(x, y), eager, jitted)
 
 
+@pytest.mark.parametrize("full_matrices", [False, True])
+def test_an_eager_vjp_of_a_new_shape_compiles_its_tangent_map_as_one_program(full_matrices, backend_compiles):
+    """The jvp rule's tangent map is one jitted program: linearized and transposed, it compiles
+    twice at a new shape, beside at most the transposes of the wrapper's dtype conversions (op by
+    op, 16 programs with full matrices, 50 without)."""
+    rng = np.random.default_rng(17)
+    a = jnp.asarray(random(rng, (2, 8, 6)))
+    svd = lambda a: jf.linalg.svd(a, full_matrices=full_matrices)  # noqa: E731
+    cotangents = tuple(jnp.asarray(random(rng, o.shape)) for o in svd(a))  # the forward compiled too
+    backend_compiles.clear()
+    _, vjp = jax.vjp(svd, a)
+    jax.block_until_ready(vjp(cotangents))
+    assert len(backend_compiles) <= 4, backend_compiles
+
+
 def test_sharded_batch_partitions_without_collectives():
     mesh = jax.make_mesh((8,), ("batch",))
     a = jax.device_put(random(np.random.default_rng(16), (16, 6, 4)), NamedSharding(mesh, PartitionSpec("batch")))
