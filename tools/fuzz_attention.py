@@ -1,0 +1,177 @@
+"""Random attention calls against the dense float64 attention, for minutes at a time: what the
+suite's fixed cases may miss after a change to the masks, spans or tile loops.
+
+Each seed draws batch, lengths (1-39), GQA heads, head dims, an implementation (XLA's default
+tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
+a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
+chunked, prefix LM, padding and document masks. The visible pairs are computed here from each
+mask's definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
+gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
+a per-head scale) and compares the gradient in the table too and a Hessian-vector product.
+
+    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order] [--seconds 600] [--seed 0]
+
+prints each failing seed with its error, and last the count of seeds run and failed (exit 1 if any
+failed). A seed reruns alone with ``--seed S --count 1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+jax.config.update("jax_enable_x64", True)
+
+import jaxforge as jf  # noqa: E402
+from jaxforge.functional.attention import Implementation  # noqa: E402
+from tests.attention_dense import dense_jnp  # noqa: E402
+
+masks = jf.masks
+
+
+def _ids(rng, b, s, n):
+    ids = rng.integers(0, n, (b, s)).astype(np.int32)
+    return np.sort(ids, -1) if rng.random() < 0.6 else ids  # packed documents, or scattered ids
+
+
+def random_leaf(rng, b, sq, skv):
+    """``(mask, visible)``: a basic mask and its (b, sq, skv) boolean pairs."""
+    q, k = np.arange(sq)[None, :, None], np.arange(skv)[None, None, :]
+    per_item = lambda x: x[:, None, None]  # noqa: E731
+    kind = rng.choice(["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"])
+    if kind == "causal":
+        offset = int(rng.integers(-sq, skv + 1))
+        return masks.causal(offset), k <= q + offset
+    if kind == "causal_per_item":
+        offset = rng.integers(-sq, skv + 1, b).astype(np.int32)
+        return masks.causal(offset), k <= q + per_item(offset)
+    if kind == "window":
+        window = int(rng.integers(1, max(sq, skv) + 2))
+        return masks.sliding_window(window), np.abs(q - k) < window
+    if kind == "chunked":
+        chunk = int(rng.integers(1, max(sq, skv) + 2))
+        return masks.chunked(chunk), q // chunk == k // chunk
+    if kind in ("prefix", "prefix_per_item"):
+        prefix = int(rng.integers(0, skv + 2)) if kind == "prefix" else rng.integers(0, skv + 2, b).astype(np.int32)
+        return masks.prefix_lm(prefix), (k < (prefix if kind == "prefix" else per_item(prefix))) | (k <= q)
+    if kind == "padding":
+        kv_len, q_len = rng.integers(0, skv + 1, b).astype(np.int32), rng.integers(0, sq + 1, b).astype(np.int32)
+        if rng.random() < 0.5:
+            return masks.padding(kv_len), k < per_item(kv_len)
+        return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
+    n = int(rng.integers(1, 5))
+    q_ids = _ids(rng, b, sq, n)
+    if sq == skv and rng.random() < 0.5:
+        return masks.document(q_ids), q_ids[:, :, None] == q_ids[:, None, :]
+    kv_ids = _ids(rng, b, skv, n)
+    return masks.document(q_ids, kv_ids), q_ids[:, :, None] == kv_ids[:, None, :]
+
+
+def random_mask(rng, b, sq, skv, depth=0):
+    """A tree of up to two levels of ``&``, ``|``, ``~`` over basic masks, and its pairs."""
+    r = rng.random()
+    if depth == 2 or r < 0.4:
+        return random_leaf(rng, b, sq, skv)
+    if r < 0.55:
+        mask, visible = random_mask(rng, b, sq, skv, depth + 1)
+        return ~mask, ~visible
+    (m1, v1), (m2, v2) = random_mask(rng, b, sq, skv, depth + 1), random_mask(rng, b, sq, skv, depth + 1)
+    return (m1 & m2, v1 & v2) if r < 0.8 else (m1 | m2, v1 | v2)
+
+
+def random_implementation(rng):
+    r = rng.random()
+    if r < 0.3:
+        return "xla"
+    if r < 0.85:
+        block_q, block_kv = int(rng.choice([4, 8, 16, 64])), int(rng.choice([8, 16, 32]))
+        return Implementation("xla", block_q=block_q, block_kv=block_kv, pack_gqa=bool(rng.random() < 0.3))
+    return Implementation("pallas_triton", block_q=8, block_kv=16)
+
+
+def _loss(attend, weights):
+    def loss(*args):
+        out, lse = attend(*args)
+        return jnp.sum(jnp.sin(out) * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) ** 2)
+
+    return loss
+
+
+def _assert_close(actual, expected, tol, rows=None):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if rows is not None:  # lse and its tangent: compared on rows that see a key
+        actual, expected = actual[rows], expected[rows]
+    np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
+
+
+def run_seed(seed: int, mode: str) -> None:
+    rng = np.random.default_rng(seed)
+    b, sq, skv = int(rng.integers(1, 3)), int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    hkv = int(rng.integers(1, 3))
+    hq, d, dv = hkv * int(rng.integers(1, 3)), int(rng.choice([1, 4, 8])), int(rng.choice([1, 3, 8]))
+    mask, visible = random_mask(rng, b, sq, skv)
+    visible = np.broadcast_to(np.broadcast_to(visible, (b, sq, skv))[:, None], (b, hq, sq, skv))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
+    table = jnp.asarray(rng.standard_normal((hq, sq + skv)))
+    implementation = random_implementation(rng)
+    score_mod = lambda table: None  # noqa: E731
+    if mode == "second-order":
+        score_mod = {
+            "alibi": lambda table: lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j),
+            "relative_bias": lambda table: lambda s, b, h, i, j: s + table[h, i - j + skv],
+            "head_scale": lambda table: lambda s, b, h, i, j: s * (1 + 0.1 * table[h, 0]),
+        }[rng.choice(["alibi", "relative_bias", "head_scale"])]
+    ours = lambda q, k, v, table: jf.attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, implementation=implementation
+    )
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table))  # noqa: E731
+    args = (q, k, v, table)
+    (out, lse), (out_d, lse_d) = ours(*args), dense(*args)
+    rows = np.isfinite(np.asarray(lse_d))
+    _assert_close(out, out_d, 1e-9)
+    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
+    _assert_close(lse, lse_d, 1e-9, rows)
+    weights = rng.standard_normal(out_d.shape)
+    argnums = (0, 1, 2, 3) if mode == "second-order" else (0, 1, 2)
+    grads = [jax.grad(_loss(f, weights), argnums=argnums)(*args) for f in (ours, dense)]
+    for a, e in zip(*grads):
+        _assert_close(a, e, 1e-8)
+    tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in args)
+    if mode == "first-order":
+        (t_out, t_lse), (t_out_d, t_lse_d) = (jax.jvp(f, args, tangents)[1] for f in (ours, dense))
+        _assert_close(t_out, t_out_d, 1e-8)
+        _assert_close(t_lse, t_lse_d, 1e-8, rows)
+    else:
+        hvps = [jax.jvp(jax.grad(_loss(f, weights), argnums=argnums), args, tangents)[1] for f in (ours, dense)]
+        for a, e in zip(*hvps):
+            _assert_close(a, e, 1e-7)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--mode", choices=["first-order", "second-order"], default="first-order")
+    parser.add_argument("--seconds", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
+    parser.add_argument("--count", type=int, default=None, help="stop after this many seeds")
+    args = parser.parse_args(argv)
+    start, seed, failed = time.monotonic(), args.seed, 0
+    while time.monotonic() - start < args.seconds and (args.count is None or seed < args.seed + args.count):
+        try:
+            run_seed(seed, args.mode)
+        except Exception as error:  # a failing seed is reported and the search goes on
+            failed += 1
+            print(f"seed {seed} failed: {type(error).__name__}: {str(error)[:800]}", flush=True)
+        seed += 1
+        if seed % 40 == 0:
+            jax.clear_caches()  # each new shape's programs hold memory mappings (vm.max_map_count)
+    print(f"{args.mode}: {seed - args.seed} seeds, {failed} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
