@@ -4,8 +4,10 @@ suite's fixed cases may miss after a change to the masks, spans or tile loops.
 Each seed draws batch, lengths (1-39), GQA heads, head dims, an implementation (XLA's default
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
-chunked, prefix LM, padding and document masks. The visible pairs are computed here from each
-mask's definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
+chunked, prefix LM, padding and document masks and plain mask_mods evaluated by
+``jf.masks.block_mask`` (frames, tables of visible pairs per item and head), some subtrees
+evaluated by ``block_mask`` as a whole. The visible pairs are computed here from each mask's
+definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product.
 
@@ -39,11 +41,12 @@ def _ids(rng, b, s, n):
     return np.sort(ids, -1) if rng.random() < 0.6 else ids  # packed documents, or scattered ids
 
 
-def random_leaf(rng, b, sq, skv):
-    """``(mask, visible)``: a basic mask and its (b, sq, skv) boolean pairs."""
-    q, k = np.arange(sq)[None, :, None], np.arange(skv)[None, None, :]
-    per_item = lambda x: x[:, None, None]  # noqa: E731
-    kind = rng.choice(["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"])
+def random_leaf(rng, b, hq, sq, skv):
+    """``(mask, visible)``: a basic mask and its boolean pairs, broadcasting to (b, hq, sq, skv)."""
+    q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
+    per_item = lambda x: x[:, None, None, None]  # noqa: E731
+    kinds = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"]
+    kind = rng.choice([*kinds, "frames", "table"])
     if kind == "causal":
         offset = int(rng.integers(-sq, skv + 1))
         return masks.causal(offset), k <= q + offset
@@ -64,23 +67,34 @@ def random_leaf(rng, b, sq, skv):
         if rng.random() < 0.5:
             return masks.padding(kv_len), k < per_item(kv_len)
         return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
+    if kind == "frames":  # a frame sees itself and those before: a plain mask_mod
+        frame = int(rng.integers(1, max(sq, skv) + 2))
+        return masks.block_mask(lambda b, h, i, j: i // frame >= j // frame, sq, skv), q // frame >= k // frame
+    if kind == "table":  # visible pairs drawn per item and head: holes, empty rows and columns
+        table = rng.random((b, hq, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
+        pick = lambda b, h, i, j: jnp.asarray(table)[b, h, i, j]  # noqa: E731
+        return masks.block_mask(pick, sq, skv, batch_shape=(b,), num_heads=hq), table
     n = int(rng.integers(1, 5))
     q_ids = _ids(rng, b, sq, n)
     if sq == skv and rng.random() < 0.5:
-        return masks.document(q_ids), q_ids[:, :, None] == q_ids[:, None, :]
+        return masks.document(q_ids), q_ids[:, None, :, None] == q_ids[:, None, None, :]
     kv_ids = _ids(rng, b, skv, n)
-    return masks.document(q_ids, kv_ids), q_ids[:, :, None] == kv_ids[:, None, :]
+    return masks.document(q_ids, kv_ids), q_ids[:, None, :, None] == kv_ids[:, None, None, :]
 
 
-def random_mask(rng, b, sq, skv, depth=0):
-    """A tree of up to two levels of ``&``, ``|``, ``~`` over basic masks, and its pairs."""
+def random_mask(rng, b, hq, sq, skv, depth=0):
+    """A tree of up to two levels of ``&``, ``|``, ``~`` over basic masks, and its pairs; now and
+    then a subtree evaluated by ``block_mask`` (its spans measured instead of derived)."""
     r = rng.random()
     if depth == 2 or r < 0.4:
-        return random_leaf(rng, b, sq, skv)
-    if r < 0.55:
-        mask, visible = random_mask(rng, b, sq, skv, depth + 1)
+        return random_leaf(rng, b, hq, sq, skv)
+    if r < 0.5:
+        mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)
+        return masks.block_mask(mask, sq, skv, batch_shape=(b,), num_heads=hq), visible
+    if r < 0.6:
+        mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)
         return ~mask, ~visible
-    (m1, v1), (m2, v2) = random_mask(rng, b, sq, skv, depth + 1), random_mask(rng, b, sq, skv, depth + 1)
+    (m1, v1), (m2, v2) = random_mask(rng, b, hq, sq, skv, depth + 1), random_mask(rng, b, hq, sq, skv, depth + 1)
     return (m1 & m2, v1 & v2) if r < 0.8 else (m1 | m2, v1 | v2)
 
 
@@ -114,8 +128,8 @@ def run_seed(seed: int, mode: str) -> None:
     b, sq, skv = int(rng.integers(1, 3)), int(rng.integers(1, 40)), int(rng.integers(1, 40))
     hkv = int(rng.integers(1, 3))
     hq, d, dv = hkv * int(rng.integers(1, 3)), int(rng.choice([1, 4, 8])), int(rng.choice([1, 3, 8]))
-    mask, visible = random_mask(rng, b, sq, skv)
-    visible = np.broadcast_to(np.broadcast_to(visible, (b, sq, skv))[:, None], (b, hq, sq, skv))
+    mask, visible = random_mask(rng, b, hq, sq, skv)
+    visible = np.broadcast_to(visible, (b, hq, sq, skv))
     q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
     table = jnp.asarray(rng.standard_normal((hq, sq + skv)))
     implementation = random_implementation(rng)

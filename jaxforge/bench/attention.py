@@ -66,6 +66,10 @@ MODES = ("fwd", "fwd+bwd", "jvp")  # the default
 ALL_MODES = (*MODES, "hvp", "jvp2", "jvp-grad")
 _FORWARD_AD_MODES = ("jvp", "hvp", "jvp2", "jvp-grad")  # a contender without forward-mode AD skips these
 WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys before it
+# "frames_causal": the sequence cut into this many frames, each query seeing its own frame and those
+# before (video and world-model training): a plain mask_mod, which jaxforge takes through
+# jf.masks.block_mask, and torch's flex_attention through create_block_mask.
+FRAMES = 8
 DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
 BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
 SEED = 0
@@ -75,6 +79,7 @@ QUICK_SHAPES = {
     "quick_causal": ((1, 128, 128, 2, 2, 32, 32), "causal", ("quick",)),
     "quick_gqa_document": ((1, 128, 128, 4, 2, 32, 16), "document_causal", ("quick",)),
     "quick_alibi": ((1, 128, 128, 4, 4, 32, 32), "alibi_causal", ("quick",)),
+    "quick_frames": ((1, 128, 128, 2, 2, 32, 32), "frames_causal", ("quick",)),
 }
 
 # Timed calls after the first (compiling) one and `warmups` more: at least `min_repeats`, then
@@ -99,7 +104,7 @@ _NO_TORCH_JVP = "torch has no forward-mode AD for SDPA or flex_attention (pytorc
 class Case:
     name: str
     dims: tuple[int, int, int, int, int, int, int]  # (batch, Sq, Skv, Hq, Hkv, D, Dv)
-    mask: str | None  # None, "causal", "sliding_window_causal", "document_causal" or "alibi_causal"
+    mask: str | None  # None, "causal", "sliding_window_causal", "document_causal", "alibi_causal" or "frames_causal"
     dtype: type
 
     batch = property(lambda self: self.dims[0])
@@ -113,6 +118,11 @@ class Case:
     @property
     def scale(self) -> float:
         return 1 / math.sqrt(self.d)
+
+    @property
+    def frame(self) -> int:
+        """The frame length of "frames_causal" (the last frame takes the remainder)."""
+        return max(self.sq // FRAMES, 1)
 
     @property
     def dense_flops(self) -> int:
@@ -377,6 +387,8 @@ def _visible_fraction(case: Case, seg) -> float:
     if case.mask == "sliding_window_causal":  # keys max(0, q - WINDOW + 1) ..= min(q, Skv - 1)
         visible = np.maximum(np.minimum(q, case.skv - 1) - np.maximum(q - WINDOW + 1, 0) + 1, 0)
         return float(visible.sum() / (case.sq * case.skv))
+    if case.mask == "frames_causal":  # keys up to the end of q's frame
+        return float(np.minimum((q // case.frame + 1) * case.frame, case.skv).sum() / (case.sq * case.skv))
     if case.mask == "document_causal":  # keys from the start of q's document ..= q
         seg = _segment_ids(case) if seg is None else np.asarray(seg)
         starts_doc = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
@@ -493,9 +505,18 @@ def _reference_fn(case: Case, hvp: bool, jvp2: bool, jvp_grad: bool):
 # ---------------------------------------------------------------- jax contenders
 
 
-def _jf_mask(mask: str | None, seg):
+def _frames_mask_mod(case: Case):
+    """"frames_causal" as a plain ``mask_mod``: a query sees the keys of its frame and before."""
+    frame = case.frame
+    return lambda b, h, q, kv: q // frame >= kv // frame
+
+
+def _jf_mask(case: Case, seg):
+    mask = case.mask
     if mask is None:
         return None
+    if mask == "frames_causal":  # evaluated in the measured call: its cost is the call's
+        return jf.masks.block_mask(_frames_mask_mod(case), case.sq, case.skv)
     if mask in ("causal", "alibi_causal"):
         return jf.masks.causal()
     if mask == "sliding_window_causal":
@@ -588,11 +609,20 @@ def _jf_forward(implementation):
         score_mod = (lambda s, b, h, i, j: s + slopes[h] * (j - i)) if case.mask == "alibi_causal" else None
 
         def attend(q, k, v, seg):
-            return jf.attention(q, k, v, mask=_jf_mask(case.mask, seg), score_mod=score_mod, implementation=implementation)
+            return jf.attention(q, k, v, mask=_jf_mask(case, seg), score_mod=score_mod, implementation=implementation)
 
         return attend
 
     return forward
+
+
+def _jf_mask_mod(case: Case) -> Callable | str:
+    """``jf.attention`` given "frames_causal" as the plain ``mask_mod``, which visits every tile: what
+    ``jf.masks.block_mask`` saves."""
+    if case.mask != "frames_causal":
+        return "only the frames_causal case has a plain mask_mod to compare"
+    mask_mod = _frames_mask_mod(case)
+    return lambda q, k, v, seg: jf.attention(q, k, v, mask=mask_mod)
 
 
 def _jf_xla_contender() -> Contender:
@@ -616,12 +646,12 @@ def _jf_xla_contender() -> Contender:
 def _jnn_forward(case: Case, implementation: str) -> Callable | str:
     """``jax.nn.dot_product_attention``; head dims are zero-padded to match when D != Dv."""
     if implementation == "cudnn":
-        if case.mask == "document_causal":
-            return "jax.nn's cuDNN path takes no segment ids (a dense mask would be materialised as a bias)"
+        if case.mask in ("document_causal", "frames_causal"):
+            return f"jax.nn's cuDNN path takes no {case.mask} mask (a dense mask would be materialised as a bias)"
         if np.dtype(case.dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
             return f"cuDNN attention takes bfloat16 or float16, not {np.dtype(case.dtype).name}"
     width = max(case.d, case.dv)
-    kwargs = dict(scale=case.scale, is_causal=case.mask is not None, implementation=implementation)
+    kwargs = dict(scale=case.scale, is_causal=case.mask not in (None, "frames_causal"), implementation=implementation)
     if case.mask == "sliding_window_causal":
         kwargs["local_window_size"] = (WINDOW - 1, 0)
 
@@ -630,6 +660,8 @@ def _jnn_forward(case: Case, implementation: str) -> Callable | str:
 
     def attend(q, k, v, seg, slopes=alibi_slopes(case.hq)):  # the reference hands each item's heads' slopes
         mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
+        if case.mask == "frames_causal":
+            mask = (jnp.arange(case.sq)[:, None] // case.frame >= jnp.arange(case.skv)[None, :] // case.frame)[None, None]
         bias = _alibi_bias(slopes, case.sq, case.skv).astype(q.dtype) if case.mask == "alibi_causal" else None
         out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), bias=bias, mask=mask, **kwargs)
         return out[..., : case.dv]
@@ -648,8 +680,8 @@ def _pallas_forward(case: Case) -> Callable | str:
         from jax.experimental.pallas.ops.gpu.attention import mha
     except Exception as e:
         return f"jax.experimental.pallas.ops.gpu.attention is not importable ({type(e).__name__}: {e})"
-    if case.mask in ("sliding_window_causal", "alibi_causal"):
-        return "mha has no sliding-window mask or bias (causal and segment ids only)"
+    if case.mask not in (None, "causal", "document_causal"):
+        return f"mha takes no {case.mask} mask (causal and segment ids only)"
     if case.hq != case.hkv:
         return "mha needs as many key/value heads as query heads (no GQA)"
     if case.d != case.dv:
@@ -822,6 +854,8 @@ def _flex_contender(torch) -> Contender:
         elif case.mask == "document_causal":
             seg, batch = torch.as_tensor(np.asarray(x.seg), device="cuda"), case.batch
             mask_mod = lambda b, h, q, kv: (q >= kv) & (seg[b, q] == seg[b, kv])  # noqa: E731
+        elif case.mask == "frames_causal":
+            mask_mod = _frames_mask_mod(case)
         else:
             return f"no flex mask_mod for {case.mask!r}"
         if case.mask == "alibi_causal":
@@ -833,7 +867,7 @@ def _flex_contender(torch) -> Contender:
             kwargs["enable_gqa"] = True
         return _torch_modes(torch, lambda q, k, v: compiled(q, k, v, **kwargs), mode, case, x)
 
-    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal", "alibi_causal")  # noqa: E731
+    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal", "alibi_causal", "frames_causal")  # noqa: E731
     return Contender(name, prepare, to_jax=_torch_to_jax, essential=essential)
 
 
@@ -843,10 +877,12 @@ def _flex_contender(torch) -> Contender:
 def _contenders(backend: str) -> list[Contender]:
     everywhere = lambda case: True  # noqa: E731
     jnn_xla = _jax_contender("jax.nn-xla", lambda case: _jnn_forward(case, "xla"), note=_padded_note)
+    mask_mod = _jax_contender("jaxforge-mask-mod", _jf_mask_mod)
     if backend != "gpu":
-        return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), jnn_xla]
+        return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), mask_mod, jnn_xla]
     contenders = [
         _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
+        mask_mod,
         _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),

@@ -47,7 +47,8 @@ def attention(
       v: ``(..., Skv, Hkv, Dv)`` values; ``Dv`` may differ from ``D``. Leading dims broadcast.
       mask: a :mod:`jf.masks <jaxforge.functional.masks>` mask, or ``mask_mod(b, h, q_idx, kv_idx)
         -> bool`` on scalars (True: visible). ``b`` indexes the flattened leading dims, ``h`` the
-        query head.
+        query head. A plain ``mask_mod`` visits every tile; ``jf.masks.block_mask(mask_mod, Sq,
+        Skv)`` evaluates it once so that the tiles it hides are skipped.
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on scalars (ALiBi, relative
         bias, ...). Arrays it closes over get gradients and tangents like any input; read an
         element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``, ``bias[h][q_idx - kv_idx]``) they stay in the GPU
@@ -88,7 +89,7 @@ def attention(
         scale = 1 / math.sqrt(d) if d else 1.0
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
-    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype))
+    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, q.shape[-2], accumulation_dtype(q.dtype))
     sinks = None if sinks is None else _sinks(sinks, (*batch, sq, q.shape[-2]))
     out, lse = attention_fwd_p.bind(
         q, k, v, *consts, mods=mods, scale=scale, implementation=_implementation(implementation)
@@ -128,7 +129,7 @@ def _sinks(sinks, lse_shape):
     return sinks
 
 
-def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
+def _mods(mask, score_mod, softcap, batch, sq, skv, num_heads, score_dtype):
     mask_fn, mask_consts, span, rows, cols = None, [], Mods().span, [], []
     if mask is not None:
         mask = as_mask(mask)
@@ -137,7 +138,7 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype):
         mask_fn, fn_consts = _core.trace_function(fn, _INT, _INT, _INT, _INT, *values)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
-        mask_consts = [*fn_consts, *rows, *cols, *mask.span_arrays(batch, sq, skv)]  # Mods.num_mask_consts
+        mask_consts = [*fn_consts, *rows, *cols, *mask.span_arrays(batch, sq, skv, num_heads)]  # Mods.num_mask_consts
     score_fn, score_consts = None, []
     if score_mod is not None:
         if not callable(score_mod):

@@ -12,7 +12,9 @@ query head. Packed causal training, for instance::
     out = jf.attention(q, k, v, mask=mask)
 
 Any ``mask_mod`` written on scalars works too (``mask=lambda b, h, q, kv: ...``) but without a
-span it visits every tile; wrap it in :func:`from_mask_mod` to combine it with the masks here.
+span it visits every tile; :func:`block_mask` evaluates it once on the whole grid and keeps the
+range of keys (queries) each query (key) sees, so tiles outside are skipped as for the masks here
+(FlexAttention's ``create_block_mask``); :func:`from_mask_mod` combines it with them as it is.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
+from jaxforge.primitives import _core
 from jaxforge.primitives.attention.mods import (
     AllVisible,
     Band,
@@ -37,7 +41,7 @@ from jaxforge.primitives.attention.mods import (
     LengthSpan,
     OffsetBand,
     PrefixSpan,
-    SegmentSpan,
+    RangeSpan,
     Span,
     count_below,
     fits_int32,
@@ -46,6 +50,7 @@ from jaxforge.primitives.attention.mods import (
 
 __all__ = [
     "Mask",
+    "block_mask",
     "causal",
     "chunked",
     "document",
@@ -75,8 +80,9 @@ class Mask:
     def span(self) -> Span:
         return FullSpan()
 
-    def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> list:
-        """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``: none for most masks."""
+    def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int, num_heads: int | None = None) -> list:
+        """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``, for a call of
+        ``num_heads`` query heads (None: not known): none for most masks."""
         return []
 
     def bind_positional(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> tuple[Callable, list, list]:
@@ -162,7 +168,7 @@ class _Causal(Mask):
     def span(self):
         return Band(None, self.offset) if isinstance(self.offset, int) else OffsetBand()
 
-    def span_arrays(self, batch_shape, sq, skv):
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.offset, int) else [self._per_batch(batch_shape)]
 
 
@@ -207,7 +213,7 @@ class _PrefixLM(Mask):
     def span(self):
         return PrefixSpan(self.prefix if isinstance(self.prefix, int) else None)
 
-    def span_arrays(self, batch_shape, sq, skv):
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.prefix, int) else [self._per_batch(batch_shape)]
 
 
@@ -234,7 +240,7 @@ class _Lengths(Mask):
     def span(self):
         return LengthSpan(self.axis, self.length if isinstance(self.length, int) else None)
 
-    def span_arrays(self, batch_shape, sq, skv):
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.length, int) else [self._per_batch(batch_shape)]
 
 
@@ -261,7 +267,7 @@ def _per_item_rows(per_item, sq: int, signed: bool = False):
 class _Document(Mask):
     q_segments: jnp.ndarray
     kv_segments: jnp.ndarray
-    ranges: tuple  # SegmentSpan's six arrays, computed once per mask (not once per attention call)
+    ranges: tuple  # RangeSpan's six arrays, computed once per mask (not once per attention call)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return _item(self.q_segments, b, trailing=1)[q_idx] == _item(self.kv_segments, b, trailing=1)[kv_idx]
@@ -281,9 +287,9 @@ class _Document(Mask):
         return q_seg, kv_seg
 
     def span(self):
-        return SegmentSpan()
+        return RangeSpan()
 
-    def span_arrays(self, batch_shape, sq, skv):
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [_per_batch(r, batch_shape, "document", "segment_ids", trailing=1) for r in self.ranges]
 
 
@@ -293,6 +299,32 @@ class _FromFunction(Mask):
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Evaluated(Mask):
+    fn: Callable
+    q_len: int
+    kv_len: int
+    num_heads: int  # the query heads it was evaluated on; 0: the function does not read h
+    ranges: tuple  # RangeSpan's six arrays, (*batch_shape, q_len) and (*batch_shape, kv_len)
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx)
+
+    def span(self):
+        return RangeSpan()
+
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
+        if (sq, skv) != (self.q_len, self.kv_len):
+            raise ValueError(
+                f"block_mask: evaluated for q_len={self.q_len}, kv_len={self.kv_len}; the call has {sq} queries and {skv} keys"
+            )
+        if self.num_heads and num_heads is not None and num_heads != self.num_heads:
+            raise ValueError(
+                f"block_mask: evaluated on num_heads={self.num_heads} query heads (its mask_mod reads h); the call has {num_heads}"
+            )
+        return [_per_batch(r, batch_shape, "block_mask", "batch_shape", trailing=1) for r in self.ranges]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -330,8 +362,8 @@ class _Combined(Mask):
     def span(self):
         return self.span_join(self.a.span(), self.b.span())
 
-    def span_arrays(self, batch_shape, sq, skv):
-        return [*self.a.span_arrays(batch_shape, sq, skv), *self.b.span_arrays(batch_shape, sq, skv)]
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
+        return [*self.a.span_arrays(batch_shape, sq, skv, num_heads), *self.b.span_arrays(batch_shape, sq, skv, num_heads)]
 
 
 class _And(_Combined):
@@ -356,8 +388,8 @@ class _Not(Mask):
     def span(self):
         return Complement(self.a.span())
 
-    def span_arrays(self, batch_shape, sq, skv):
-        return self.a.span_arrays(batch_shape, sq, skv)
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
+        return self.a.span_arrays(batch_shape, sq, skv, num_heads)
 
 
 def causal(offset=0) -> Mask:
@@ -443,7 +475,7 @@ def _int32_ids(q_seg, kv_seg):
 
 @jax.jit
 def _document_ranges(q_seg, kv_seg) -> tuple:
-    """Which keys each query's document holds, and back (``SegmentSpan``'s arrays), over the
+    """Which keys each query's document holds, and back (``RangeSpan``'s arrays), over the
     common leading dims of the two id arrays: tiles across documents are skipped. Jitted: a mask
     built eagerly compiles one program per shape, not each of its operations."""
     try:
@@ -465,6 +497,86 @@ def from_mask_mod(mask_mod: Callable) -> Mask:
     return _FromFunction(mask_mod)
 
 
+def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None, num_heads: int | None = None) -> Mask:
+    """``mask_mod`` evaluated once on every (query, key) pair, so that attention skips the tiles it hides.
+
+    A plain ``mask_mod`` has no span: attention visits every tile and masks each. This evaluates it
+    on the ``q_len x kv_len`` grid (a block of rows at a time: memory O(rows · kv_len)) and keeps,
+    for each query, the range of keys it may see and the range it surely sees, and the same for
+    each key: FlexAttention's ``create_block_mask``, at the resolution of positions rather than of
+    one tile size, so every kernel and tile reads it. The function still decides each pair inside
+    the tiles visited; a hole inside a query's range (keys hidden between visible ones) is visited.
+
+    ``batch_shape``: the leading dims of q, needed when ``mask_mod`` reads ``b``; ``num_heads``: the
+    query heads, needed when it reads ``h`` (each range then holds every head's). A function that
+    reads neither is evaluated once and serves any batch. The result combines with ``&``, ``|`` and
+    ``~``; an attention call must have ``q_len`` queries and ``kv_len`` keys. Built under ``jit``,
+    the evaluation is part of the program; built outside, it is one compiled program per shape.
+    """
+    if not callable(mask_mod):
+        raise TypeError(f"block_mask: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
+    q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    fn, consts = _core.trace_function(mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4)
+    outs = fn.out_avals
+    if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
+        got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
+        raise TypeError(f"block_mask: `mask_mod` must return a boolean scalar for scalar (b, h, q_idx, kv_idx) indices, got {got}")
+    reads_b, reads_h = (_reads_argument(fn.jaxpr, i) for i in (0, 1))
+    if reads_b and batch_shape is None:
+        raise ValueError("block_mask: `mask_mod` reads its batch index b; pass batch_shape=, the leading dims of q")
+    if reads_h and num_heads is None:
+        raise ValueError("block_mask: `mask_mod` reads its head index h; pass num_heads=, the number of query heads")
+    batch_shape = _shape("block_mask", "batch_shape", batch_shape) if reads_b else ()
+    heads = _static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
+    ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
+    return _Evaluated(mask_mod, q_len, kv_len, heads if reads_h else 0, ranges)
+
+
+def _reads_argument(jaxpr, index: int) -> bool:
+    """Whether ``jaxpr`` uses its argument ``index`` at all."""
+    arg = jaxpr.invars[index]
+    return any(v is arg for eqn in jaxpr.eqns for v in eqn.invars) or any(v is arg for v in jaxpr.outvars)
+
+
+# Mask values one step of block_mask's loop evaluates: its memory, a few bytes each.
+_EVALUATED_PER_STEP = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnames=("fn", "batch_shape", "heads", "q_len", "kv_len"))
+def _evaluated_ranges(consts, *, fn, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int) -> tuple:
+    """RangeSpan's six arrays for ``fn(b, h, q_idx, kv_idx, *consts)``, ``(*batch_shape, seq)``:
+    each query's, then each key's."""
+    items = math.prod(batch_shape)
+    by_queries = lambda b, h, q, kv: fn(b, h, q, kv, *consts)[0]  # noqa: E731
+    by_keys = lambda b, h, kv, q: fn(b, h, q, kv, *consts)[0]  # noqa: E731
+    ranges = (*_row_ranges(by_queries, items, heads, q_len, kv_len), *_row_ranges(by_keys, items, heads, kv_len, q_len))
+    return tuple(r.reshape(*batch_shape, r.shape[-1]) for r in ranges)
+
+
+def _row_ranges(visible, items: int, heads: int, rows: int, cols: int) -> tuple:
+    """For each (item, row), ``(lo, hi, sure_hi)``, ``(items, rows)`` int32 each: ``[lo, hi)`` holds
+    every column ``visible(b, h, row, col)`` at any head, and every column of ``[lo, sure_hi)`` is
+    visible at every head (the run from ``lo``); ``[cols, 0)`` and ``cols`` for a row that sees none."""
+    grid = visible
+    for axis in (3, 2, 1, 0):  # scalars -> (item, head, row, col)
+        grid = jax.vmap(grid, in_axes=tuple(0 if i == axis else None for i in range(4)))
+    block = max(1, min(rows, _EVALUATED_PER_STEP // max(1, items * heads * cols)))
+    index = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
+    col = index(cols)
+
+    def step(start):
+        seen_by = grid(index(items), index(heads), start + index(block), col)
+        seen, every = seen_by.any(axis=1), seen_by.all(axis=1)
+        lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols)
+        hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0)
+        sure_hi = jnp.min(jnp.where(~every & (col >= lo[..., None]), col, cols), axis=-1, initial=cols)  # <= hi
+        return lo, hi, sure_hi
+
+    steps = -(-rows // block)
+    ranges = lax.map(step, index(steps) * block)  # (steps, items, block) each
+    return tuple(jnp.moveaxis(r, 0, 1).reshape(items, steps * block)[:, :rows] for r in ranges)
+
+
 def full() -> Mask:
     """Every key visible (the identity of ``&``)."""
     return _Full()
@@ -476,6 +588,16 @@ def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
     return int(value)
+
+
+def _shape(fn: str, name: str, value) -> tuple[int, ...]:
+    try:
+        shape = tuple(value)
+    except TypeError:
+        shape = None
+    if shape is None or not all(isinstance(n, (int, np.integer)) and not isinstance(n, bool) and n >= 0 for n in shape):
+        raise TypeError(f"{fn}: `{name}` must be a tuple of non-negative ints, got {value!r}")
+    return tuple(int(n) for n in shape)
 
 
 def _segments(ids, name: str):

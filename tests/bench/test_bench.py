@@ -154,7 +154,10 @@ def test_attention_records_every_mode_timed_and_accurate(attention_run):
     expected_errors = {"fwd": {"out"}, "fwd+bwd": {"dq", "dk", "dv"}, "jvp": {"out", "dout"}}
     for r in records:
         assert fields <= set(r), r
-        assert r["status"] == "ok", r  # on CPU every contender expresses every quick case
+        if r["implementation"] == "jaxforge-mask-mod":  # the frames case's plain mask_mod only
+            assert r["status"] == "skipped" and "only the frames_causal case" in r["reason"], r
+            continue
+        assert r["status"] == "ok", r  # on CPU every other contender expresses every quick case
         assert r["median_ms"] > 0 and all(t > 0 for t in r["times_ms"])
         assert r["ratio"] > 0
         assert set(r["accuracy"]) == expected_errors[r["mode"]]
@@ -188,7 +191,7 @@ def test_attention_budget_measures_the_essential_contenders_of_every_case_first(
     # soft limit 0: the optional contenders (everything but jaxforge on CPU) are skipped, on every
     # case, while jaxforge is measured on both cases; the records keep the case/mode/contender order
     records = run("attention", quick=True, budget_s=(0.0, float("inf")))
-    cases = ["quick_causal", "quick_gqa_document", "quick_alibi"]
+    cases = ["quick_causal", "quick_frames", "quick_gqa_document", "quick_alibi"]  # by size
     assert list(dict.fromkeys(r["shape_name"] for r in records)) == cases
     for case in cases:
         rows = [r for r in records if r["shape_name"] == case]
@@ -212,10 +215,13 @@ def test_attention_cases_with_anchor_targets_run_first():
 
 
 def test_attention_flops_count_the_visible_scores():
-    from jaxforge.bench.attention import WINDOW, Case, _segment_ids, _visible_fraction
+    from jaxforge.bench.attention import FRAMES, WINDOW, Case, _segment_ids, _visible_fraction
 
     def dense_fraction(case, seg):  # every (batch item, query, key) of the mask, counted
         q, kv = np.arange(case.sq)[:, None], np.arange(case.skv)[None, :]
+        if case.mask == "frames_causal":
+            frame = case.sq // FRAMES
+            return (np.minimum(q // frame, FRAMES - 1) >= np.minimum(kv // frame, FRAMES - 1)).mean()
         if seg is None:
             visible = np.broadcast_to((kv <= q) & (q - kv < WINDOW), (case.batch, case.sq, case.skv))
         else:
@@ -227,9 +233,21 @@ def test_attention_flops_count_the_visible_scores():
     for case in (
         Case("w", (1, 3000, 3000, 1, 1, 8, 8), "sliding_window_causal", np.float32),
         Case("d", (3, 500, 500, 1, 1, 8, 8), "document_causal", np.float32),
+        Case("f", (1, 2048, 2048, 1, 1, 8, 8), "frames_causal", np.float32),
     ):
         seg = _segment_ids(case)
         assert _visible_fraction(case, seg) == pytest.approx(dense_fraction(case, seg), rel=1e-12)
+
+
+def test_attention_frames_compare_the_evaluated_mask_with_the_plain_mask_mod():
+    """quick_frames: jaxforge takes the frames through jf.masks.block_mask, jaxforge-mask-mod the
+    same function as a plain mask_mod; both against the dense reference."""
+    records = run("attention", quick=True, shapes=["quick_frames"])
+    rows = {(r["mode"], r["implementation"]): r for r in records}
+    for mode in ("fwd", "fwd+bwd", "jvp"):
+        for impl in ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla"):
+            r = rows[(mode, impl)]
+            assert r["status"] == "ok" and all(e < 1e-4 for e in r["accuracy"].values()), r
 
 
 def test_attention_unknown_shape_is_a_clear_error():
@@ -256,9 +274,13 @@ def test_attention_second_order_modes_on_request():
     jvp) and jvp-grad (a gradient through the jvp), each checked against the reference's."""
     modes = ("fwd", "hvp", "jvp2", "jvp-grad")
     records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=modes)
-    assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in ("jaxforge", "jax.nn-xla")}
+    implementations = ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla")
+    assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in implementations}
     names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}, "jvp-grad": {"jgq", "jgk", "jgv"}}
     for r in records:
+        if r["implementation"] == "jaxforge-mask-mod":  # the frames case's only
+            assert r["status"] == "skipped", r
+            continue
         assert r["status"] == "ok", r
         assert set(r["accuracy"]) == names[r["mode"]]
         assert all(0 <= v < 1e-4 for v in r["accuracy"].values()), r

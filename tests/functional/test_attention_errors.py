@@ -242,6 +242,37 @@ def test_padding_arguments():
         jf.attention(*qkv(), mask=masks.padding(jnp.array([1, 2, 3])))
 
 
+def test_block_mask_arguments():
+    frames = lambda b, h, i, j: i // 2 >= j // 2  # noqa: E731
+    with pytest.raises(TypeError, match=r"block_mask: expected a callable mask_mod\(b, h, q_idx, kv_idx\), got ndarray"):
+        masks.block_mask(np.ones((5, 7), bool), 5, 7)
+    for name, lengths in (("q_len", (5.0, 7)), ("kv_len", (5, None))):
+        with pytest.raises(TypeError, match=rf"block_mask: `{name}` must be a Python int"):
+            masks.block_mask(frames, *lengths)
+    with pytest.raises(ValueError, match=r"block_mask: `kv_len` must be >= 0, got -1"):
+        masks.block_mask(frames, 5, -1)
+    with pytest.raises(TypeError, match=r"block_mask: `mask_mod` must return a boolean scalar .*got int32\[\]"):
+        masks.block_mask(lambda b, h, i, j: i - j, 5, 7)
+    with pytest.raises(ValueError, match=r"block_mask: `mask_mod` reads its batch index b; pass batch_shape="):
+        masks.block_mask(lambda b, h, i, j: (b == 0) | (j <= i), 5, 7)
+    with pytest.raises(ValueError, match=r"block_mask: `mask_mod` reads its head index h; pass num_heads="):
+        masks.block_mask(lambda b, h, i, j: j <= i + h, 5, 7)
+    with pytest.raises(TypeError, match=r"block_mask: `batch_shape` must be a tuple of non-negative ints, got 2"):
+        masks.block_mask(lambda b, h, i, j: (b == 0) | (j <= i), 5, 7, batch_shape=2)
+    with pytest.raises(ValueError, match=r"block_mask: `num_heads` must be >= 1, got 0"):
+        masks.block_mask(lambda b, h, i, j: j <= i + h, 5, 7, num_heads=0)
+
+
+def test_block_mask_of_another_shape_than_the_call():
+    with pytest.raises(ValueError, match=r"block_mask: evaluated for q_len=5, kv_len=6; the call has 5 queries and 7 keys"):
+        jf.attention(*qkv(), mask=masks.block_mask(lambda b, h, i, j: j <= i, 5, 6))
+    with pytest.raises(ValueError, match=r"block_mask: evaluated on num_heads=2 query heads \(its mask_mod reads h\); the call has 4"):
+        jf.attention(*qkv(), mask=masks.causal() & masks.block_mask(lambda b, h, i, j: j <= i + h, 5, 7, num_heads=2))
+    by_item = masks.block_mask(lambda b, h, i, j: j <= i + b, 5, 7, batch_shape=(3,))
+    with pytest.raises(ValueError, match=r"block_mask: `batch_shape` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\) of q"):
+        jf.attention(*qkv(), mask=by_item)
+
+
 def test_sinks_arguments():
     q, k, v = qkv()
     hq = q.shape[-2]

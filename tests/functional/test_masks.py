@@ -45,6 +45,10 @@ MASKS = {
         lambda: jf.masks.padding(jnp.asarray([2**40, 5], jnp.int64)),
         lambda b, q, kv: kv < np.asarray([2**40, 5])[b],
     ),
+    "block_mask_per_item": (
+        lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
+        lambda b, q, kv: KI[b, kv] <= QI[b, q],
+    ),
 }
 
 
@@ -105,6 +109,34 @@ def test_a_document_mask_of_a_new_shape_built_eagerly_compiles_one_program(kv_le
     backend_compiles.clear()
     jax.block_until_ready(jax.tree.leaves(jf.masks.document(q_ids, kv_ids)))
     assert len(backend_compiles) == 1
+
+
+def test_a_block_mask_built_eagerly_compiles_one_program_per_function_and_shape(backend_compiles):
+    """Its evaluation is one jitted program; another closure of the same function (same program,
+    other captured values of the same shape) reuses it, another shape compiles anew."""
+    frames = lambda size: lambda b, h, q, kv: q // size >= kv // size  # noqa: E731
+    table = lambda seed: jnp.asarray(np.random.default_rng(seed).random((SQ + 2, SKV)) < 0.5)  # noqa: E731
+    reading = lambda t: lambda b, h, q, kv: t[q, kv]  # noqa: E731
+    build = lambda fn, sq=SQ + 2: jax.block_until_ready(jax.tree.leaves(jf.masks.block_mask(fn, sq, SKV)))  # noqa: E731
+    build(frames(3))
+    build(reading(table(0)))
+    backend_compiles.clear()
+    build(reading(table(1)))
+    assert backend_compiles == []
+    build(frames(4))  # another program
+    build(frames(4), sq=SQ + 3)
+    assert len(backend_compiles) == 2
+
+
+def test_a_block_mask_built_under_jit_from_traced_values_equals_the_eager_one():
+    q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
+    k = jnp.asarray(rng.normal(size=(B, SKV, 2, 4)))
+    lengths = jnp.asarray([5, 11])
+    mask = lambda n: jf.masks.block_mask(lambda b, h, i, j: (j < n[b]) & (j % 3 != 1), SQ, SKV, batch_shape=(B,))  # noqa: E731
+    traced = jax.jit(lambda n: jf.attention(q, k, k, mask=mask(n)))(lengths)
+    np.testing.assert_allclose(traced, jf.attention(q, k, k, mask=mask(lengths)), rtol=1e-12, atol=1e-12)
+    for traced_range, eager_range in zip(jax.jit(lambda n: mask(n).ranges)(lengths), mask(lengths).ranges):
+        np.testing.assert_array_equal(traced_range, eager_range)
 
 
 @pytest.mark.parametrize("name", sorted(MASKS))

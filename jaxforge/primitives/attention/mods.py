@@ -42,7 +42,7 @@ __all__ = [
     "Mods",
     "OffsetBand",
     "PrefixSpan",
-    "SegmentSpan",
+    "RangeSpan",
     "Span",
     "ItemMask",
     "count_below",
@@ -252,11 +252,12 @@ class LengthSpan(Span):
 
 
 @dataclasses.dataclass(frozen=True)
-class SegmentSpan(Span):
-    """``segment[q_idx] == kv_segment[kv_idx]`` (document masks), from six per-position arrays
-    (:func:`segment_ranges` both ways): for each query, the range ``[lo, hi)`` of keys of its
-    segment and ``sure_hi`` (``hi`` if those keys are contiguous, else ``lo``); the same for each
-    key. A block may see the hull of its rows' ranges and surely sees their intersection."""
+class RangeSpan(Span):
+    """A span read off six per-position arrays: for each query, the range ``[lo, hi)`` holding its
+    visible keys and ``sure_hi``, every key of ``[lo, sure_hi)`` visible (``lo`` if none is known);
+    the same for each key. A block may see the hull of its rows' ranges and surely sees their
+    intersection. Document masks (:func:`segment_ranges` both ways) and evaluated masks
+    (``jf.masks.block_mask``) hand it their arrays."""
 
     num_arrays = 6
 

@@ -33,6 +33,9 @@ MASKS = {
     "padding_per_item": lambda: jf.masks.padding(jnp.asarray([29, 7]), jnp.asarray([12, 19])),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
+    "block_mask_per_head": lambda: jf.masks.block_mask(  # frame-causal over a window per head: RangeSpan's tiles
+        lambda b, h, i, j: (i // 5 >= j // 5) & (j > i - 6 * (h + 1)), SQ, SKV, num_heads=HQ
+    ),
 }
 
 
@@ -50,7 +53,7 @@ def run(implementation, mask, **kw):
 SPLIT = Implementation("pallas_triton", block_q=8, block_kv=16, kv_splits=2)
 SPLIT_PACKED = Implementation("pallas_triton", block_q=8, block_kv=8, pack_gqa=True, kv_splits=3)
 VARIANTS = {
-    "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows"]),
+    "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows", "block_mask_per_head"]),
     "split": (SPLIT, ["none", "window_causal", "padding_per_item", "fully_masked_rows"]),
     "split_packed": (SPLIT_PACKED, ["causal_per_item", "document"]),
 }

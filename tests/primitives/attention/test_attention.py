@@ -158,6 +158,17 @@ def _prefix_per_batch(rng):
     return masks.prefix_lm(jnp.asarray(prefix)), lambda b, h, i, j: j < prefix[b] or j <= i
 
 
+def _block_mask_per_item_and_head(rng):
+    """Frame-causal over a window that widens with the head, odd heads with holes drawn per
+    (item, head, query, key): the evaluated span holds every head's keys (the hull), and only even
+    heads' tiles are whole, so no tile is (the intersection)."""
+    table = rng.random((B, HQ, 37, 37)) < 0.2
+    table_j = jnp.asarray(table)
+    fn = lambda b, h, i, j: (i // 6 >= j // 6) & (j > i - 8 * (h + 1)) & (table_j[b, h, i, j] | (h % 2 == 0) | (j % 3 != 0))  # noqa: E731
+    expected = lambda b, h, i, j: i // 6 >= j // 6 and j > i - 8 * (h + 1) and (table[b, h, i, j] or h % 2 == 0 or j % 3 != 0)  # noqa: E731
+    return masks.block_mask(fn, 37, 37, batch_shape=(B,), num_heads=HQ), expected
+
+
 # (id, (Sq, Skv), rng -> (mask for jf.attention, numpy mask_fn(b, h, i, j) -> bool))
 MASK_CASES = [
     ("full", CROSS, lambda r: (masks.full(), lambda b, h, i, j: True)),
@@ -190,6 +201,10 @@ MASK_CASES = [
     ("from_mask_mod_and_causal", SELF, lambda r: (
         masks.from_mask_mod(lambda b, h, i, j: (h + j) % 2 == 0) & masks.causal(),
         lambda b, h, i, j: (h + j) % 2 == 0 and j <= i)),
+    ("block_mask_per_item_and_head", SELF, _block_mask_per_item_and_head),
+    ("block_mask_with_holes_and_window", CROSS, lambda r: (  # rows from 30 see nothing; key tile 0 whole for rows 8-15
+        masks.block_mask(lambda b, h, i, j: (i < 30) & ((j < 20) | (j > i + 10)), 37, 53) & masks.sliding_window(20),
+        lambda b, h, i, j: i < 30 and (j < 20 or j > i + 10) and abs(i - j) < 20)),
     # a plain lambda on either side of & and |: Mask.__rand__ and Mask.__ror__
     ("sink_or_lambda_and_window", CROSS, lambda r: (
         (lambda b, h, i, j: j < 2) | ((lambda b, h, i, j: (b + h + j) % 3 != 1) & masks.sliding_window(4)),
@@ -572,7 +587,8 @@ def test_derivatives_match_dense_and_reference(impl):
 
 
 # Masks with different spans (which tiles the forward and both backward passes visit).
-GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm"]  # Band.q, PrefixSpan.q (Band + Intersect: _packed_case)
+# Band.q, PrefixSpan.q, RangeSpan.q of an evaluated mask (Band + Intersect: _packed_case)
+GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm", "block_mask_per_item_and_head"]
 
 
 @over_impls

@@ -100,7 +100,10 @@ def test_document_span_skips_across_documents():
     assert f_lo >= f_hi  # two documents: no key is seen by every row
 
 
-def check_span(name, span, visible, data):
+def check_span(name, span, visible, data, surely_visible=None):
+    """The may-ranges hold every pair of ``visible``; the sure-ranges only pairs of ``surely_visible``
+    (default ``visible``; a head-dependent mask: visible at every head)."""
+    surely_visible = visible if surely_visible is None else surely_visible
     for lo, hi in BLOCKS:
         if lo < SQ:
             q_hi = min(hi, SQ)
@@ -109,7 +112,7 @@ def check_span(name, span, visible, data):
             seen = np.flatnonzero(rows.any(axis=0))
             assert all(kv_lo <= j < kv_hi for j in seen), (name, lo, q_hi, kv_lo, kv_hi, seen)
             f_lo, f_hi = (int(x) for x in span.full_kv(lo, q_hi, SKV, data))
-            assert rows[:, max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, q_hi, f_lo, f_hi)
+            assert surely_visible[lo:q_hi, max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, q_hi, f_lo, f_hi)
         if lo < SKV:
             kv_hi = min(hi, SKV)
             cols = visible[:, lo:kv_hi]
@@ -117,7 +120,7 @@ def check_span(name, span, visible, data):
             seen = np.flatnonzero(cols.any(axis=1))
             assert all(q_lo <= i < q_hi for i in seen), (name, lo, kv_hi, q_lo, q_hi, seen)
             f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, SQ, data))
-            assert cols[max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, kv_hi, f_lo, f_hi)
+            assert surely_visible[max(f_lo, 0) : max(f_hi, f_lo, 0), lo:kv_hi].all(), (name, lo, kv_hi, f_lo, f_hi)
 
 
 def test_negated_masks_skip_tiles():
@@ -233,3 +236,75 @@ def test_count_below_is_searchsorted(inclusive, dtypes):
     for got in (count(jnp.asarray(values), jnp.asarray(queries)), exported.call(values, queries)):
         assert got.dtype == jnp.int32
         np.testing.assert_array_equal(got, want)
+
+
+# --- block_mask: spans measured by evaluating a plain mask_mod --------------------------------------
+
+TABLE = np.random.default_rng(5).random((2, 3, SQ, SKV)) < 0.3  # (item, head, q, kv)
+TABLE[0, :, 4] = False  # a query no head of item 0 sees a key with
+# name: (mask_mod, block_mask keywords, numpy visibility (item, head, q, kv))
+EVALUATED = {
+    "frames_causal": (lambda b, h, i, j: i // 5 >= j // 5, {}, lambda b, h, i, j: i // 5 >= j // 5),
+    "captured_table": (lambda b, h, i, j: jnp.asarray(TABLE[0, 0])[i, j], {}, lambda b, h, i, j: TABLE[0, 0][i, j]),
+    "per_item_and_head": (
+        lambda b, h, i, j: jnp.asarray(TABLE)[b, h, i, j] | ((j <= i) & (j > i - 2 * h - 2)),
+        dict(batch_shape=(2,), num_heads=3),
+        lambda b, h, i, j: TABLE[b, h, i, j] | ((j <= i) & (j > i - 2 * h - 2)),
+    ),
+    "nothing": (lambda b, h, i, j: i < -1, {}, lambda b, h, i, j: i < -1),
+    "a_library_mask": (jf.masks.causal(-3) | jf.masks.sliding_window(2), {}, lambda b, h, i, j: (j <= i - 3) | (abs(i - j) < 2)),
+}
+
+
+def _evaluated(name):
+    fn, keywords, expected = EVALUATED[name]
+    b, h, q, kv = np.meshgrid(np.arange(2), np.arange(3), np.arange(SQ), np.arange(SKV), indexing="ij")
+    return jf.masks.block_mask(fn, SQ, SKV, **keywords), np.broadcast_to(expected(b, h, q, kv), b.shape)
+
+
+@pytest.mark.parametrize("name", sorted(EVALUATED))
+def test_block_mask_ranges_are_each_positions_visible_keys_and_queries(name):
+    """Each query's range is the hull of the keys any head shows it, its sure range the run of keys
+    every head shows it from there (and the same for each key): computed here by brute force."""
+    mask, visible = _evaluated(name)
+    arrays = mask.span_arrays((2,), SQ, SKV, num_heads=3)
+    for b in range(2):
+        for ranges, vis in ((arrays[:3], visible[b]), (arrays[3:], np.swapaxes(visible[b], 1, 2))):
+            seen, every = vis.any(axis=0), vis.all(axis=0)  # over heads: (rows, cols)
+            for row in range(seen.shape[0]):
+                cols = np.flatnonzero(seen[row])
+                lo, hi = (cols[0], cols[-1] + 1) if cols.size else (seen.shape[1], 0)
+                sure = lo + (np.argmin(every[row, lo:hi]) if not every[row, lo:hi].all() else hi - lo)
+                got = tuple(int(r[b, row]) for r in ranges)
+                assert got == (lo, hi, max(sure, lo)), (name, b, row, got)
+
+
+@pytest.mark.parametrize("name", sorted(EVALUATED))
+def test_block_mask_spans_hold_the_mask(name):
+    mask, visible = _evaluated(name)
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV, num_heads=3)
+    for combine, other in (("alone", None), ("&causal", jf.masks.causal(4)), ("|window", jf.masks.sliding_window(3)), ("~", "~")):
+        combined = mask if other is None else ~mask if other == "~" else (mask & other if combine[0] == "&" else mask | other)
+        c_span, c_arrays = combined.span(), combined.span_arrays((2,), SQ, SKV, num_heads=3)
+        for b in range(2):
+            per_head = np.stack([np.asarray(_bound(combined, b, h)) for h in range(3)])
+            check_span(f"{name}/{combine}/b{b}", c_span, per_head.any(0), tuple(a[b] for a in c_arrays), per_head.all(0))
+    assert len(arrays) == span.num_arrays == 6
+
+
+def _bound(mask, b, h):
+    q, kv = np.meshgrid(np.arange(SQ), np.arange(SKV), indexing="ij")
+    return np.broadcast_to(mask.bind((2,), SQ, SKV)(b, h, jnp.asarray(q), jnp.asarray(kv)), q.shape)
+
+
+def test_block_mask_of_frames_skips_the_tiles_above_them():
+    """Frame-causal attention (video, world models): a block of queries sees the keys up to the end
+    of its last frame, and surely all of them up to its first frame's end."""
+    mask = jf.masks.block_mask(lambda b, h, i, j: i // 8 >= j // 8, 64, 64)
+    span, data = mask.span(), tuple(a[0] for a in mask.span_arrays((), 64, 64))
+    assert tuple(int(x) for x in span.kv(16, 24, 64, data)) == (0, 24)
+    assert tuple(int(x) for x in span.full_kv(16, 24, 64, data)) == (0, 24)
+    assert tuple(int(x) for x in span.kv(20, 28, 64, data)) == (0, 32)
+    assert tuple(int(x) for x in span.full_kv(20, 28, 64, data)) == (0, 24)
+    assert tuple(int(x) for x in span.q(16, 24, 64, data)) == (16, 64)
+    assert tuple(int(x) for x in span.full_q(16, 24, 64, data)) == (16, 64)

@@ -19,7 +19,7 @@ A mask's runtime data (document segment ids, per-item prefix lengths) reaches th
 forms. Its *positional* values (``Mods.mask_rows``/``mask_cols``: one int32 per query or key) are
 copied per tile like the operands: a consumer's own 64 rows once, the streamed tiles' in the
 producer's ring beside their K (or Q) tile, each loaded into registers as a row or a column of
-the score tile. The tiles a program visits, which then depend on the data (``SegmentSpan``), are
+the score tile. The tiles a program visits, which then depend on the data (``RangeSpan``), are
 computed before the call for every program (``program_table``) and read from its table row;
 for static spans each warpgroup computes them itself, so the producer starts copying at once.
 
