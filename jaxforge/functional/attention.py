@@ -89,7 +89,7 @@ def attention(
         scale = 1 / math.sqrt(d) if d else 1.0
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
-    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, q.shape[-2], accumulation_dtype(q.dtype))
+    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=q.shape[-2])
     sinks = None if sinks is None else _sinks(sinks, (*batch, sq, q.shape[-2]))
     out, lse = attention_fwd_p.bind(
         q, k, v, *consts, mods=mods, scale=scale, implementation=_implementation(implementation)
@@ -129,7 +129,7 @@ def _sinks(sinks, lse_shape):
     return sinks
 
 
-def _mods(mask, score_mod, softcap, batch, sq, skv, num_heads, score_dtype):
+def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None):
     mask_fn, mask_consts, span, rows, cols = None, [], Mods().span, [], []
     if mask is not None:
         mask = as_mask(mask)

@@ -306,6 +306,7 @@ class _Evaluated(Mask):
     fn: Callable
     q_len: int
     kv_len: int
+    num_items: int  # the batch items it was evaluated on; 0: the function does not read b
     num_heads: int  # the query heads it was evaluated on; 0: the function does not read h
     ranges: tuple  # RangeSpan's six arrays, (*batch_shape, q_len) and (*batch_shape, kv_len)
 
@@ -323,6 +324,11 @@ class _Evaluated(Mask):
         if self.num_heads and num_heads is not None and num_heads != self.num_heads:
             raise ValueError(
                 f"block_mask: evaluated on num_heads={self.num_heads} query heads (its mask_mod reads h); the call has {num_heads}"
+            )
+        if self.num_items and math.prod(batch_shape) != self.num_items:  # under vmap: b is not the item it was evaluated for
+            raise ValueError(
+                f"block_mask: evaluated on {self.num_items} batch items (its mask_mod reads b); the call has batch dims "
+                f"{batch_shape} (under vmap, build the mask inside the mapped function)"
             )
         return [_per_batch(r, batch_shape, "block_mask", "batch_shape", trailing=1) for r in self.ranges]
 
@@ -529,7 +535,7 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
     batch_shape = _shape("block_mask", "batch_shape", batch_shape) if reads_b else ()
     heads = _static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
     ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
-    return _Evaluated(mask_mod, q_len, kv_len, heads if reads_h else 0, ranges)
+    return _Evaluated(mask_mod, q_len, kv_len, math.prod(batch_shape) if reads_b else 0, heads if reads_h else 0, ranges)
 
 
 def _reads_argument(jaxpr, index: int) -> bool:

@@ -269,8 +269,13 @@ def test_block_mask_of_another_shape_than_the_call():
     with pytest.raises(ValueError, match=r"block_mask: evaluated on num_heads=2 query heads \(its mask_mod reads h\); the call has 4"):
         jf.attention(*qkv(), mask=masks.causal() & masks.block_mask(lambda b, h, i, j: j <= i + h, 5, 7, num_heads=2))
     by_item = masks.block_mask(lambda b, h, i, j: j <= i + b, 5, 7, batch_shape=(3,))
-    with pytest.raises(ValueError, match=r"block_mask: `batch_shape` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\) of q"):
+    with pytest.raises(ValueError, match=r"block_mask: evaluated on 3 batch items \(its mask_mod reads b\); the call has batch dims \(2,\)"):
         jf.attention(*qkv(), mask=by_item)
+    by_item = masks.block_mask(lambda b, h, i, j: j <= i + b, 5, 7, batch_shape=(2,))
+    with pytest.raises(ValueError, match=r"block_mask: evaluated on 2 batch items .*the call has batch dims \(\) \(under vmap, build"):
+        jax.vmap(lambda q, k, v, mask: jf.attention(q, k, v, mask=mask))(*qkv(), by_item)  # b would be 0 for each item
+    broadcast = masks.block_mask(lambda b, h, i, j: j <= i + 2, 5, 7, batch_shape=(3,))  # b unread: any batch
+    assert jf.attention(*qkv(), mask=broadcast).shape == (2, 5, 4, 6)
 
 
 def test_sinks_arguments():
