@@ -241,10 +241,11 @@ def test_attention_flops_count_the_visible_scores():
 
 def test_attention_frames_compare_the_evaluated_mask_with_the_plain_mask_mod():
     """quick_frames: jaxforge takes the frames through jf.masks.block_mask, jaxforge-mask-mod the
-    same function as a plain mask_mod; both against the dense reference."""
-    records = run("attention", quick=True, shapes=["quick_frames"])
+    same function as a plain mask_mod; both against the dense reference (jaxforge's every mode:
+    test_attention_budget_measures_the_essential_contenders_of_every_case_first)."""
+    records = run("attention", quick=True, shapes=["quick_frames"], modes=["fwd"])
     rows = {(r["mode"], r["implementation"]): r for r in records}
-    for mode in ("fwd", "fwd+bwd", "jvp"):
+    for mode in ("fwd",):
         for impl in ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla"):
             r = rows[(mode, impl)]
             assert r["status"] == "ok" and all(e < 1e-4 for e in r["accuracy"].values()), r

@@ -53,7 +53,7 @@ def run(implementation, mask, **kw):
 SPLIT = Implementation("pallas_triton", block_q=8, block_kv=16, kv_splits=2)
 SPLIT_PACKED = Implementation("pallas_triton", block_q=8, block_kv=8, pack_gqa=True, kv_splits=3)
 VARIANTS = {
-    "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows", "block_mask_per_head"]),
+    "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows"]),
     "split": (SPLIT, ["none", "window_causal", "padding_per_item", "fully_masked_rows"]),
     "split_packed": (SPLIT_PACKED, ["causal_per_item", "document"]),
 }
