@@ -534,7 +534,10 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
         raise ValueError("block_mask: `mask_mod` reads its head index h; pass num_heads=, the number of query heads")
     batch_shape = _shape("block_mask", "batch_shape", batch_shape) if reads_b else ()
     heads = _static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
-    ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
+    if any(isinstance(c, jax.core.Tracer) for c in consts):  # traced already (under jit, shard_map): as written
+        ranges = _ranges(mask_mod, batch_shape, heads, q_len, kv_len)
+    else:  # one program per function and shape (the hoisted fn drops shard_map's varying casts)
+        ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
     return _Evaluated(mask_mod, q_len, kv_len, math.prod(batch_shape) if reads_b else 0, heads if reads_h else 0, ranges)
 
 
@@ -550,12 +553,15 @@ _EVALUATED_PER_STEP = 1 << 22
 
 @functools.partial(jax.jit, static_argnames=("fn", "batch_shape", "heads", "q_len", "kv_len"))
 def _evaluated_ranges(consts, *, fn, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int) -> tuple:
-    """RangeSpan's six arrays for ``fn(b, h, q_idx, kv_idx, *consts)``, ``(*batch_shape, seq)``:
-    each query's, then each key's."""
+    """:func:`_ranges` of ``fn(b, h, q_idx, kv_idx, *consts)``, jitted on the function's program."""
+    return _ranges(lambda *idx: fn(*idx, *consts)[0], batch_shape, heads, q_len, kv_len)
+
+
+def _ranges(mask_mod, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int) -> tuple:
+    """RangeSpan's six arrays for ``mask_mod``, ``(*batch_shape, seq)``: each query's, then each key's."""
     items = math.prod(batch_shape)
-    by_queries = lambda b, h, q, kv: fn(b, h, q, kv, *consts)[0]  # noqa: E731
-    by_keys = lambda b, h, kv, q: fn(b, h, q, kv, *consts)[0]  # noqa: E731
-    ranges = (*_row_ranges(by_queries, items, heads, q_len, kv_len), *_row_ranges(by_keys, items, heads, kv_len, q_len))
+    by_keys = lambda b, h, kv, q: mask_mod(b, h, q, kv)  # noqa: E731
+    ranges = (*_row_ranges(mask_mod, items, heads, q_len, kv_len), *_row_ranges(by_keys, items, heads, kv_len, q_len))
     return tuple(r.reshape(*batch_shape, r.shape[-1]) for r in ranges)
 
 

@@ -263,14 +263,24 @@ def test_type_errors():
         jf.shard(lambda x: x, in_specs=P(), out_specs=[0])(np.ones(8))
 
 
-def test_attention_with_a_mask_capturing_sharded_segment_ids():
+DOCUMENTS = {
+    "document": jf.masks.document,
+    # the mask as one function evaluated per shard: the shard's ids vary over the mesh, the indices not
+    "block_mask": lambda seg: jf.masks.block_mask(
+        lambda b, h, i, j: (seg[b, i] == seg[b, j]) & (j <= i), 12, 12, batch_shape=seg.shape[:1]
+    ),
+}
+
+
+@pytest.mark.parametrize("documents", sorted(DOCUMENTS))
+def test_attention_with_a_mask_capturing_sharded_segment_ids(documents):
     # Regression: the mask closes over a value that varies over the mesh axis; its casts to
     # varying must not leak into the lowering's loops (they broke the carries' types).
     q = jnp.asarray(rng_normal(8, 12, 2, 4))
     segments = jnp.asarray(np.random.default_rng(1).integers(0, 3, (8, 12)).cumsum(-1) // 7)
 
     def loss(q, segments):
-        mask = jf.masks.causal() & jf.masks.document(segments)
+        mask = jf.masks.causal() & DOCUMENTS[documents](segments)
         return jnp.sum(jf.attention(q, q, q, mask=mask) ** 2)
 
     sharded = jf.shard(
