@@ -121,7 +121,7 @@ class Case:
 
     @property
     def frame(self) -> int:
-        """The frame length of "frames_causal" (the last frame takes the remainder)."""
+        """The frame length of "frames_causal" (a remainder makes one more, shorter frame)."""
         return max(self.sq // FRAMES, 1)
 
     @property
