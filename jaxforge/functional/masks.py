@@ -313,6 +313,11 @@ class _Evaluated(Mask):
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
 
+    def bind_positional(self, batch_shape, sq, skv):
+        if isinstance(self.fn, Mask):  # a library mask keeps its kernel form (positional ids, not gathers)
+            return self.fn.bind_positional(batch_shape, sq, skv)
+        return super().bind_positional(batch_shape, sq, skv)
+
     def span(self):
         return RangeSpan()
 

@@ -45,6 +45,10 @@ MASKS = {
         lambda: jf.masks.padding(jnp.asarray([2**40, 5], jnp.int64)),
         lambda b, q, kv: kv < np.asarray([2**40, 5])[b],
     ),
+    "block_mask_of_a_document": (  # the document's positional ids, the span evaluated
+        lambda: jf.masks.block_mask(jf.masks.document(Q_IDS, KV_IDS), SQ, SKV, batch_shape=(B,)),
+        lambda b, q, kv: QI[b, q] == KI[b, kv],
+    ),
     "block_mask_per_item": (
         lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
         lambda b, q, kv: KI[b, kv] <= QI[b, q],

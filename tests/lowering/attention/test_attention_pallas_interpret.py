@@ -36,6 +36,10 @@ MASKS = {
     "block_mask_per_head": lambda: jf.masks.block_mask(  # frame-causal over a window per head: RangeSpan's tiles
         lambda b, h, i, j: (i // 5 >= j // 5) & (j > i - 6 * (h + 1)), SQ, SKV, num_heads=HQ
     ),
+    # a library mask evaluated: its ids still reach the kernels positionally (its mask_mod gathers)
+    "block_mask_of_documents": lambda: jf.masks.block_mask(
+        jf.masks.document(SCATTERED[:, :SQ], SCATTERED) & jf.masks.causal(), SQ, SKV, batch_shape=(B,)
+    ),
 }
 
 
