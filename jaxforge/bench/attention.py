@@ -660,8 +660,8 @@ def _jnn_forward(case: Case, implementation: str) -> Callable | str:
 
     def attend(q, k, v, seg, slopes=alibi_slopes(case.hq)):  # the reference hands each item's heads' slopes
         mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
-        if case.mask == "frames_causal":
-            mask = (jnp.arange(case.sq)[:, None] // case.frame >= jnp.arange(case.skv)[None, :] // case.frame)[None, None]
+        if case.mask == "frames_causal":  # the mask_mod on broadcast index grids
+            mask = _frames_mask_mod(case)(0, 0, jnp.arange(case.sq)[:, None], jnp.arange(case.skv)[None, :])[None, None]
         bias = _alibi_bias(slopes, case.sq, case.skv).astype(q.dtype) if case.mask == "alibi_causal" else None
         out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), bias=bias, mask=mask, **kwargs)
         return out[..., : case.dv]

@@ -303,7 +303,10 @@ class _FromFunction(Mask):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Evaluated(Mask):
-    fn: Callable
+    """A mask (``from_mask_mod``'s for a plain function) with the span measured by ``block_mask``:
+    its function and kernel form (positional operands) are the mask's own."""
+
+    mask: Mask
     q_len: int
     kv_len: int
     num_items: int  # the batch items it was evaluated on; 0: the function does not read b
@@ -311,12 +314,10 @@ class _Evaluated(Mask):
     ranges: tuple  # RangeSpan's six arrays, (*batch_shape, q_len) and (*batch_shape, kv_len)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return self.fn(b, h, q_idx, kv_idx)
+        return self.mask.mask_mod(b, h, q_idx, kv_idx)
 
     def bind_positional(self, batch_shape, sq, skv):
-        if isinstance(self.fn, Mask):  # a library mask keeps its kernel form (positional ids, not gathers)
-            return self.fn.bind_positional(batch_shape, sq, skv)
-        return super().bind_positional(batch_shape, sq, skv)
+        return self.mask.bind_positional(batch_shape, sq, skv)
 
     def span(self):
         return RangeSpan()
@@ -526,8 +527,9 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
     """
     if not callable(mask_mod):
         raise TypeError(f"block_mask: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
+    mask = as_mask(mask_mod)
     q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
-    fn, consts = _core.trace_function(mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4)
+    fn, consts = _core.trace_function(mask.mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4)
     outs = fn.out_avals
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
         got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
@@ -539,11 +541,14 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
         raise ValueError("block_mask: `mask_mod` reads its head index h; pass num_heads=, the number of query heads")
     batch_shape = _shape("block_mask", "batch_shape", batch_shape) if reads_b else ()
     heads = _static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
-    if any(isinstance(c, jax.core.Tracer) for c in consts):  # traced already (under jit, shard_map): as written
-        ranges = _ranges(mask_mod, batch_shape, heads, q_len, kv_len)
-    else:  # one program per function and shape (the hoisted fn drops shard_map's varying casts)
+    # Eagerly, one program per function and shape (its captured arrays as arguments). Already
+    # traced (under jit, shard_map), the function as written: its hoisted form drops the casts to
+    # varying that shard_map's typing needs.
+    if any(isinstance(c, jax.core.Tracer) for c in consts):
+        ranges = _ranges(mask.mask_mod, batch_shape, heads, q_len, kv_len)
+    else:
         ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
-    return _Evaluated(mask_mod, q_len, kv_len, math.prod(batch_shape) if reads_b else 0, heads if reads_h else 0, ranges)
+    return _Evaluated(mask, q_len, kv_len, math.prod(batch_shape) if reads_b else 0, heads if reads_h else 0, ranges)
 
 
 def _reads_argument(jaxpr, index: int) -> bool:
