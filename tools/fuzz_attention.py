@@ -6,7 +6,7 @@ tiles, small tiles with or without packed GQA, or the Triton kernels in interpre
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
 chunked, prefix LM, padding and document masks and plain mask_mods evaluated by
 ``jf.masks.block_mask`` (frames, tables of visible pairs per item and head), some subtrees
-evaluated by ``block_mask`` as a whole. The visible pairs are computed here from each mask's
+evaluated by ``block_mask`` as a whole (in one range or cut into pieces). The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product.
@@ -73,13 +73,19 @@ def random_leaf(rng, b, hq, sq, skv):
     if kind == "table":  # visible pairs drawn per item and head: holes, empty rows and columns
         table = rng.random((b, hq, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
         pick = lambda b, h, i, j: jnp.asarray(table)[b, h, i, j]  # noqa: E731
-        return masks.block_mask(pick, sq, skv, batch_shape=(b,), num_heads=hq), table
+        return masks.block_mask(pick, sq, skv, batch_shape=(b,), num_heads=hq, ranges=_ranges(rng)), table
     n = int(rng.integers(1, 5))
     q_ids = _ids(rng, b, sq, n)
     if sq == skv and rng.random() < 0.5:
         return masks.document(q_ids), q_ids[:, None, :, None] == q_ids[:, None, None, :]
     kv_ids = _ids(rng, b, skv, n)
     return masks.document(q_ids, kv_ids), q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+
+def _ranges(rng) -> int:
+    """block_mask's ranges: one, or pieces cut at each row's widest gaps (a gap holds a whole block of
+    16 keys only past 32 keys: tables and subtrees cut now and then)."""
+    return int(rng.choice([1, 2, 3]))
 
 
 def random_mask(rng, b, hq, sq, skv, depth=0):
@@ -90,7 +96,7 @@ def random_mask(rng, b, hq, sq, skv, depth=0):
         return random_leaf(rng, b, hq, sq, skv)
     if r < 0.5:
         mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)
-        return masks.block_mask(mask, sq, skv, batch_shape=(b,), num_heads=hq), visible
+        return masks.block_mask(mask, sq, skv, batch_shape=(b,), num_heads=hq, ranges=_ranges(rng)), visible
     if r < 0.6:
         mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)
         return ~mask, ~visible

@@ -70,6 +70,10 @@ WINDOW = 1024  # the "sliding_window_causal" mask: the query and the 1023 keys b
 # before (video and world-model training): a plain mask_mod, which jaxforge takes through
 # jf.masks.block_mask, and torch's flex_attention through create_block_mask.
 FRAMES = 8
+# "sinks_window_causal" (StreamingLLM): the first SINKS keys and the WINDOW keys up to the query, a
+# plain mask_mod with a gap between the two in each long row; jaxforge cuts its rows there
+# (jf.masks.block_mask(ranges=2)), torch's flex_attention lists the tiles (create_block_mask).
+SINKS = 4
 DOCUMENTS = (3, 6)  # "document_causal": this many documents (inclusive range) per batch item, random lengths
 BWD_FLOPS = 3.5  # fwd+bwd counts 3.5 forwards (backward = 2.5, the flash-attn convention)
 SEED = 0
@@ -80,6 +84,7 @@ QUICK_SHAPES = {
     "quick_gqa_document": ((1, 128, 128, 4, 2, 32, 16), "document_causal", ("quick",)),
     "quick_alibi": ((1, 128, 128, 4, 4, 32, 32), "alibi_causal", ("quick",)),
     "quick_frames": ((1, 128, 128, 2, 2, 32, 32), "frames_causal", ("quick",)),
+    "quick_sinks_window": ((1, 1280, 1280, 1, 1, 16, 16), "sinks_window_causal", ("quick",)),  # rows from 1055 cut
 }
 
 # Timed calls after the first (compiling) one and `warmups` more: at least `min_repeats`, then
@@ -104,7 +109,8 @@ _NO_TORCH_JVP = "torch has no forward-mode AD for SDPA or flex_attention (pytorc
 class Case:
     name: str
     dims: tuple[int, int, int, int, int, int, int]  # (batch, Sq, Skv, Hq, Hkv, D, Dv)
-    mask: str | None  # None, "causal", "sliding_window_causal", "document_causal", "alibi_causal" or "frames_causal"
+    mask: str | None  # None, "causal", "sliding_window_causal", "document_causal", "alibi_causal", "frames_causal"
+    # or "sinks_window_causal"
     dtype: type
 
     batch = property(lambda self: self.dims[0])
@@ -389,6 +395,10 @@ def _visible_fraction(case: Case, seg) -> float:
         return float(visible.sum() / (case.sq * case.skv))
     if case.mask == "frames_causal":  # keys up to the end of q's frame
         return float(np.minimum((q // case.frame + 1) * case.frame, case.skv).sum() / (case.sq * case.skv))
+    if case.mask == "sinks_window_causal":  # the window's keys, and the sinks before it
+        window = np.minimum(q, case.skv - 1) - np.maximum(q - WINDOW + 1, 0) + 1
+        sinks = np.minimum(min(SINKS, case.skv), np.maximum(q - WINDOW + 1, 0))
+        return float((window + sinks).sum() / (case.sq * case.skv))
     if case.mask == "document_causal":  # keys from the start of q's document ..= q
         seg = _segment_ids(case) if seg is None else np.asarray(seg)
         starts_doc = np.concatenate([np.ones((seg.shape[0], 1), bool), seg[:, 1:] != seg[:, :-1]], axis=1)
@@ -505,18 +515,49 @@ def _reference_fn(case: Case, hvp: bool, jvp2: bool, jvp_grad: bool):
 # ---------------------------------------------------------------- jax contenders
 
 
-def _frames_mask_mod(case: Case):
-    """"frames_causal" as a plain ``mask_mod``: a query sees the keys of its frame and before."""
-    frame = case.frame
-    return lambda b, h, q, kv: q // frame >= kv // frame
+_MASK_MODS = ("frames_causal", "sinks_window_causal")  # the masks given as plain functions
+
+
+def _plain_mask_mod(case: Case):
+    """A mask of ``_MASK_MODS`` as a plain ``mask_mod`` (jax and torch alike): "frames_causal", a
+    query sees the keys of its frame and before; "sinks_window_causal", the first SINKS keys and the
+    WINDOW up to it."""
+    if case.mask == "frames_causal":
+        frame = case.frame
+        return lambda b, h, q, kv: q // frame >= kv // frame
+    return lambda b, h, q, kv: (kv <= q) & ((kv < SINKS) | (q - kv < WINDOW))
+
+
+_RANGES = {"frames_causal": 1, "sinks_window_causal": 2}  # block_mask's ranges a query, per plain mask_mod
+
+
+@functools.lru_cache(maxsize=8)
+def _built_mask(case: Case, ranges: int) -> tuple:
+    """``(mask, ms)``: ``jf.masks.block_mask`` of the case's plain mask_mod, built before the timed
+    calls (as torch's create_block_mask is: once per mask, shared by every layer that reads it),
+    and the time of a build after the first (compiling) one."""
+    build = lambda: jax.block_until_ready(jf.masks.block_mask(_plain_mask_mod(case), case.sq, case.skv, ranges=ranges))  # noqa: E731
+    build()
+    start = time.perf_counter()
+    return build(), (time.perf_counter() - start) * 1e3
+
+
+def _build_note(ranges: int | None) -> Callable[[Case], str | None]:
+    """The note of a contender given ``_built_mask(case, ranges)`` (None: the case's own ranges)."""
+
+    def note(case: Case) -> str | None:
+        if case.mask not in _MASK_MODS:
+            return None
+        n = _RANGES[case.mask] if ranges is None else ranges
+        return f"block_mask(ranges={n}) built before the timed calls in {_built_mask(case, n)[1]:.1f} ms"
+
+    return note
 
 
 def _jf_mask(case: Case, seg):
     mask = case.mask
     if mask is None:
         return None
-    if mask == "frames_causal":  # evaluated in the measured call: its cost is the call's
-        return jf.masks.block_mask(_frames_mask_mod(case), case.sq, case.skv)
     if mask in ("causal", "alibi_causal"):
         return jf.masks.causal()
     if mask == "sliding_window_causal":
@@ -607,9 +648,11 @@ def _jf_forward(implementation):
     def forward(case: Case):
         slopes = jnp.asarray(alibi_slopes(case.hq))
         score_mod = (lambda s, b, h, i, j: s + slopes[h] * (j - i)) if case.mask == "alibi_causal" else None
+        built = _built_mask(case, _RANGES[case.mask])[0] if case.mask in _MASK_MODS else None
 
         def attend(q, k, v, seg):
-            return jf.attention(q, k, v, mask=_jf_mask(case, seg), score_mod=score_mod, implementation=implementation)
+            mask = _jf_mask(case, seg) if built is None else built
+            return jf.attention(q, k, v, mask=mask, score_mod=score_mod, implementation=implementation)
 
         return attend
 
@@ -617,12 +660,21 @@ def _jf_forward(implementation):
 
 
 def _jf_mask_mod(case: Case) -> Callable | str:
-    """``jf.attention`` given "frames_causal" as the plain ``mask_mod``, which visits every tile: what
+    """``jf.attention`` given the plain ``mask_mod``, which visits every tile: what
     ``jf.masks.block_mask`` saves."""
-    if case.mask != "frames_causal":
-        return "only the frames_causal case has a plain mask_mod to compare"
-    mask_mod = _frames_mask_mod(case)
+    if case.mask not in _MASK_MODS:
+        return f"only the {' and '.join(_MASK_MODS)} cases have a plain mask_mod to compare"
+    mask_mod = _plain_mask_mod(case)
     return lambda q, k, v, seg: jf.attention(q, k, v, mask=mask_mod)
+
+
+def _jf_one_range(case: Case) -> Callable | str:
+    """``jf.attention`` with the sinks and window evaluated in one range a query
+    (``block_mask(ranges=1)``), visiting the keys between them: what the second range saves."""
+    if case.mask != "sinks_window_causal":
+        return "only the sinks_window_causal case has a gap in its rows"
+    mask = _built_mask(case, 1)[0]
+    return lambda q, k, v, seg: jf.attention(q, k, v, mask=mask)
 
 
 def _jf_xla_contender() -> Contender:
@@ -646,12 +698,12 @@ def _jf_xla_contender() -> Contender:
 def _jnn_forward(case: Case, implementation: str) -> Callable | str:
     """``jax.nn.dot_product_attention``; head dims are zero-padded to match when D != Dv."""
     if implementation == "cudnn":
-        if case.mask in ("document_causal", "frames_causal"):
+        if case.mask in ("document_causal", *_MASK_MODS):
             return f"jax.nn's cuDNN path takes no {case.mask} mask (a dense mask would be materialised as a bias)"
         if np.dtype(case.dtype) not in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)):
             return f"cuDNN attention takes bfloat16 or float16, not {np.dtype(case.dtype).name}"
     width = max(case.d, case.dv)
-    kwargs = dict(scale=case.scale, is_causal=case.mask not in (None, "frames_causal"), implementation=implementation)
+    kwargs = dict(scale=case.scale, is_causal=case.mask not in (None, *_MASK_MODS), implementation=implementation)
     if case.mask == "sliding_window_causal":
         kwargs["local_window_size"] = (WINDOW - 1, 0)
 
@@ -660,8 +712,8 @@ def _jnn_forward(case: Case, implementation: str) -> Callable | str:
 
     def attend(q, k, v, seg, slopes=alibi_slopes(case.hq)):  # the reference hands each item's heads' slopes
         mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
-        if case.mask == "frames_causal":  # the mask_mod on broadcast index grids
-            mask = _frames_mask_mod(case)(0, 0, jnp.arange(case.sq)[:, None], jnp.arange(case.skv)[None, :])[None, None]
+        if case.mask in _MASK_MODS:  # the mask_mod on broadcast index grids
+            mask = _plain_mask_mod(case)(0, 0, jnp.arange(case.sq)[:, None], jnp.arange(case.skv)[None, :])[None, None]
         bias = _alibi_bias(slopes, case.sq, case.skv).astype(q.dtype) if case.mask == "alibi_causal" else None
         out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), bias=bias, mask=mask, **kwargs)
         return out[..., : case.dv]
@@ -854,8 +906,8 @@ def _flex_contender(torch) -> Contender:
         elif case.mask == "document_causal":
             seg, batch = torch.as_tensor(np.asarray(x.seg), device="cuda"), case.batch
             mask_mod = lambda b, h, q, kv: (q >= kv) & (seg[b, q] == seg[b, kv])  # noqa: E731
-        elif case.mask == "frames_causal":
-            mask_mod = _frames_mask_mod(case)
+        elif case.mask in _MASK_MODS:
+            mask_mod = _plain_mask_mod(case)
         else:
             return f"no flex mask_mod for {case.mask!r}"
         if case.mask == "alibi_causal":
@@ -867,7 +919,7 @@ def _flex_contender(torch) -> Contender:
             kwargs["enable_gqa"] = True
         return _torch_modes(torch, lambda q, k, v: compiled(q, k, v, **kwargs), mode, case, x)
 
-    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal", "alibi_causal", "frames_causal")  # noqa: E731
+    essential = lambda case: case.mask in ("sliding_window_causal", "document_causal", "alibi_causal", *_MASK_MODS)  # noqa: E731
     return Contender(name, prepare, to_jax=_torch_to_jax, essential=essential)
 
 
@@ -878,12 +930,15 @@ def _contenders(backend: str) -> list[Contender]:
     everywhere = lambda case: True  # noqa: E731
     jnn_xla = _jax_contender("jax.nn-xla", lambda case: _jnn_forward(case, "xla"), note=_padded_note)
     mask_mod = _jax_contender("jaxforge-mask-mod", _jf_mask_mod)
+    one_range = _jax_contender("jaxforge-one-range", _jf_one_range, note=_build_note(1))
+    jaxforge = _jax_contender("jaxforge", _jf_forward(None), essential=everywhere, note=_build_note(None))
     if backend != "gpu":
-        return [_jax_contender("jaxforge", _jf_forward(None), essential=everywhere), mask_mod, jnn_xla]
+        return [jaxforge, mask_mod, one_range, jnn_xla]
     contenders = [
-        _jax_contender("jaxforge", _jf_forward(None), essential=everywhere),
+        jaxforge,
         mask_mod,
-        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere),
+        one_range,
+        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere, note=_build_note(None)),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(

@@ -48,7 +48,9 @@ def attention(
       mask: a :mod:`jf.masks <jaxforge.functional.masks>` mask, or ``mask_mod(b, h, q_idx, kv_idx)
         -> bool`` on scalars (True: visible). ``b`` indexes the flattened leading dims, ``h`` the
         query head. A plain ``mask_mod`` visits every tile; ``jf.masks.block_mask(mask_mod, Sq,
-        Skv)`` evaluates it once so that the tiles it hides are skipped.
+        Skv)`` evaluates it once so that the tiles it hides are skipped (with ``ranges=2``, those of
+        a gap inside each row too, such as between sink tokens and a sliding window: a mask in
+        pieces runs one call each, merged through their log-sum-exps).
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on scalars (ALiBi, relative
         bias, ...). Arrays it closes over get gradients and tangents like any input; read an
         element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``, ``bias[h][q_idx - kv_idx]``) they stay in the GPU
@@ -89,11 +91,13 @@ def attention(
         scale = 1 / math.sqrt(d) if d else 1.0
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
-    mods, consts = _mods(mask, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=q.shape[-2])
     sinks = None if sinks is None else _sinks(sinks, (*batch, sq, q.shape[-2]))
-    out, lse = attention_fwd_p.bind(
-        q, k, v, *consts, mods=mods, scale=scale, implementation=_implementation(implementation)
-    )
+    implementation = _implementation(implementation)
+    parts = []
+    for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
+        mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=q.shape[-2])
+        parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, implementation=implementation))
+    out, lse = parts[0] if len(parts) == 1 else _merged(parts)
     if sinks is not None:
         out, lse = merge_attention(out, lse, None, sinks.astype(lse.dtype))
     return (out, lse) if return_lse else out
@@ -111,6 +115,13 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     if out_b is not None:
         out = out + out_b * weights[..., 1:]
     return out.astype(out_a.dtype), lse
+
+
+def _merged(parts):
+    """:func:`merge_attention` of any number of ``(out, lse)`` parts."""
+    weights, lse = merge_weights(jnp.stack([lse for _, lse in parts], axis=-1), axis=-1)
+    out = sum(out * weights[..., i, None] for i, (out, _) in enumerate(parts))
+    return out.astype(parts[0][0].dtype), lse
 
 
 def _sinks(sinks, lse_shape):

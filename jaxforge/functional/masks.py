@@ -14,7 +14,9 @@ query head. Packed causal training, for instance::
 Any ``mask_mod`` written on scalars works too (``mask=lambda b, h, q, kv: ...``) but without a
 span it visits every tile; :func:`block_mask` evaluates it once on the whole grid and keeps the
 range of keys (queries) each query (key) sees, so tiles outside are skipped as for the masks here
-(FlexAttention's ``create_block_mask``); :func:`from_mask_mod` combines it with them as it is.
+(FlexAttention's ``create_block_mask``), or several ranges each, cut at each row's widest gaps
+(``ranges=``: attention then runs a call per piece and merges them); :func:`from_mask_mod`
+combines it with them as it is.
 """
 
 from __future__ import annotations
@@ -91,6 +93,11 @@ class Mask:
         whose values at ``(b, q_idx)`` and ``(b, kv_idx)`` ``fn`` receives (the form kernels run:
         they slice a tile of each instead of gathering). Most masks have none."""
         return self.mask_mod, [], []
+
+    def pieces(self) -> tuple[Mask, ...]:
+        """Disjoint masks whose union is this one, which attention runs one by one and merges through
+        their log-sum-exps (:func:`block_mask`'s ``ranges``): the mask itself for most."""
+        return (self,)
 
     def bind(self, batch_shape: tuple[int, ...], sq: int, skv: int) -> Callable:
         """The scalar ``mask_mod`` for a call with q ``(*batch_shape, sq, ...)`` and ``skv`` keys:
@@ -312,21 +319,23 @@ class _Evaluated(Mask):
     num_items: int  # the batch items it was evaluated on; 0: the function does not read b
     num_heads: int  # the query heads it was evaluated on; 0: the function does not read h
     ranges: tuple  # RangeSpan's six arrays, (*batch_shape, q_len) and (*batch_shape, kv_len)
+    parts: tuple = ()  # block masks of its pieces (``ranges`` > 1), each within one range of keys a query
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.mask.mask_mod(b, h, q_idx, kv_idx)
 
     def bind_positional(self, batch_shape, sq, skv):
+        self._check_lengths(sq, skv)
         return self.mask.bind_positional(batch_shape, sq, skv)
+
+    def pieces(self):
+        return self.parts or (self,)
 
     def span(self):
         return RangeSpan()
 
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
-        if (sq, skv) != (self.q_len, self.kv_len):
-            raise ValueError(
-                f"block_mask: evaluated for q_len={self.q_len}, kv_len={self.kv_len}; the call has {sq} queries and {skv} keys"
-            )
+        self._check_lengths(sq, skv)
         if self.num_heads and num_heads is not None and num_heads != self.num_heads:
             raise ValueError(
                 f"block_mask: evaluated on num_heads={self.num_heads} query heads (its mask_mod reads h); the call has {num_heads}"
@@ -337,6 +346,37 @@ class _Evaluated(Mask):
                 f"{batch_shape} (under vmap, build the mask inside the mapped function)"
             )
         return [_per_batch(r, batch_shape, "block_mask", "batch_shape", trailing=1) for r in self.ranges]
+
+    def _check_lengths(self, sq, skv):
+        if (sq, skv) != (self.q_len, self.kv_len):
+            raise ValueError(
+                f"block_mask: evaluated for q_len={self.q_len}, kv_len={self.kv_len}; the call has {sq} queries and {skv} keys"
+            )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Within(Mask):
+    """``mask`` where ``lo[b, q_idx] <= kv_idx < hi[b, q_idx]``: one piece of a block mask, its bounds
+    (``(*batch_shape, q_len)``) handed to kernels as positional rows."""
+
+    mask: Mask
+    lo: jnp.ndarray
+    hi: jnp.ndarray
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        lo, hi = (_item(x, b, trailing=1)[q_idx] for x in (self.lo, self.hi))
+        return self.mask.mask_mod(b, h, q_idx, kv_idx) & (kv_idx >= lo) & (kv_idx < hi)
+
+    def bind_positional(self, batch_shape, sq, skv):
+        fn, rows, cols = self.mask.bind_positional(batch_shape, sq, skv)
+        bounds = [_per_batch(x, batch_shape, "block_mask", "batch_shape", trailing=1) for x in (self.lo, self.hi)]
+        n = len(rows)
+
+        def within(b, h, q_idx, kv_idx, *values):
+            lo, hi = values[n : n + 2]
+            return fn(b, h, q_idx, kv_idx, *values[:n], *values[n + 2 :]) & (kv_idx >= lo) & (kv_idx < hi)
+
+        return within, [*rows, *bounds], cols
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -380,6 +420,12 @@ class _Combined(Mask):
 
 class _And(_Combined):
     logic, span_join = staticmethod(jnp.logical_and), Intersect
+
+    def pieces(self):
+        a, b = self.a.pieces(), self.b.pieces()
+        if len(a) > 1:
+            return tuple(_And(p, self.b) for p in a)
+        return tuple(_And(self.a, p) for p in b) if len(b) > 1 else (self,)
 
 
 class _Or(_Combined):
@@ -509,7 +555,9 @@ def from_mask_mod(mask_mod: Callable) -> Mask:
     return _FromFunction(mask_mod)
 
 
-def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None, num_heads: int | None = None) -> Mask:
+def block_mask(
+    mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None, num_heads: int | None = None, ranges: int = 1
+) -> Mask:
     """``mask_mod`` evaluated once on every (query, key) pair, so that attention skips the tiles it hides.
 
     A plain ``mask_mod`` has no span: attention visits every tile and masks each. This evaluates it
@@ -517,18 +565,27 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
     for each query, the range of keys it may see and the range it surely sees, and the same for
     each key: FlexAttention's ``create_block_mask``, at the resolution of positions rather than of
     one tile size, so every kernel and tile reads it. The function still decides each pair inside
-    the tiles visited; a hole inside a query's range (keys hidden between visible ones) is visited.
+    the tiles visited.
+
+    ``ranges``: how many ranges of keys each query keeps. With one, the keys hidden between visible
+    ones are visited (attention sinks or global tokens plus a sliding window: every key between
+    them). With ``n > 1`` each query's keys are cut at its ``n - 1`` widest gaps (runs of whole
+    blocks of 16 hidden keys, the narrowest tile) into ``n`` pieces; attention runs each piece (a
+    call of its own, skipping the gaps) and merges them through their log-sum-exps. The evaluation
+    then reads the grid ``2n + 3`` times instead of 2.
 
     ``batch_shape``: the leading dims of q, needed when ``mask_mod`` reads ``b``; ``num_heads``: the
     query heads, needed when it reads ``h`` (each range then holds every head's). A function that
-    reads neither is evaluated once and serves any batch. The result combines with ``&``, ``|`` and
-    ``~``; an attention call must have ``q_len`` queries and ``kv_len`` keys. Built under ``jit``,
-    the evaluation is part of the program; built outside, it is one compiled program per shape.
+    reads neither is evaluated once and serves any batch. The result combines with ``&`` (keeping
+    its pieces), ``|`` and ``~`` (as one range); an attention call must have ``q_len`` queries and
+    ``kv_len`` keys. Built under ``jit``, the evaluation is part of the program; built outside, it
+    is one compiled program per shape.
     """
     if not callable(mask_mod):
         raise TypeError(f"block_mask: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
     mask = as_mask(mask_mod)
     q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    pieces = _static_int("block_mask", "ranges", ranges, minimum=1)
     fn, consts = _core.trace_function(mask.mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4)
     outs = fn.out_avals
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
@@ -544,11 +601,15 @@ def block_mask(mask_mod: Callable, q_len: int, kv_len: int, *, batch_shape=None,
     # Eagerly, one program per function and shape (its captured arrays as arguments). Already
     # traced (under jit, shard_map), the function as written: its hoisted form drops the casts to
     # varying that shard_map's typing needs.
+    grid = dict(batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len, pieces=pieces)
     if any(isinstance(c, jax.core.Tracer) for c in consts):
-        ranges = _ranges(mask.mask_mod, batch_shape, heads, q_len, kv_len)
+        hull, parts = _measured(mask.mask_mod, **grid)
     else:
-        ranges = _evaluated_ranges(consts, fn=fn, batch_shape=batch_shape, heads=heads, q_len=q_len, kv_len=kv_len)
-    return _Evaluated(mask, q_len, kv_len, math.prod(batch_shape) if reads_b else 0, heads if reads_h else 0, ranges)
+        hull, parts = _evaluated(consts, fn=fn, **grid)
+    items_read, heads_read = (math.prod(batch_shape) if reads_b else 0), (heads if reads_h else 0)
+    evaluated = functools.partial(_Evaluated, q_len=q_len, kv_len=kv_len, num_items=items_read, num_heads=heads_read)
+    parts = tuple(evaluated(_Within(mask, lo, hi), ranges=r) for lo, hi, r in parts)
+    return evaluated(mask, ranges=hull, parts=parts)
 
 
 def _reads_argument(jaxpr, index: int) -> bool:
@@ -561,42 +622,98 @@ def _reads_argument(jaxpr, index: int) -> bool:
 _EVALUATED_PER_STEP = 1 << 22
 
 
-@functools.partial(jax.jit, static_argnames=("fn", "batch_shape", "heads", "q_len", "kv_len"))
-def _evaluated_ranges(consts, *, fn, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int) -> tuple:
-    """:func:`_ranges` of ``fn(b, h, q_idx, kv_idx, *consts)``, jitted on the function's program."""
-    return _ranges(lambda *idx: fn(*idx, *consts)[0], batch_shape, heads, q_len, kv_len)
+@functools.partial(jax.jit, static_argnames=("fn", "batch_shape", "heads", "q_len", "kv_len", "pieces"))
+def _evaluated(consts, *, fn, **grid) -> tuple:
+    """:func:`_measured` of ``fn(b, h, q_idx, kv_idx, *consts)``, jitted on the function's program."""
+    return _measured(lambda *idx: fn(*idx, *consts)[0], **grid)
+
+
+def _measured(mask_mod, *, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int, pieces: int) -> tuple:
+    """``(ranges, parts)``: :func:`_ranges` of ``mask_mod``, and for ``pieces > 1`` each piece's
+    ``(lo, hi, ranges)``: the bounds of its keys for each query and the ranges of it within them."""
+    hull = _ranges(mask_mod, batch_shape, heads, q_len, kv_len)
+    if pieces == 1:
+        return hull, ()
+    items = math.prod(batch_shape)
+    bounds = _over_rows(mask_mod, items, heads, q_len, kv_len, functools.partial(_cuts, pieces=pieces))
+    parts = []
+    for lo, hi in zip(*(jnp.moveaxis(x, -1, 0) for x in bounds)):  # (items, q_len) each
+
+        def within(b, h, q_idx, kv_idx, lo=lo, hi=hi):
+            return mask_mod(b, h, q_idx, kv_idx) & (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
+
+        parts.append((*(x.reshape(*batch_shape, q_len) for x in (lo, hi)), _ranges(within, batch_shape, heads, q_len, kv_len)))
+    return hull, tuple(parts)
 
 
 def _ranges(mask_mod, batch_shape: tuple[int, ...], heads: int, q_len: int, kv_len: int) -> tuple:
     """RangeSpan's six arrays for ``mask_mod``, ``(*batch_shape, seq)``: each query's, then each key's."""
     items = math.prod(batch_shape)
     by_keys = lambda b, h, kv, q: mask_mod(b, h, q, kv)  # noqa: E731
-    ranges = (*_row_ranges(mask_mod, items, heads, q_len, kv_len), *_row_ranges(by_keys, items, heads, kv_len, q_len))
-    return tuple(r.reshape(*batch_shape, r.shape[-1]) for r in ranges)
+    ranges = (
+        *_over_rows(mask_mod, items, heads, q_len, kv_len, _range),
+        *_over_rows(by_keys, items, heads, kv_len, q_len, _range),
+    )
+    return tuple(r.reshape(*batch_shape, r.shape[1]) for r in ranges)
 
 
-def _row_ranges(visible, items: int, heads: int, rows: int, cols: int) -> tuple:
-    """For each (item, row), ``(lo, hi, sure_hi)``, ``(items, rows)`` int32 each: ``[lo, hi)`` holds
-    every column ``visible(b, h, row, col)`` at any head, and every column of ``[lo, sure_hi)`` is
-    visible at every head (the run from ``lo``); ``[cols, 0)`` and ``cols`` for a row that sees none."""
+def _over_rows(visible, items: int, heads: int, rows: int, cols: int, reduce) -> tuple:
+    """``reduce(seen_by, col)`` of each block of rows, ``seen_by`` its ``visible(b, h, row, col)``
+    ``(items, heads, block, cols)``, joined over the blocks: ``(items, rows, ...)`` each."""
     grid = visible
     for axis in (3, 2, 1, 0):  # scalars -> (item, head, row, col)
         grid = jax.vmap(grid, in_axes=tuple(0 if i == axis else None for i in range(4)))
     block = max(1, min(rows, _EVALUATED_PER_STEP // max(1, items * heads * cols)))
     index = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
     col = index(cols)
-
-    def step(start):
-        seen_by = grid(index(items), index(heads), start + index(block), col)
-        seen, every = seen_by.any(axis=1), seen_by.all(axis=1)
-        lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols)
-        hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0)
-        sure_hi = jnp.min(jnp.where(~every & (col >= lo[..., None]), col, cols), axis=-1, initial=cols)  # <= hi
-        return lo, hi, sure_hi
-
     steps = -(-rows // block)
-    ranges = lax.map(step, index(steps) * block)  # (steps, items, block) each
-    return tuple(jnp.moveaxis(r, 0, 1).reshape(items, steps * block)[:, :rows] for r in ranges)
+    out = lax.map(lambda start: reduce(grid(index(items), index(heads), start + index(block), col), col), index(steps) * block)
+    return tuple(jnp.moveaxis(r, 0, 1).reshape(items, steps * block, *r.shape[3:])[:, :rows] for r in out)
+
+
+def _range(seen_by, col) -> tuple:
+    """``(lo, hi, sure_hi)`` of each (item, row): ``[lo, hi)`` holds every column visible at any
+    head, and every column of ``[lo, sure_hi)`` is visible at every head (the run from ``lo``);
+    ``[cols, 0)`` and ``cols`` for a row that sees none."""
+    cols = col.shape[0]
+    seen, every = seen_by.any(axis=1), seen_by.all(axis=1)
+    lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols)
+    hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0)
+    sure_hi = jnp.min(jnp.where(~every & (col >= lo[..., None]), col, cols), axis=-1, initial=cols)  # <= hi
+    return lo, hi, sure_hi
+
+
+# block_mask cuts a row between blocks of this many columns, the narrowest tile a kernel takes:
+# finer cuts would skip no more work, and the gap search runs on 16x fewer values.
+_CUT_COLUMNS = 16
+
+
+def _cuts(seen_by, col, *, pieces: int) -> tuple:
+    """``(los, his)``, ``(items, rows, pieces)`` each: the columns any head sees in each row, cut
+    at its ``pieces - 1`` widest gaps (blocks of ``_CUT_COLUMNS`` hidden columns) into ranges
+    ``[los[i], his[i])``, in order; empty ranges ``[hi, hi)`` last when the row has fewer gaps."""
+    cols = col.shape[0]
+    seen = seen_by.any(axis=1)
+    lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols, keepdims=True)
+    hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0, keepdims=True)
+    pad = [(0, 0)] * (seen.ndim - 1) + [(0, -cols % _CUT_COLUMNS)]
+    seen = jnp.pad(seen, pad).reshape(*seen.shape[:-1], -1, _CUT_COLUMNS).any(axis=-1)  # per block
+    block = jnp.arange(seen.shape[-1], dtype=jnp.int32)
+    last_seen = lax.cummax(jnp.where(seen, block, -1), axis=seen.ndim - 1)
+    before = jnp.concatenate([jnp.full_like(last_seen[..., :1], -1), last_seen[..., :-1]], axis=-1)
+    gap = jnp.where(seen & (before >= 0), block - before - 1, 0)  # hidden blocks just before each seen one
+    ends, starts = [], []
+    for _ in range(pieces - 1):  # the widest gap left (XLA CPU's top_k is ~80x slower than argmax)
+        end = jnp.argmax(gap, axis=-1, keepdims=True)
+        cut = jnp.take_along_axis(gap, end, axis=-1) > 0
+        start = jnp.take_along_axis(before, end, axis=-1) + 1
+        ends.append(jnp.where(cut, end * _CUT_COLUMNS, hi))  # no gap left: an empty range at hi
+        starts.append(jnp.where(cut, start * _CUT_COLUMNS, hi))
+        gap = jnp.where(block == end, 0, gap)
+    end, start = jnp.concatenate(ends, axis=-1), jnp.concatenate(starts, axis=-1)
+    order = jnp.argsort(end, axis=-1)
+    end, start = (jnp.take_along_axis(x, order, axis=-1) for x in (end, start))
+    return tuple(jnp.concatenate(x, axis=-1).astype(jnp.int32) for x in ([lo, end], [start, hi]))  # argmax: int64 with x64
 
 
 def full() -> Mask:

@@ -2,6 +2,7 @@
 
 import datetime
 import json
+import re
 
 import numpy as np
 import pytest
@@ -154,8 +155,10 @@ def test_attention_records_every_mode_timed_and_accurate(attention_run):
     expected_errors = {"fwd": {"out"}, "fwd+bwd": {"dq", "dk", "dv"}, "jvp": {"out", "dout"}}
     for r in records:
         assert fields <= set(r), r
-        if r["implementation"] == "jaxforge-mask-mod":  # the frames case's plain mask_mod only
-            assert r["status"] == "skipped" and "only the frames_causal case" in r["reason"], r
+        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-one-range"):  # plain mask_mod cases only
+            assert r["status"] == "skipped" and "only the frames_causal and sinks_window_causal cases" in r["reason"] or (
+                "only the sinks_window_causal case" in r["reason"]
+            ), r
             continue
         assert r["status"] == "ok", r  # on CPU every other contender expresses every quick case
         assert r["median_ms"] > 0 and all(t > 0 for t in r["times_ms"])
@@ -190,8 +193,8 @@ def test_an_attention_run_cut_off_leaves_the_modes_it_finished(tmp_path):
 def test_attention_budget_measures_the_essential_contenders_of_every_case_first():
     # soft limit 0: the optional contenders (everything but jaxforge on CPU) are skipped, on every
     # case, while jaxforge is measured on both cases; the records keep the case/mode/contender order
-    records = run("attention", quick=True, budget_s=(0.0, float("inf")))
     cases = ["quick_causal", "quick_frames", "quick_gqa_document", "quick_alibi"]  # by size
+    records = run("attention", quick=True, shapes=cases[::-1], budget_s=(0.0, float("inf")))
     assert list(dict.fromkeys(r["shape_name"] for r in records)) == cases
     for case in cases:
         rows = [r for r in records if r["shape_name"] == case]
@@ -215,13 +218,15 @@ def test_attention_cases_with_anchor_targets_run_first():
 
 
 def test_attention_flops_count_the_visible_scores():
-    from jaxforge.bench.attention import FRAMES, WINDOW, Case, _segment_ids, _visible_fraction
+    from jaxforge.bench.attention import FRAMES, SINKS, WINDOW, Case, _segment_ids, _visible_fraction
 
     def dense_fraction(case, seg):  # every (batch item, query, key) of the mask, counted
         q, kv = np.arange(case.sq)[:, None], np.arange(case.skv)[None, :]
         if case.mask == "frames_causal":
             frame = case.sq // FRAMES
             return (q // frame >= kv // frame).mean()
+        if case.mask == "sinks_window_causal":
+            return ((kv <= q) & ((kv < SINKS) | (q - kv < WINDOW))).mean()
         if seg is None:
             visible = np.broadcast_to((kv <= q) & (q - kv < WINDOW), (case.batch, case.sq, case.skv))
         else:
@@ -235,6 +240,8 @@ def test_attention_flops_count_the_visible_scores():
         Case("d", (3, 500, 500, 1, 1, 8, 8), "document_causal", np.float32),
         Case("f", (1, 2048, 2048, 1, 1, 8, 8), "frames_causal", np.float32),
         Case("f", (1, 2050, 2050, 1, 1, 8, 8), "frames_causal", np.float32),  # a ninth frame of 2
+        Case("s", (1, 3000, 2500, 1, 1, 8, 8), "sinks_window_causal", np.float32),
+        Case("s", (1, 1000, 2, 1, 1, 8, 8), "sinks_window_causal", np.float32),  # fewer keys than sinks
     ):
         seg = _segment_ids(case)
         assert _visible_fraction(case, seg) == pytest.approx(dense_fraction(case, seg), rel=1e-12)
@@ -250,6 +257,22 @@ def test_attention_frames_compare_the_evaluated_mask_with_the_plain_mask_mod():
         for impl in ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla"):
             r = rows[(mode, impl)]
             assert r["status"] == "ok" and all(e < 1e-4 for e in r["accuracy"].values()), r
+
+
+def test_attention_sinks_and_window_compare_two_ranges_with_one_and_the_plain_mask_mod():
+    """quick_sinks_window: jaxforge cuts the rows past the window's reach into two pieces
+    (``block_mask(ranges=2)``), jaxforge-one-range keeps one range a row, jaxforge-mask-mod passes
+    the function as it is; all against the dense reference."""
+    from jaxforge.bench.attention import QUICK_SHAPES, Case, _built_mask
+
+    dims, mask, _ = QUICK_SHAPES["quick_sinks_window"]
+    assert len(_built_mask(Case("s", dims, mask, np.float32), 2)[0].pieces()) == 2
+    records = run("attention", quick=True, shapes=["quick_sinks_window"], modes=["fwd"])
+    rows = {r["implementation"]: r for r in records}
+    for impl in ("jaxforge", "jaxforge-one-range", "jaxforge-mask-mod", "jax.nn-xla"):
+        assert rows[impl]["status"] == "ok" and all(e < 1e-4 for e in rows[impl]["accuracy"].values()), rows[impl]
+    for impl, ranges in (("jaxforge", 2), ("jaxforge-one-range", 1)):  # built once, outside the timed calls
+        assert re.fullmatch(rf"block_mask\(ranges={ranges}\) built before the timed calls in [\d.]+ ms", rows[impl]["note"]), rows[impl]
 
 
 def test_attention_unknown_shape_is_a_clear_error():
@@ -276,11 +299,11 @@ def test_attention_second_order_modes_on_request():
     jvp) and jvp-grad (a gradient through the jvp), each checked against the reference's."""
     modes = ("fwd", "hvp", "jvp2", "jvp-grad")
     records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=modes)
-    implementations = ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla")
+    implementations = ("jaxforge", "jaxforge-mask-mod", "jaxforge-one-range", "jax.nn-xla")
     assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in implementations}
     names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}, "jvp-grad": {"jgq", "jgk", "jgv"}}
     for r in records:
-        if r["implementation"] == "jaxforge-mask-mod":  # the frames case's only
+        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-one-range"):  # plain mask_mod cases only
             assert r["status"] == "skipped", r
             continue
         assert r["status"] == "ok", r

@@ -261,6 +261,10 @@ def test_block_mask_arguments():
         masks.block_mask(lambda b, h, i, j: (b == 0) | (j <= i), 5, 7, batch_shape=2)
     with pytest.raises(ValueError, match=r"block_mask: `num_heads` must be >= 1, got 0"):
         masks.block_mask(lambda b, h, i, j: j <= i + h, 5, 7, num_heads=0)
+    with pytest.raises(ValueError, match=r"block_mask: `ranges` must be >= 1, got 0"):
+        masks.block_mask(frames, 5, 7, ranges=0)
+    with pytest.raises(TypeError, match=r"block_mask: `ranges` must be a Python int, got float 2.0"):
+        masks.block_mask(frames, 5, 7, ranges=2.0)
 
 
 def test_block_mask_of_another_shape_than_the_call():

@@ -129,6 +129,7 @@ SHAPES = {
     "window_causal": ((2, 8192, 8192, 16, 16, 128, 128), "sliding_window_causal", ("bench_gpu", "anchor")),
     "document_causal": ((2, 8192, 8192, 16, 16, 128, 128), "document_causal", ("bench_gpu",)),
     "frames_causal": ((2, 8192, 8192, 16, 16, 128, 128), "frames_causal", ("bench_gpu",)),
+    "sinks_window_causal": ((1, 16384, 16384, 16, 16, 128, 128), "sinks_window_causal", ("bench_gpu",)),
     "gqa_8to1": ((2, 4096, 4096, 32, 4, 128, 128), "causal", ("bench_gpu",)),
     "alibi_causal": ((2, 4096, 4096, 16, 16, 128, 128), "alibi_causal", ("bench_gpu",)),
     "mla_192_128": ((2, 4096, 4096, 16, 16, 192, 128), "causal", ("bench_gpu",)),
@@ -141,6 +142,7 @@ SHAPES = {
     "cpu_causal": ((2, 1024, 1024, 8, 8, 64, 64), "causal", ("bench_cpu",)),
     "cpu_gqa_document": ((1, 1000, 1000, 8, 2, 64, 64), "document_causal", ("bench_cpu",)),
     "cpu_frames": ((1, 2048, 2048, 8, 8, 64, 64), "frames_causal", ("bench_cpu",)),
+    "cpu_sinks_window": ((1, 8192, 8192, 2, 2, 64, 64), "sinks_window_causal", ("bench_cpu",)),
     "cpu_decode_gqa_4to1": ((4, 1, 16384, 32, 8, 128, 128), None, ("bench_cpu",)),
     "test_odd": ((2, 37, 53, 4, 2, 8, 6), None, ("test",)),
 }

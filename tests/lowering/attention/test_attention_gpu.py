@@ -22,6 +22,8 @@ MASKS = {
 TOL = {jnp.bfloat16: 3e-2, jnp.float32: 2e-5}
 # Frames of 64 over a window that widens with the head, for jf.masks.block_mask (q 300, kv 333, 4 heads).
 BLOCK_MASK_FRAMES = lambda b, h, i, j: (i // 64 >= j // 64 - 1) & (j > i - 100 * (h + 1))  # noqa: E731
+# Attention sinks and a window of 64 (q 300, kv 333), for jf.masks.block_mask(ranges=2): two pieces, merged.
+SINKS_WINDOW = lambda b, h, i, j: (j < 4) | ((j <= i + 33) & (j > i - 31))  # noqa: E731
 
 
 def inputs(dtype, b=2, sq=300, skv=333, hq=4, hkv=2, d=64, dv=64, seed=0):
@@ -102,7 +104,7 @@ def test_mla_head_dims_and_gqa():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("name", ["document", "padding", "block_mask"])
+@pytest.mark.parametrize("name", ["document", "padding", "block_mask", "block_mask_pieces"])
 def test_document_masks_run_in_the_triton_kernels(name):
     q, k, v = inputs(jnp.bfloat16)
     seg = jnp.asarray(np.repeat(np.arange(3), 111)[:300])
@@ -110,6 +112,7 @@ def test_document_masks_run_in_the_triton_kernels(name):
         "document": lambda: jf.masks.document(seg, jnp.asarray(np.repeat(np.arange(3), 111))),
         "padding": lambda: jf.masks.padding(jnp.asarray([333, 140]), jnp.asarray([300, 65])),
         "block_mask": lambda: jf.masks.block_mask(BLOCK_MASK_FRAMES, 300, 333, num_heads=4),
+        "block_mask_pieces": lambda: jf.masks.block_mask(SINKS_WINDOW, 300, 333, ranges=2),
     }[name]() & jf.masks.causal()
     for impl in (None, "pallas_triton"):
         out = jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation=impl))(q, k, v)
@@ -357,6 +360,7 @@ DOCUMENT_MASKS = {  # runtime data: per-item segment ids (q 300, kv 333), prefix
         jf.masks.padding(np.array([333, 120], np.int32), np.array([300, 77], np.int32)) & jf.masks.causal(33)
     ),
     "block_mask": lambda: jf.masks.block_mask(BLOCK_MASK_FRAMES, 300, 333, num_heads=4),
+    "block_mask_pieces": lambda: jf.masks.block_mask(SINKS_WINDOW, 300, 333, ranges=2),
 }
 
 

@@ -59,6 +59,9 @@ CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
     # a plain function of the indices and the head, its spans evaluated (jf.masks.block_mask)
     "block_mask_frames_per_head": ((2, 300, 257, 4, 2, 64, 64), dict(mask=jf.masks.block_mask(
         lambda b, h, i, j: (i // 64 >= j // 64) & (j > i - 100 * (h + 1)), 300, 257, num_heads=4))),
+    # attention sinks and a window, in two pieces (two calls a primitive, each its range's bounds as positional values)
+    "block_mask_pieces_sinks_window": ((1, 300, 300, 2, 2, 64, 64), dict(mask=jf.masks.block_mask(
+        lambda b, h, i, j: (j < 4) | ((j <= i) & (j > i - 64)), 300, 300, ranges=2))),
 }
 
 
@@ -83,10 +86,11 @@ def _mosaic_runs(case) -> tuple[bool, bool]:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_primitive_lowers_to_mosaic_kernels_where_they_can_run(case):
     """The forward is one Mosaic GPU kernel; the tangent one and the backward two (dq, dkv) where
-    their head dims fit, else Triton's."""
+    their head dims fit, else Triton's; each once for each piece of a mask (block_mask's ranges)."""
     shapes, kw = _shapes(case)
     att = lambda q, k, v: jf.attention(q, k, v, implementation=MOSAIC, **kw)  # noqa: E731
-    assert mosaic_kernels(lowered(att, *shapes)) == 1
+    calls = len(kw["mask"].pieces()) if "mask" in kw else 1
+    assert mosaic_kernels(lowered(att, *shapes)) == calls
 
     def jvp_and_grad(q, k, v):
         _, tangent = jax.jvp(att, (q, k, v), (q, k, v))
@@ -94,7 +98,7 @@ def test_every_primitive_lowers_to_mosaic_kernels_where_they_can_run(case):
 
     text = lowered(jvp_and_grad, *shapes)
     tangent, bwd = _mosaic_runs(case)
-    assert mosaic_kernels(text) == 2 + tangent + 2 * bwd  # the forward of jvp and of grad, the tangent, dq and dkv
+    assert mosaic_kernels(text) == calls * (2 + tangent + 2 * bwd)  # the forward of jvp and of grad, the tangent, dq and dkv
     triton = set() if tangent else {"jaxforge_attention_tangent"}
     triton |= set() if bwd else {"jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
     assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == triton

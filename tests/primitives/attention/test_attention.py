@@ -205,6 +205,9 @@ MASK_CASES = [
     ("block_mask_with_holes_and_window", CROSS, lambda r: (  # rows from 30 see nothing; key tile 0 whole for rows 8-15
         masks.block_mask(lambda b, h, i, j: (i < 30) & ((j < 20) | (j > i + 10)), 37, 53) & masks.sliding_window(20),
         lambda b, h, i, j: i < 30 and (j < 20 or j > i + 10) and abs(i - j) < 20)),
+    ("block_mask_pieces_and_causal", CROSS, lambda r: (  # rows from 21 cut at key tile [16, 32): two calls, merged
+        masks.block_mask(lambda b, h, i, j: (j < 3) | ((j > i + 10) & (j <= i + 16)), 37, 53, ranges=2) & masks.causal(14),
+        lambda b, h, i, j: (j < 3 or i + 10 < j <= i + 16) and j <= i + 14)),
     # a plain lambda on either side of & and |: Mask.__rand__ and Mask.__ror__
     ("sink_or_lambda_and_window", CROSS, lambda r: (
         (lambda b, h, i, j: j < 2) | ((lambda b, h, i, j: (b + h + j) % 3 != 1) & masks.sliding_window(4)),
@@ -587,8 +590,8 @@ def test_derivatives_match_dense_and_reference(impl):
 
 
 # Masks with different spans (which tiles the forward and both backward passes visit).
-# Band.q, PrefixSpan.q, RangeSpan.q of an evaluated mask (Band + Intersect: _packed_case)
-GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm", "block_mask_per_item_and_head"]
+# Band.q, PrefixSpan.q, RangeSpan.q of an evaluated mask (Band + Intersect: _packed_case), pieces merged
+GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm", "block_mask_per_item_and_head", "block_mask_pieces_and_causal"]
 
 
 @over_impls

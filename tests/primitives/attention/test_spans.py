@@ -100,26 +100,27 @@ def test_document_span_skips_across_documents():
     assert f_lo >= f_hi  # two documents: no key is seen by every row
 
 
-def check_span(name, span, visible, data, surely_visible=None):
+def check_span(name, span, visible, data, surely_visible=None, blocks=BLOCKS):
     """The may-ranges hold every pair of ``visible``; the sure-ranges only pairs of ``surely_visible``
     (default ``visible``; a head-dependent mask: visible at every head)."""
     surely_visible = visible if surely_visible is None else surely_visible
-    for lo, hi in BLOCKS:
-        if lo < SQ:
-            q_hi = min(hi, SQ)
+    sq, skv = visible.shape
+    for lo, hi in blocks:
+        if lo < sq:
+            q_hi = min(hi, sq)
             rows = visible[lo:q_hi]
-            kv_lo, kv_hi = (int(x) for x in span.kv(lo, q_hi, SKV, data))
+            kv_lo, kv_hi = (int(x) for x in span.kv(lo, q_hi, skv, data))
             seen = np.flatnonzero(rows.any(axis=0))
             assert all(kv_lo <= j < kv_hi for j in seen), (name, lo, q_hi, kv_lo, kv_hi, seen)
-            f_lo, f_hi = (int(x) for x in span.full_kv(lo, q_hi, SKV, data))
+            f_lo, f_hi = (int(x) for x in span.full_kv(lo, q_hi, skv, data))
             assert surely_visible[lo:q_hi, max(f_lo, 0) : max(f_hi, f_lo, 0)].all(), (name, lo, q_hi, f_lo, f_hi)
-        if lo < SKV:
-            kv_hi = min(hi, SKV)
+        if lo < skv:
+            kv_hi = min(hi, skv)
             cols = visible[:, lo:kv_hi]
-            q_lo, q_hi = (int(x) for x in span.q(lo, kv_hi, SQ, data))
+            q_lo, q_hi = (int(x) for x in span.q(lo, kv_hi, sq, data))
             seen = np.flatnonzero(cols.any(axis=1))
             assert all(q_lo <= i < q_hi for i in seen), (name, lo, kv_hi, q_lo, q_hi, seen)
-            f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, SQ, data))
+            f_lo, f_hi = (int(x) for x in span.full_q(lo, kv_hi, sq, data))
             assert surely_visible[max(f_lo, 0) : max(f_hi, f_lo, 0), lo:kv_hi].all(), (name, lo, kv_hi, f_lo, f_hi)
 
 
@@ -308,3 +309,57 @@ def test_block_mask_of_frames_skips_the_tiles_above_them():
     assert tuple(int(x) for x in span.full_kv(20, 28, 64, data)) == (0, 24)
     assert tuple(int(x) for x in span.q(16, 24, 64, data)) == (16, 64)
     assert tuple(int(x) for x in span.full_q(16, 24, 64, data)) == (16, 64)
+
+
+# --- block_mask(ranges=n): a mask cut into pieces at each query's widest gaps ------------------------
+
+PQ, PKV = 45, 100  # key blocks of 16 (the cut resolution): [0, 16) ... [96, 100)
+BANDS = np.random.default_rng(6).random((2, 3, PQ, PKV)) < 0.5  # (item, head, q, kv)
+
+
+def _bands(b, h, i, j, table):
+    """Three bands of keys, [0, 8), [40, 44) and [82, 100) (gaps of one and two whole hidden blocks),
+    drawn per item and head, plus a window that walks from the first band over the second."""
+    return (table[b, h, i, j] & ((j < 8) | ((j >= 40) & (j < 44)) | (j >= 82))) | ((j >= i) & (j < i + 4))
+
+
+@pytest.mark.parametrize("ranges", [2, 3])
+def test_block_mask_pieces_split_the_mask_and_their_spans_hold_them(ranges):
+    """Each visible pair lies in exactly one piece; each piece's measured spans hold it."""
+    fn = lambda b, h, i, j: _bands(b, h, i, j, jnp.asarray(BANDS))  # noqa: E731
+    mask = jf.masks.block_mask(fn, PQ, PKV, batch_shape=(2,), num_heads=3, ranges=ranges)
+    pieces = mask.pieces()
+    assert len(pieces) == ranges
+    q, kv = (jnp.asarray(x) for x in np.meshgrid(np.arange(PQ), np.arange(PKV), indexing="ij"))
+    blocks = list(itertools.combinations(range(0, PKV + 5, 6), 2))
+    for b in range(2):
+        count = 0
+        for p, piece in enumerate(pieces):
+            per_head = np.stack([np.broadcast_to(piece.bind((2,), PQ, PKV)(b, h, q, kv), q.shape) for h in range(3)])
+            np.testing.assert_array_equal(per_head, np.stack([np.broadcast_to(piece(b, h, q, kv), q.shape) for h in range(3)]))
+            data = tuple(a[b] for a in piece.span_arrays((2,), PQ, PKV, num_heads=3))
+            check_span(f"piece {p}/b{b}", piece.span(), per_head.any(0), data, per_head.all(0), blocks=blocks)
+            count = count + per_head
+        np.testing.assert_array_equal(count, _bands(b, np.arange(3)[:, None, None], np.asarray(q), np.asarray(kv), BANDS))
+
+
+@pytest.mark.parametrize("ranges", [2, 3, 4])
+def test_block_mask_cuts_at_the_widest_gaps(ranges):
+    """Each row's keys are cut at its ``ranges - 1`` widest runs of hidden blocks (the first of equal
+    ones), in order; fewer runs leave empty pieces at the row's end. Brute force per row."""
+    table = BANDS[:1, :1]
+    pieces = jf.masks.block_mask(lambda b, h, i, j: _bands(0, 0, i, j, jnp.asarray(table)), PQ, PKV, ranges=ranges).pieces()
+    for row in range(PQ):
+        keys = np.flatnonzero(_bands(0, 0, row, np.arange(PKV), table))
+        seen = [any(16 * k <= key < 16 * k + 16 for key in keys) for k in range(-(-PKV // 16))]
+        runs, start = [], None  # runs of hidden blocks between seen ones: [start, end)
+        for k, s in enumerate(seen):
+            if not s and start is None and any(seen[:k]):
+                start = k
+            if s and start is not None:
+                runs, start = [*runs, (start, k)], None
+        cut = sorted(sorted(runs, key=lambda r: (r[0] - r[1], r[0]))[: ranges - 1])
+        bounds = [keys[0], *(16 * e for _, e in cut)], [*(16 * s for s, _ in cut), keys[-1] + 1]
+        want = [*zip(*bounds)] + [(keys[-1] + 1, keys[-1] + 1)] * (ranges - 1 - len(cut))
+        got = [(int(p.mask.lo[row]), int(p.mask.hi[row])) for p in pieces]
+        assert got == want, (row, got, want)
