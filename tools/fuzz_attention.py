@@ -1,11 +1,12 @@
 """Random attention calls against the dense float64 attention, for minutes at a time: what the
 suite's fixed cases may miss after a change to the masks, spans or tile loops.
 
-Each seed draws batch, lengths (1-39), GQA heads, head dims, an implementation (XLA's default
+Each seed draws batch, lengths (1-39, one seed in five up to 71), GQA heads, head dims, an implementation (XLA's default
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
 chunked, prefix LM, padding and document masks and plain mask_mods evaluated by
-``jf.masks.block_mask`` (frames, tables of visible pairs per item and head), some subtrees
+``jf.masks.block_mask`` (frames, tables of visible pairs per item and head, sink keys and a window
+far from them), some subtrees
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces). The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
@@ -46,7 +47,7 @@ def random_leaf(rng, b, hq, sq, skv):
     q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
     per_item = lambda x: x[:, None, None, None]  # noqa: E731
     kinds = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"]
-    kind = rng.choice([*kinds, "frames", "table"])
+    kind = rng.choice([*kinds, "frames", "table", "sinks_window"])
     if kind == "causal":
         offset = int(rng.integers(-sq, skv + 1))
         return masks.causal(offset), k <= q + offset
@@ -74,6 +75,10 @@ def random_leaf(rng, b, hq, sq, skv):
         table = rng.random((b, hq, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
         pick = lambda b, h, i, j: jnp.asarray(table)[b, h, i, j]  # noqa: E731
         return masks.block_mask(pick, sq, skv, batch_shape=(b,), num_heads=hq, ranges=_ranges(rng)), table
+    if kind == "sinks_window":  # bottom-right aligned: the window ends the long rows, a gap to cut past 32 keys
+        sinks, width, offset = int(rng.integers(1, 6)), int(rng.integers(1, 12)), skv - sq
+        fn = lambda b, h, i, j: (j < sinks) | ((j <= i + offset) & (j > i + offset - width))  # noqa: E731
+        return masks.block_mask(fn, sq, skv, ranges=_ranges(rng)), (k < sinks) | ((k <= q + offset) & (k > q + offset - width))
     n = int(rng.integers(1, 5))
     q_ids = _ids(rng, b, sq, n)
     if sq == skv and rng.random() < 0.5:
@@ -131,7 +136,8 @@ def _assert_close(actual, expected, tol, rows=None):
 
 def run_seed(seed: int, mode: str) -> None:
     rng = np.random.default_rng(seed)
-    b, sq, skv = int(rng.integers(1, 3)), int(rng.integers(1, 40)), int(rng.integers(1, 40))
+    longest = 40 if rng.random() < 0.8 else 72  # past 32 keys, gaps of a whole block of 16 for block_mask to cut
+    b, sq, skv = int(rng.integers(1, 3)), int(rng.integers(1, longest)), int(rng.integers(1, longest))
     hkv = int(rng.integers(1, 3))
     hq, d, dv = hkv * int(rng.integers(1, 3)), int(rng.choice([1, 4, 8])), int(rng.choice([1, 3, 8]))
     mask, visible = random_mask(rng, b, hq, sq, skv)
