@@ -9,6 +9,7 @@ its gradients' tiles, in place. Runs on every platform; it is also the GPU fallb
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 
@@ -17,7 +18,15 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.lowering.attention.attention import config
-from jaxforge.lowering.attention.attention.kernel import Geometry, MaskTiles, bwd_dkv_cols, fwd_rows, tangent_bwd_cols, tangent_rows
+from jaxforge.lowering.attention.attention.kernel import (
+    Geometry,
+    MaskTiles,
+    bounds_table,
+    bwd_dkv_cols,
+    fwd_rows,
+    tangent_bwd_cols,
+    tangent_rows,
+)
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import Implementation, accumulation_dtype, second_order_operands
 from jaxforge.primitives.attention.mods import Mods, float_consts
@@ -118,8 +127,9 @@ def _slice(x, i, size):
     return lax.dynamic_slice_in_dim(x, i * size, size, axis=0)
 
 
-def _mask_tiles(geo: Geometry, mods: Mods, b, mask_c) -> MaskTiles:
-    """The mask's operands of batch item ``b``, its positional arrays padded to whole tiles."""
+def _mask_tiles(geo: Geometry, mods: Mods, b, mask_c, joined) -> MaskTiles:
+    """The mask's operands of batch item ``b``, its positional arrays padded to whole tiles, and
+    ``joined``'s tile bounds (:func:`_joined_bounds`)."""
     item = mods.item_mask(b, mask_c)
     pad = lambda x, size: jnp.pad(x, (0, size - x.shape[0]))
     rows = [pad(jnp.repeat(r, geo.pack), geo.num_q_tiles * geo.block_q) for r in item.rows]
@@ -129,7 +139,31 @@ def _mask_tiles(geo: Geometry, mods: Mods, b, mask_c) -> MaskTiles:
         item.span,
         lambda i: [_slice(r, i, geo.block_q) for r in rows],
         lambda j: [_slice(c, j, geo.block_kv) for c in cols],
+        *joined,
     )
+
+
+def _joined_bounds(geo: Geometry, mods: Mods, mask_c, batch_ids) -> tuple:
+    """``(row_bounds, col_bounds)`` of a span that reads arrays (documents, per-item lengths and
+    offsets, block masks): each tile's bounds joined over the batch items, the hull of the tiles
+    they visit and the intersection of those whole to them; ``()`` for a span without arrays.
+
+    Tile loops whose trip counts vary with the vmapped item run every lane to the longest and
+    select each lane's whole carry at every step (the backward's carries hold a sequence of dq);
+    on joined bounds every lane walks the same tiles, masked where they are not its own.
+    """
+    if not mods.span.num_arrays:
+        return ()
+    span = jax.vmap(lambda b: mods.item_mask(b, mask_c).span)(batch_ids)
+
+    def joined(bounds, num_tiles):
+        table = bounds_table(functools.partial(bounds, mods), num_tiles, tuple(span))  # (items, tiles, 4)
+        lo, hi, full_lo, full_hi = (table[..., n] for n in range(4))
+        most = jnp.iinfo(table.dtype).max  # no items: bounds no lane reads
+        table = jnp.stack([lo.min(0, initial=most), hi.max(0, initial=0), full_lo.max(0, initial=0), full_hi.min(0, initial=most)], axis=-1)
+        return lambda t: tuple(table[t, n] for n in range(4))
+
+    return joined(geo.row_bounds, geo.num_q_tiles), joined(geo.col_bounds, geo.num_kv_tiles)
 
 
 def _split(consts, mods: Mods):
@@ -226,9 +260,10 @@ def _fwd_tiles(q, k, v, consts, batch_ids, head_offset, *, geo: Geometry, mods: 
     mask_c, score_c = _split(consts, mods)
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    joined = _joined_bounds(geo, mods, mask_c, batch_ids)
 
     def one_head(b, h, q_h, load_kv):
-        mask = _mask_tiles(geo, mods, b, mask_c)
+        mask = _mask_tiles(geo, mods, b, mask_c, joined)
         tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask, score_c)
         return lax.map(tile, jnp.arange(geo.num_q_tiles))
 
@@ -256,9 +291,10 @@ def _tangent_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, geo: 
     dq, dk, dv, *dscore = operands[n_consts:]
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
+    joined = _joined_bounds(geo, mods, mask_c, batch_ids)
 
     def one_head(b, h, q_h, dq_h, out_h, lse_h, load):
-        mask = _mask_tiles(geo, mods, b, mask_c)
+        mask = _mask_tiles(geo, mods, b, mask_c, joined)
 
         def tile(i):
             rows = [_slice(x, i, geo.block_q) for x in (q_h, dq_h, out_h, lse_h)]
@@ -319,11 +355,12 @@ def _bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, geo: Geom
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = bwd_delta(out, g_out, g_lse, geo.acc_dtype)
+    joined = _joined_bounds(geo, mods, mask_c, batch_ids)
     wanted_consts = [c for c, w in zip(float_consts(score_c), const_grads) if w]
 
     def cols(b, h, q_h, g_out_h, lse_h, delta_h, fused, k_t, v_t, j):
         load_q = lambda _, i: tuple(_slice(x, i, geo.block_q) for x in (q_h, g_out_h, lse_h, delta_h))  # noqa: E731
-        mask = _mask_tiles(geo, mods, b, mask_c)
+        mask = _mask_tiles(geo, mods, b, mask_c, joined)
         return bwd_dkv_cols(per_head, mods, k_t, v_t, load_q, b, h, j, mask, score_c, fused=fused, const_grads=const_grads)
 
     lanes = (batch_ids.shape[0], hkv, geo.group)
@@ -382,10 +419,11 @@ def _tangent_bwd_tiles(q, k, v, out, lse, operands, batch_ids, head_offset, *, g
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     c = -bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
+    joined = _joined_bounds(geo, mods, mask_c, batch_ids)
 
     def cols(b, h, q_h, dq_h, g_dout_h, lse_h, c_h, fused, k_t, v_t, dk_t, dv_t, j):
         load_q = lambda i: tuple(_slice(x, i, geo.block_q) for x in (q_h, dq_h, lse_h, c_h, g_dout_h))  # noqa: E731
-        mask = _mask_tiles(geo, mods, b, mask_c)
+        mask = _mask_tiles(geo, mods, b, mask_c, joined)
         return tangent_bwd_cols(per_head, mods, k_t, v_t, dk_t, dv_t, load_q, b, h, j, mask, score_c, dscore, fused)
 
     lanes = (batch_ids.shape[0], hkv, geo.group)
