@@ -542,14 +542,12 @@ def _built_mask(case: Case, ranges: int) -> tuple:
     return build(), (time.perf_counter() - start) * 1e3
 
 
-def _build_note(ranges: int | None) -> Callable[[Case], str | None]:
-    """The note of a contender given ``_built_mask(case, ranges)`` (None: the case's own ranges)."""
+def _build_note(ranges_of: Callable[[Case], int | None]) -> Callable[[Case], str | None]:
+    """The note of a contender given ``_built_mask(case, ranges_of(case))`` (None: no block mask)."""
 
     def note(case: Case) -> str | None:
-        if case.mask not in _MASK_MODS:
-            return None
-        n = _RANGES[case.mask] if ranges is None else ranges
-        return f"block_mask(ranges={n}) built before the timed calls in {_built_mask(case, n)[1]:.1f} ms"
+        n = ranges_of(case)
+        return None if n is None else f"block_mask(ranges={n}) built before the timed calls in {_built_mask(case, n)[1]:.1f} ms"
 
     return note
 
@@ -930,15 +928,17 @@ def _contenders(backend: str) -> list[Contender]:
     everywhere = lambda case: True  # noqa: E731
     jnn_xla = _jax_contender("jax.nn-xla", lambda case: _jnn_forward(case, "xla"), note=_padded_note)
     mask_mod = _jax_contender("jaxforge-mask-mod", _jf_mask_mod)
-    one_range = _jax_contender("jaxforge-one-range", _jf_one_range, note=_build_note(1))
-    jaxforge = _jax_contender("jaxforge", _jf_forward(None), essential=everywhere, note=_build_note(None))
+    own_ranges = _build_note(lambda case: _RANGES.get(case.mask))
+    one_range_note = _build_note(lambda case: 1 if case.mask == "sinks_window_causal" else None)
+    one_range = _jax_contender("jaxforge-one-range", _jf_one_range, note=one_range_note)
+    jaxforge = _jax_contender("jaxforge", _jf_forward(None), essential=everywhere, note=own_ranges)
     if backend != "gpu":
         return [jaxforge, mask_mod, one_range, jnn_xla]
     contenders = [
         jaxforge,
         mask_mod,
         one_range,
-        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere, note=_build_note(None)),
+        _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere, note=own_ranges),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(

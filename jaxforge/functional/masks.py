@@ -632,7 +632,7 @@ def _measured(mask_mod, *, batch_shape: tuple[int, ...], heads: int, q_len: int,
     """``(ranges, parts)``: :func:`_ranges` of ``mask_mod``, and for ``pieces > 1`` each piece's
     ``(lo, hi, ranges)``: the bounds of its keys for each query and the ranges of it within them."""
     hull = _ranges(mask_mod, batch_shape, heads, q_len, kv_len)
-    if pieces == 1:
+    if pieces == 1 or not q_len * kv_len:  # an empty grid has no gap to cut
         return hull, ()
     items = math.prod(batch_shape)
     bounds = _over_rows(mask_mod, items, heads, q_len, kv_len, functools.partial(_cuts, pieces=pieces))

@@ -363,3 +363,13 @@ def test_block_mask_cuts_at_the_widest_gaps(ranges):
         want = [*zip(*bounds)] + [(keys[-1] + 1, keys[-1] + 1)] * (ranges - 1 - len(cut))
         got = [(int(p.mask.lo[row]), int(p.mask.hi[row])) for p in pieces]
         assert got == want, (row, got, want)
+
+
+@pytest.mark.parametrize("sq,skv", [(5, 0), (0, 5), (0, 0)])
+def test_block_mask_pieces_of_empty_sequences(sq, skv):
+    """No gap to cut: one piece, and attention's zeros (and zero gradients) as for any mask."""
+    mask = jf.masks.block_mask(lambda b, h, i, j: j <= i, sq, skv, ranges=3)
+    assert mask.pieces() == (mask,)
+    q, kv = jnp.ones((1, sq, 1, 4)), jnp.ones((1, skv, 1, 4))
+    np.testing.assert_array_equal(jf.attention(q, kv, kv, mask=mask), np.zeros((1, sq, 1, 4)))
+    np.testing.assert_array_equal(jax.grad(lambda q: jf.attention(q, kv, kv, mask=mask).sum())(q), np.zeros(q.shape))
