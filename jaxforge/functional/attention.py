@@ -97,9 +97,10 @@ def attention(
     for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
         mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=q.shape[-2])
         parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, implementation=implementation))
+    if sinks is not None:  # a part of value 0
+        lse = parts[0][1]
+        parts.append((None, jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)))
     out, lse = parts[0] if len(parts) == 1 else _merged(parts)
-    if sinks is not None:
-        out, lse = merge_attention(out, lse, None, sinks.astype(lse.dtype))
     return (out, lse) if return_lse else out
 
 
@@ -110,17 +111,13 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     either part stay 0 with lse ``-inf`` (no NaN, zero gradients). ``out_b=None``: a part of value 0
     (an attention sink of logit ``lse_b``, which broadcasts to ``lse_a``).
     """
-    weights, lse = merge_weights(jnp.stack([lse_a, jnp.broadcast_to(lse_b, lse_a.shape)], axis=-1), axis=-1)
-    out = out_a * weights[..., :1]
-    if out_b is not None:
-        out = out + out_b * weights[..., 1:]
-    return out.astype(out_a.dtype), lse
+    return _merged([(out_a, lse_a), (out_b, jnp.broadcast_to(lse_b, lse_a.shape))])
 
 
 def _merged(parts):
-    """:func:`merge_attention` of any number of ``(out, lse)`` parts."""
+    """:func:`merge_attention` of any number of ``(out, lse)`` parts, the first with an output."""
     weights, lse = merge_weights(jnp.stack([lse for _, lse in parts], axis=-1), axis=-1)
-    out = sum(out * weights[..., i, None] for i, (out, _) in enumerate(parts))
+    out = sum(out * weights[..., i, None] for i, (out, _) in enumerate(parts) if out is not None)
     return out.astype(parts[0][0].dtype), lse
 
 

@@ -639,7 +639,7 @@ def _measured(mask_mod, *, batch_shape: tuple[int, ...], heads: int, q_len: int,
     parts = []
     for lo, hi in zip(*(jnp.moveaxis(x, -1, 0) for x in bounds)):  # (items, q_len) each
 
-        def within(b, h, q_idx, kv_idx, lo=lo, hi=hi):
+        def within(b, h, q_idx, kv_idx, lo=lo, hi=hi):  # _Within's rule, indexed directly (its clipped take: +12% here)
             return mask_mod(b, h, q_idx, kv_idx) & (kv_idx >= lo[b, q_idx]) & (kv_idx < hi[b, q_idx])
 
         parts.append((*(x.reshape(*batch_shape, q_len) for x in (lo, hi)), _ranges(within, batch_shape, heads, q_len, kv_len)))
