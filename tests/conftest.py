@@ -63,6 +63,9 @@ def backend_compiles():
 
 
 def pytest_collection_modifyitems(config, items):
+    # The slow tests first (longest first, as a scheduler would): the two workers then end on
+    # short tests, so neither waits long for the other's last one.
+    items.sort(key=lambda item: "slow" not in item.keywords)
     if any(d.platform == "gpu" for d in jax.devices()):
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU")

@@ -20,9 +20,7 @@ failed). A seed reruns alone with ``--seed S --count 1``.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +31,7 @@ jax.config.update("jax_enable_x64", True)
 import jaxforge as jf  # noqa: E402
 from jaxforge.functional.attention import Implementation  # noqa: E402
 from tests.attention_dense import dense_jnp  # noqa: E402
+from tools import fuzz_loop  # noqa: E402
 
 masks = jf.masks
 
@@ -179,24 +178,10 @@ def run_seed(seed: int, mode: str) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = fuzz_loop.parser(__doc__.split("\n\n")[0])
     parser.add_argument("--mode", choices=["first-order", "second-order"], default="first-order")
-    parser.add_argument("--seconds", type=float, default=600.0)
-    parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--count", type=int, default=None, help="stop after this many seeds")
     args = parser.parse_args(argv)
-    start, seed, failed = time.monotonic(), args.seed, 0
-    while time.monotonic() - start < args.seconds and (args.count is None or seed < args.seed + args.count):
-        try:
-            run_seed(seed, args.mode)
-        except Exception as error:  # a failing seed is reported and the search goes on
-            failed += 1
-            print(f"seed {seed} failed: {type(error).__name__}: {str(error)[:800]}", flush=True)
-        seed += 1
-        if seed % 40 == 0:
-            jax.clear_caches()  # each new shape's programs hold memory mappings (vm.max_map_count)
-    print(f"{args.mode}: {seed - args.seed} seeds, {failed} failed")
-    return 1 if failed else 0
+    return fuzz_loop.run(lambda seed: run_seed(seed, args.mode), args, label=f"{args.mode}: ")
 
 
 if __name__ == "__main__":
