@@ -3,11 +3,13 @@
 # builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; logs and
 # JSON go to $OUT (at most 8 files, what the device tool brings back). Prints short tables last.
 #
-#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention pending tune profile
+#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention pending tune profile fuzz
 #                                        (default: the first four; pending benches only the rows
 #                                        pending_kernels.py needs of the attention kernels still
 #                                        off, tune is the Triton tile sweep, profile Nsight Compute
-#                                        on the linalg kernels)
+#                                        on the linalg kernels, fuzz runs tools/fuzz_linalg.py for
+#                                        FUZZ_S seconds (60): random shapes through the kernels as
+#                                        dispatched, against numpy)
 #
 # BENCH_LINALG_ARGS / BENCH_ATTENTION_ARGS add arguments to `python -m jaxforge.bench` (--shapes,
 # --budget; linalg's shape names may name one op, as svd:tiny_batch); LINALG_CAP_S raises the
@@ -140,6 +142,14 @@ if wants profile; then
   rc[profile]=$?
   grep -E "^  [a-z_]+kernel|Duration|Achieved Occupancy|Theoretical Occupancy|Block Limit|Registers Per" \
     "$OUT/profile.txt" | head -60
+fi
+
+if wants fuzz; then
+  echo "== linalg fuzzer"
+  fuzz_s=${FUZZ_S:-60}
+  timeout "$(cap $((fuzz_s + 60)))" python3 tools/fuzz_linalg.py --seconds "$fuzz_s" --seed "$(date +%s)" >"$OUT/fuzz.log" 2>&1
+  rc[fuzz]=$?
+  grep -E "failed" "$OUT/fuzz.log" | cut -c1-300 | tail -12
 fi
 
 echo "== summary after ${SECONDS} s ($(for p in "${!rc[@]}"; do printf '%s rc=%s ' "$p" "${rc[$p]}"; done))"
