@@ -6,7 +6,7 @@ tiles, small tiles with or without packed GQA, or the Triton kernels in interpre
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
 chunked, prefix LM, padding and document masks and plain mask_mods evaluated by
 ``jf.masks.block_mask`` (frames, tables of visible pairs per item and head, sink keys and a window
-far from them), some subtrees
+far from them) and boolean arrays as jax.nn takes them (some dims broadcast), some subtrees
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces). The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
@@ -46,7 +46,7 @@ def random_leaf(rng, b, hq, sq, skv):
     q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
     per_item = lambda x: x[:, None, None, None]  # noqa: E731
     kinds = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"]
-    kind = rng.choice([*kinds, "frames", "table", "sinks_window"])
+    kind = rng.choice([*kinds, "frames", "table", "sinks_window", "array"])
     if kind == "causal":
         offset = int(rng.integers(-sq, skv + 1))
         return masks.causal(offset), k <= q + offset
@@ -70,6 +70,10 @@ def random_leaf(rng, b, hq, sq, skv):
     if kind == "frames":  # a frame sees itself and those before: a plain mask_mod
         frame = int(rng.integers(1, max(sq, skv) + 2))
         return masks.block_mask(lambda b, h, i, j: i // frame >= j // frame, sq, skv), q // frame >= k // frame
+    if kind == "array":  # jax.nn's boolean array, some dims broadcast
+        shape = tuple(n if rng.random() < 0.7 else 1 for n in (b, hq, sq, skv))
+        table = rng.random(shape) < rng.choice([0.05, 0.3, 0.9])
+        return jnp.asarray(table) if rng.random() < 0.5 else masks.from_array(table), table
     if kind == "table":  # visible pairs drawn per item and head: holes, empty rows and columns
         table = rng.random((b, hq, sq, skv)) < rng.choice([0.05, 0.3, 0.9])
         pick = lambda b, h, i, j: jnp.asarray(table)[b, h, i, j]  # noqa: E731
@@ -100,6 +104,7 @@ def random_mask(rng, b, hq, sq, skv, depth=0):
         return random_leaf(rng, b, hq, sq, skv)
     if r < 0.5:
         mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)
+        mask = masks.from_array(mask) if isinstance(mask, jax.Array) else mask  # block_mask takes a function
         return masks.block_mask(mask, sq, skv, batch_shape=(b,), num_heads=hq, ranges=_ranges(rng)), visible
     if r < 0.6:
         mask, visible = random_mask(rng, b, hq, sq, skv, depth + 1)

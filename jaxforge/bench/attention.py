@@ -531,6 +531,11 @@ def _plain_mask_mod(case: Case):
 _RANGES = {"frames_causal": 1, "sinks_window_causal": 2}  # block_mask's ranges a query, per plain mask_mod
 
 
+def _dense_mask(case: Case):
+    """The plain mask_mod on broadcast index grids: the boolean array ``(1, 1, Sq, Skv)`` jax.nn takes."""
+    return _plain_mask_mod(case)(0, 0, jnp.arange(case.sq)[:, None], jnp.arange(case.skv)[None, :])[None, None]
+
+
 @functools.lru_cache(maxsize=8)
 def _built_mask(case: Case, ranges: int) -> tuple:
     """``(mask, ms)``: ``jf.masks.block_mask`` of the case's plain mask_mod, built before the timed
@@ -666,6 +671,14 @@ def _jf_mask_mod(case: Case) -> Callable | str:
     return lambda q, k, v, seg: jf.attention(q, k, v, mask=mask_mod)
 
 
+def _jf_array(case: Case) -> Callable | str:
+    """``jf.attention`` given the boolean array jax.nn takes (``jf.masks.from_array``, its ranges
+    measured in every call), built in the call as jax.nn's is."""
+    if case.mask not in _MASK_MODS:
+        return f"only the {' and '.join(_MASK_MODS)} cases have a mask to give as an array"
+    return lambda q, k, v, seg: jf.attention(q, k, v, mask=_dense_mask(case))
+
+
 def _jf_one_range(case: Case) -> Callable | str:
     """``jf.attention`` with the sinks and window evaluated in one range a query
     (``block_mask(ranges=1)``), visiting the keys between them: what the second range saves."""
@@ -710,8 +723,8 @@ def _jnn_forward(case: Case, implementation: str) -> Callable | str:
 
     def attend(q, k, v, seg, slopes=alibi_slopes(case.hq)):  # the reference hands each item's heads' slopes
         mask = None if seg is None else seg[:, None, :, None] == seg[:, None, None, :]
-        if case.mask in _MASK_MODS:  # the mask_mod on broadcast index grids
-            mask = _plain_mask_mod(case)(0, 0, jnp.arange(case.sq)[:, None], jnp.arange(case.skv)[None, :])[None, None]
+        if case.mask in _MASK_MODS:
+            mask = _dense_mask(case)
         bias = _alibi_bias(slopes, case.sq, case.skv).astype(q.dtype) if case.mask == "alibi_causal" else None
         out = jax.nn.dot_product_attention(pad(q), pad(k), pad(v), bias=bias, mask=mask, **kwargs)
         return out[..., : case.dv]
@@ -928,15 +941,17 @@ def _contenders(backend: str) -> list[Contender]:
     everywhere = lambda case: True  # noqa: E731
     jnn_xla = _jax_contender("jax.nn-xla", lambda case: _jnn_forward(case, "xla"), note=_padded_note)
     mask_mod = _jax_contender("jaxforge-mask-mod", _jf_mask_mod)
+    array = _jax_contender("jaxforge-array", _jf_array)
     own_ranges = _build_note(lambda case: _RANGES.get(case.mask))
     one_range_note = _build_note(lambda case: 1 if case.mask == "sinks_window_causal" else None)
     one_range = _jax_contender("jaxforge-one-range", _jf_one_range, note=one_range_note)
     jaxforge = _jax_contender("jaxforge", _jf_forward(None), essential=everywhere, note=own_ranges)
     if backend != "gpu":
-        return [jaxforge, mask_mod, one_range, jnn_xla]
+        return [jaxforge, mask_mod, array, one_range, jnn_xla]
     contenders = [
         jaxforge,
         mask_mod,
+        array,
         one_range,
         _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere, note=own_ranges),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),

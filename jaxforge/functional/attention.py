@@ -31,7 +31,7 @@ def attention(
     k,
     v,
     *,
-    mask: Mask | Callable | None = None,
+    mask: Mask | Callable | jax.Array | np.ndarray | None = None,
     score_mod: Callable | None = None,
     scale: float | None = None,
     softcap: float | None = None,
@@ -50,7 +50,9 @@ def attention(
         query head. A plain ``mask_mod`` visits every tile; ``jf.masks.block_mask(mask_mod, Sq,
         Skv)`` evaluates it once so that the tiles it hides are skipped (with ``ranges=2``, those of
         a gap inside each row too, such as between sink tokens and a sliding window: a mask in
-        pieces runs one call each, merged through their log-sum-exps).
+        pieces runs one call each, merged through their log-sum-exps). A boolean array
+        broadcasting to ``(*batch, Hq, Sq, Skv)`` (``jax.nn.dot_product_attention``'s mask) is
+        ``jf.masks.from_array``'s: its hidden tiles are skipped too.
       score_mod: ``score_mod(score, b, h, q_idx, kv_idx) -> score`` on scalars (ALiBi, relative
         bias, ...). Arrays it closes over get gradients and tangents like any input; read an
         element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``, ``bias[h][q_idx - kv_idx]``) they stay in the GPU

@@ -16,7 +16,8 @@ span it visits every tile; :func:`block_mask` evaluates it once on the whole gri
 range of keys (queries) each query (key) sees, so tiles outside are skipped as for the masks here
 (FlexAttention's ``create_block_mask``), or several ranges each, cut at each row's widest gaps
 (``ranges=``: attention then runs a call per piece and merges them); :func:`from_mask_mod`
-combines it with them as it is.
+combines it with them as it is. A boolean array of visible pairs (``jax.nn``'s ``mask``) is a mask
+too (:func:`from_array`), whose ranges each call measures.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ __all__ = [
     "causal",
     "chunked",
     "document",
+    "from_array",
     "from_mask_mod",
     "full",
     "padding",
@@ -123,6 +125,7 @@ class Mask:
 
     __rand__ = lambda self, other: _And(as_mask(other), self)  # noqa: E731
     __ror__ = lambda self, other: _Or(as_mask(other), self)  # noqa: E731
+    __array_ufunc__ = None  # numpy_array & mask: numpy defers to __rand__ (not one mask per element)
 
 
 def _static(value) -> bool:
@@ -149,10 +152,13 @@ def as_mask(mask) -> Mask:
     """A :class:`Mask` from a Mask or a plain ``mask_mod`` callable; anything else is an error."""
     if isinstance(mask, Mask):
         return mask
+    if isinstance(mask, (jax.Array, np.ndarray)):
+        return from_array(mask)
     if callable(mask):
         return from_mask_mod(mask)
     raise TypeError(
-        f"mask: expected a jf.masks.Mask or a callable mask_mod(b, h, q_idx, kv_idx) -> bool, got {type(mask).__name__}"
+        "mask: expected a jf.masks.Mask, a callable mask_mod(b, h, q_idx, kv_idx) -> bool or a boolean array, "
+        f"got {type(mask).__name__}"
     )
 
 
@@ -377,6 +383,53 @@ class _Within(Mask):
             return fn(b, h, q_idx, kv_idx, *values[:n], *values[n + 2 :]) & (kv_idx >= lo) & (kv_idx < hi)
 
         return within, [*rows, *bounds], cols
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _FromArray(Mask):
+    """The pairs an array marks visible: ``visible`` ``(*lead, heads, q_len, kv_len)`` or
+    ``(q_len, kv_len)``, each of the last three dims its size or 1 (broadcast)."""
+
+    visible: jnp.ndarray
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        table = self._table()
+        items = math.prod(table.shape[:-3])  # clipped: an array shared by every item answers for each
+        return _at(table.reshape(items, *table.shape[-3:]), jnp.clip(b, 0, items - 1), h, q_idx, kv_idx)
+
+    def bind_positional(self, batch_shape, sq, skv):
+        table = self._per_batch(batch_shape, sq, skv)
+        return (lambda b, h, q_idx, kv_idx: _at(table, b, h, q_idx, kv_idx)), [], []
+
+    def span(self):
+        return RangeSpan()
+
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
+        """Each query's and key's range, measured on the array at every call (block_mask's, at once)."""
+        table = self._per_batch(batch_shape, sq, skv, num_heads)
+        table = jnp.broadcast_to(table, (*table.shape[:2], sq, skv))
+        index = lambda n: jnp.arange(n, dtype=jnp.int32)  # noqa: E731
+        return [*_range(table, index(skv)), *_range(jnp.swapaxes(table, -1, -2), index(sq))]
+
+    def _table(self):
+        return self.visible.reshape((1,) * (3 - self.visible.ndim) + self.visible.shape)
+
+    def _per_batch(self, batch_shape, sq, skv, num_heads=None):
+        """The array as ``(prod(batch_shape), heads, q_len, kv_len)``, its size-1 dims kept."""
+        table = self._table()
+        wanted = (num_heads or table.shape[-3], sq, skv)
+        if any(n not in (1, want) for n, want in zip(table.shape[-3:], wanted)):
+            call = ", ".join(map(str, (*batch_shape, "num_heads" if num_heads is None else num_heads, sq, skv)))
+            raise ValueError(
+                f"from_array: the mask array has shape {self.visible.shape}; its last three dims must broadcast to "
+                f"(num_heads, q_len, kv_len) of the call's (*batch, num_heads, q_len, kv_len) = ({call})"
+            )
+        return _per_batch(table, batch_shape, "from_array", "the mask array", trailing=3)
+
+
+def _at(table, *idx):
+    """``table[b, h, q_idx, kv_idx]``, a dim of size 1 broadcast (read at 0), the indices broadcasting together."""
+    return table[tuple(0 if n == 1 else i for n, i in zip(table.shape, idx))]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -714,6 +767,31 @@ def _cuts(seen_by, col, *, pieces: int) -> tuple:
     order = jnp.argsort(end, axis=-1)
     end, start = (jnp.take_along_axis(x, order, axis=-1) for x in (end, start))
     return tuple(jnp.concatenate(x, axis=-1).astype(jnp.int32) for x in ([lo, end], [start, hi]))  # argmax: int64 with x64
+
+
+def from_array(visible) -> Mask:
+    """The mask an array of visible pairs gives: ``visible`` boolean, broadcasting to ``(*batch,
+    num_heads, q_len, kv_len)`` (``jax.nn.dot_product_attention``'s layout; ``(q_len, kv_len)``
+    serves every item and head). ``jf.attention(..., mask=visible)`` takes the array as it is.
+
+    Each call measures, per batch item, the range of keys each query sees and of queries each key
+    is seen by (any head), as :func:`block_mask` does for a function, so the tiles outside them are
+    skipped and those inside them that every head sees whole skip the mask arithmetic. The array is
+    an operand (a new array of the same shape reuses a compiled call) that kernels read at each
+    score they compute. It combines with the other masks by ``&``, ``|`` and ``~``; an additive
+    bias is a ``score_mod`` instead.
+    """
+    visible = visible if isinstance(visible, jax.Array) else jnp.asarray(visible)
+    if visible.dtype != jnp.bool_:
+        raise TypeError(
+            f"from_array: a mask array must be boolean (True: visible), got dtype {visible.dtype}; "
+            "an additive bias goes in score_mod"
+        )
+    if visible.ndim < 2:
+        raise ValueError(
+            f"from_array: a mask array has shape (*batch, num_heads, q_len, kv_len) or (q_len, kv_len), got shape {visible.shape}"
+        )
+    return _FromArray(visible)
 
 
 def full() -> Mask:

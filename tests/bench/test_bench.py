@@ -155,7 +155,7 @@ def test_attention_records_every_mode_timed_and_accurate(attention_run):
     expected_errors = {"fwd": {"out"}, "fwd+bwd": {"dq", "dk", "dv"}, "jvp": {"out", "dout"}}
     for r in records:
         assert fields <= set(r), r
-        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-one-range"):  # plain mask_mod cases only
+        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-array", "jaxforge-one-range"):  # plain mask_mod cases only
             assert r["status"] == "skipped" and "only the frames_causal and sinks_window_causal cases" in r["reason"] or (
                 "only the sinks_window_causal case" in r["reason"]
             ), r
@@ -249,13 +249,14 @@ def test_attention_flops_count_the_visible_scores():
 
 def test_attention_frames_compare_the_evaluated_mask_with_the_plain_mask_mod():
     """quick_frames: jaxforge takes the frames through jf.masks.block_mask, jaxforge-mask-mod the
-    same function as a plain mask_mod; both against the dense reference (jaxforge's every mode:
+    same function as a plain mask_mod, jaxforge-array the boolean array jax.nn takes; all against
+    the dense reference (jaxforge's every mode:
     test_attention_budget_measures_the_essential_contenders_of_every_case_first)."""
     records = run("attention", quick=True, shapes=["quick_frames"], modes=["fwd"])
     rows = {(r["mode"], r["implementation"]): r for r in records}
     assert rows[("fwd", "jaxforge-one-range")]["note"] is None  # skipped: no block mask built for it
     for mode in ("fwd",):
-        for impl in ("jaxforge", "jaxforge-mask-mod", "jax.nn-xla"):
+        for impl in ("jaxforge", "jaxforge-mask-mod", "jaxforge-array", "jax.nn-xla"):
             r = rows[(mode, impl)]
             assert r["status"] == "ok" and all(e < 1e-4 for e in r["accuracy"].values()), r
 
@@ -270,7 +271,7 @@ def test_attention_sinks_and_window_compare_two_ranges_with_one_and_the_plain_ma
     assert len(_built_mask(Case("s", dims, mask, np.float32), 2)[0].pieces()) == 2
     records = run("attention", quick=True, shapes=["quick_sinks_window"], modes=["fwd"])
     rows = {r["implementation"]: r for r in records}
-    for impl in ("jaxforge", "jaxforge-one-range", "jaxforge-mask-mod", "jax.nn-xla"):
+    for impl in ("jaxforge", "jaxforge-one-range", "jaxforge-mask-mod", "jaxforge-array", "jax.nn-xla"):
         assert rows[impl]["status"] == "ok" and all(e < 1e-4 for e in rows[impl]["accuracy"].values()), rows[impl]
     for impl, ranges in (("jaxforge", 2), ("jaxforge-one-range", 1)):  # built once, outside the timed calls
         assert re.fullmatch(rf"block_mask\(ranges={ranges}\) built before the timed calls in [\d.]+ ms", rows[impl]["note"]), rows[impl]
@@ -300,11 +301,11 @@ def test_attention_second_order_modes_on_request():
     jvp) and jvp-grad (a gradient through the jvp), each checked against the reference's."""
     modes = ("fwd", "hvp", "jvp2", "jvp-grad")
     records = run("attention", quick=True, shapes=["quick_gqa_document"], modes=modes)
-    implementations = ("jaxforge", "jaxforge-mask-mod", "jaxforge-one-range", "jax.nn-xla")
+    implementations = ("jaxforge", "jaxforge-mask-mod", "jaxforge-array", "jaxforge-one-range", "jax.nn-xla")
     assert {(r["mode"], r["implementation"]) for r in records} == {(m, i) for m in modes for i in implementations}
     names = {"fwd": {"out"}, "hvp": {"hq", "hk", "hv"}, "jvp2": {"ddout"}, "jvp-grad": {"jgq", "jgk", "jgv"}}
     for r in records:
-        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-one-range"):  # plain mask_mod cases only
+        if r["implementation"] in ("jaxforge-mask-mod", "jaxforge-array", "jaxforge-one-range"):  # plain mask_mod cases only
             assert r["status"] == "skipped", r
             continue
         assert r["status"] == "ok", r

@@ -134,14 +134,15 @@ def test_score_mod_must_return_a_floating_scalar(score_mod, got):
         jf.attention(*qkv(), score_mod=score_mod)
 
 
-@pytest.mark.parametrize("mask", ["causal", 3, np.ones((5, 7), bool)], ids=["str", "int", "array"])
+@pytest.mark.parametrize("mask", ["causal", 3, [[True]]], ids=["str", "int", "list"])
 def test_mask_of_the_wrong_type(mask):
-    with pytest.raises(TypeError, match=r"mask: expected a jf\.masks\.Mask or a callable mask_mod\(b, h, q_idx, kv_idx\) -> bool, got"):
+    expected = r"mask: expected a jf\.masks\.Mask, a callable mask_mod\(b, h, q_idx, kv_idx\) -> bool or a boolean array, got"
+    with pytest.raises(TypeError, match=expected):
         jf.attention(*qkv(), mask=mask)
 
 
 def test_combining_a_mask_with_a_non_mask():
-    with pytest.raises(TypeError, match=r"mask: expected a jf\.masks\.Mask or a callable .*got str"):
+    with pytest.raises(TypeError, match=r"mask: expected a jf\.masks\.Mask, a callable .*got str"):
         masks.causal() & "window"
     with pytest.raises(TypeError, match=r"mask: expected .*got int"):
         1 | masks.causal()

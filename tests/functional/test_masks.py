@@ -15,6 +15,7 @@ Q_IDS, KV_IDS = jnp.asarray(rng.integers(0, 4, (B, SQ))), jnp.asarray(rng.intege
 QI, KI = np.asarray(Q_IDS), np.asarray(KV_IDS)
 PREFIX = np.asarray([3, 9])
 LENGTHS = np.asarray([16, 4])
+VISIBLE = rng.random((B, 1, SQ, SKV)) < 0.4  # an array mask, jax.nn's layout: one for every head
 # name: (mask, the same mask written independently in numpy on (b, q, kv) index grids)
 MASKS = {
     "document": (lambda: jf.masks.document(Q_IDS, KV_IDS), lambda b, q, kv: QI[b, q] == KI[b, kv]),
@@ -48,6 +49,15 @@ MASKS = {
     "block_mask_of_a_document": (  # the document's positional ids, the span evaluated
         lambda: jf.masks.block_mask(jf.masks.document(Q_IDS, KV_IDS), SQ, SKV, batch_shape=(B,)),
         lambda b, q, kv: QI[b, q] == KI[b, kv],
+    ),
+    "array_per_item": (lambda: jf.masks.from_array(jnp.asarray(VISIBLE)), lambda b, q, kv: VISIBLE[b, 0, q, kv]),
+    "array_shared_and_causal": (  # (q_len, kv_len), given as a numpy array
+        lambda: jf.masks.causal() & VISIBLE[1, 0],
+        lambda b, q, kv: VISIBLE[1, 0, q, kv] & (kv <= q),
+    ),
+    "numpy_array_or_window": (  # the array on the left: numpy defers to Mask.__ror__
+        lambda: VISIBLE[0, 0] | jf.masks.sliding_window(2),
+        lambda b, q, kv: VISIBLE[0, 0, q, kv] | (np.abs(q - kv) < 2),
     ),
     "block_mask_per_item": (
         lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
@@ -178,5 +188,50 @@ def test_a_mask_vmaps_with_the_queries():
     q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
     k = jnp.asarray(rng.normal(size=(B, SKV, 2, 4)))
     mask = jf.masks.document(Q_IDS, KV_IDS) & jf.masks.padding(jnp.asarray(LENGTHS)) & jf.masks.causal(jnp.asarray([4, -6]))
+    mask = mask | jf.masks.from_array(jnp.asarray(VISIBLE))
     mapped = jax.vmap(lambda q, k, mask: jf.attention(q, k, k, mask=mask))(q, k, mask)
     np.testing.assert_allclose(mapped, jf.attention(q, k, k, mask=mask), rtol=1e-12, atol=1e-12)
+
+
+def test_an_array_mask_measures_the_span_block_mask_evaluates():
+    """from_array's ranges, measured at the call, are those block_mask keeps for the same pairs:
+    per item, each query's keys seen by any head and seen whole by every head (and back)."""
+    heads = 3
+    visible = rng.random((B, heads, SQ, SKV)) < 0.5
+    visible[:, :, 4] = False  # a query no head sees a key with
+    visible[0, :, 6, 2:9] = True  # a run every head sees
+    table = jnp.asarray(visible)
+    evaluated = jf.masks.block_mask(lambda b, h, i, j: table[b, h, i, j], SQ, SKV, batch_shape=(B,), num_heads=heads)
+    measured = jf.masks.from_array(table).span_arrays((B,), SQ, SKV, num_heads=heads)
+    expected = evaluated.span_arrays((B,), SQ, SKV, num_heads=heads)
+    assert len(measured) == len(expected) == 6
+    for got, want in zip(measured, expected):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_an_array_mask_broadcasts_over_batch_dims_heads_and_positions():
+    """(1, B2, 1, SQ, 1) against q (B1, B2, ...): each item reads its own row of the array."""
+    q = jnp.asarray(rng.normal(size=(3, B, SQ, 2, 4)))
+    k = jnp.asarray(rng.normal(size=(3, B, SKV, 2, 4)))
+    visible = rng.random((1, B, 1, SQ, 1)) < 0.6  # whole query rows hidden per item of the second dim
+    out = jf.attention(q, k, k, mask=jnp.asarray(visible) | jf.masks.causal(-3))
+    want = jf.attention(q, k, k, mask=lambda b, h, i, j: jnp.asarray(visible)[0, b % B, 0, i, 0] | (j <= i - 3))
+    np.testing.assert_allclose(out, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "visible,error,match",
+    [
+        (np.zeros((SQ, SKV), np.float32), TypeError, r"from_array: a mask array must be boolean .* got dtype float32; an additive bias goes in score_mod"),
+        (np.zeros(SKV, bool), ValueError, r"from_array: a mask array has shape .* got shape \(17,\)"),
+        (np.zeros((SQ, SKV + 1), bool), ValueError, r"from_array: the mask array has shape \(13, 18\); .* = \(2, num_heads, 13, 17\)"),
+        (np.zeros((3, SQ, SKV), bool), ValueError, r"the mask array has shape \(3, 13, 17\); .* = \(2, 2, 13, 17\)"),
+        (np.zeros((3, 2, SQ, SKV), bool), ValueError, r"from_array: `the mask array` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\)"),
+    ],
+    ids=["float", "one_dim", "keys", "heads", "batch"],
+)
+def test_a_wrong_mask_array_is_a_clear_error(visible, error, match):
+    q = jnp.ones((B, SQ, 2, 4))
+    k = jnp.ones((B, SKV, 2, 4))
+    with pytest.raises(error, match=match):
+        jf.attention(q, k, k, mask=visible)

@@ -269,6 +269,8 @@ DOCUMENTS = {
     "block_mask": lambda seg: jf.masks.block_mask(
         lambda b, h, i, j: (seg[b, i] == seg[b, j]) & (j <= i), 12, 12, batch_shape=seg.shape[:1]
     ),
+    # the same pairs as jax.nn's boolean array, its ranges measured per shard
+    "array": lambda seg: seg[:, None, :, None] == seg[:, None, None, :],
     # and cut into pieces (too short for a gap: the second sees nothing), two calls merged per shard
     "block_mask_pieces": lambda seg: jf.masks.block_mask(
         lambda b, h, i, j: (seg[b, i] == seg[b, j]) & (j <= i), 12, 12, batch_shape=seg.shape[:1], ranges=2

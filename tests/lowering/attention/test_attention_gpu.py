@@ -104,7 +104,7 @@ def test_mla_head_dims_and_gqa():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
-@pytest.mark.parametrize("name", ["document", "padding", "block_mask", "block_mask_pieces"])
+@pytest.mark.parametrize("name", ["document", "padding", "block_mask", "block_mask_pieces", "array"])
 def test_document_masks_run_in_the_triton_kernels(name):
     q, k, v = inputs(jnp.bfloat16)
     seg = jnp.asarray(np.repeat(np.arange(3), 111)[:300])
@@ -113,6 +113,7 @@ def test_document_masks_run_in_the_triton_kernels(name):
         "padding": lambda: jf.masks.padding(jnp.asarray([333, 140]), jnp.asarray([300, 65])),
         "block_mask": lambda: jf.masks.block_mask(BLOCK_MASK_FRAMES, 300, 333, num_heads=4),
         "block_mask_pieces": lambda: jf.masks.block_mask(SINKS_WINDOW, 300, 333, ranges=2),
+        "array": lambda: jf.masks.from_array(jnp.asarray(np.random.default_rng(7).random((2, 4, 300, 333)) < 0.7)),
     }[name]() & jf.masks.causal()
     for impl in (None, "pallas_triton"):
         out = jax.jit(lambda *a: jf.attention(*a, mask=mask, implementation=impl))(q, k, v)

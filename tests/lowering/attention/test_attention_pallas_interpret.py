@@ -204,6 +204,14 @@ CAPTURED = {
         (rng.random((7, 5)) > 0.3, np.asarray([13, 29])),
         lambda table, lengths: dict(mask=lambda b, h, i, j: (table[i % 7, j % 5] | (i == j)) & (j < lengths[b])),
     ),
+    "mask_array_per_item_and_head": (  # jax.nn's layout, given as mask=
+        (np.random.default_rng(31).random((B, HQ, SQ, SKV)) > 0.5,),
+        lambda visible: dict(mask=visible),
+    ),
+    "mask_array_of_keys_per_item_and_causal": (  # (B, 1, 1, SKV): padding as jax.nn users write it
+        (np.arange(SKV) < np.asarray([SKV, 11])[:, None, None, None],),
+        lambda visible: dict(mask=jf.masks.causal(SKV - SQ) & visible),
+    ),
 }
 
 

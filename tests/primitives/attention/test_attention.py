@@ -169,6 +169,16 @@ def _block_mask_per_item_and_head(rng):
     return masks.block_mask(fn, 37, 37, batch_shape=(B,), num_heads=HQ), expected
 
 
+def _array_per_item_and_head(rng):
+    """jax.nn's layout, given as mask=: holes per (item, head, query, key), a row hidden at every
+    head, and a band every head sees (tiles whole to all heads, which skip the mask arithmetic)."""
+    visible = rng.random((B, HQ, 37, 53)) < 0.3
+    visible[:, :, 5] = False
+    i, j = np.arange(37)[:, None], np.arange(53)
+    visible |= (j >= i + 4) & (j < i + 30)
+    return jnp.asarray(visible), lambda b, h, i, j: visible[b, h, i, j]
+
+
 # (id, (Sq, Skv), rng -> (mask for jf.attention, numpy mask_fn(b, h, i, j) -> bool))
 MASK_CASES = [
     ("full", CROSS, lambda r: (masks.full(), lambda b, h, i, j: True)),
@@ -208,6 +218,10 @@ MASK_CASES = [
     ("block_mask_pieces_and_causal", CROSS, lambda r: (  # rows from 21 cut at key tile [16, 32): two calls, merged
         masks.block_mask(lambda b, h, i, j: (j < 3) | ((j > i + 10) & (j <= i + 16)), 37, 53, ranges=2) & masks.causal(14),
         lambda b, h, i, j: (j < 3 or i + 10 < j <= i + 16) and j <= i + 14)),
+    ("array_per_item_and_head", CROSS, _array_per_item_and_head),
+    ("array_of_keys_per_item_and_causal", SELF, lambda r: (  # (B, 1, 1, Skv): padding as jax.nn users write it
+        masks.causal() & (np.arange(37) < np.asarray([37, 12])[:, None, None, None]),
+        lambda b, h, i, j: j <= i and j < [37, 12][b])),
     # a plain lambda on either side of & and |: Mask.__rand__ and Mask.__ror__
     ("sink_or_lambda_and_window", CROSS, lambda r: (
         (lambda b, h, i, j: j < 2) | ((lambda b, h, i, j: (b + h + j) % 3 != 1) & masks.sliding_window(4)),
@@ -591,7 +605,9 @@ def test_derivatives_match_dense_and_reference(impl):
 
 # Masks with different spans (which tiles the forward and both backward passes visit).
 # Band.q, PrefixSpan.q, RangeSpan.q of an evaluated mask (Band + Intersect: _packed_case), pieces merged
-GRAD_MASKS = ["causal_tall_bottom_right", "prefix_lm", "block_mask_per_item_and_head", "block_mask_pieces_and_causal"]
+GRAD_MASKS = [
+    "causal_tall_bottom_right", "prefix_lm", "block_mask_per_item_and_head", "block_mask_pieces_and_causal", "array_per_item_and_head"
+]
 
 
 @over_impls
