@@ -149,7 +149,8 @@ def _unflatten_mask(cls, aux, children) -> Mask:
 
 
 def as_mask(mask) -> Mask:
-    """A :class:`Mask` from a Mask or a plain ``mask_mod`` callable; anything else is an error."""
+    """A :class:`Mask` from a Mask, a boolean array (:func:`from_array`) or a plain ``mask_mod``
+    callable; anything else is an error."""
     if isinstance(mask, Mask):
         return mask
     if isinstance(mask, (jax.Array, np.ndarray)):
@@ -429,6 +430,8 @@ class _FromArray(Mask):
 
 def _at(table, *idx):
     """``table[b, h, q_idx, kv_idx]``, a dim of size 1 broadcast (read at 0), the indices broadcasting together."""
+    if not table.size:  # an empty call, traced all the same: no pair to read, none visible
+        return jnp.zeros(jnp.broadcast_shapes(*(jnp.shape(i) for i in idx)), bool)
     return table[tuple(0 if n == 1 else i for n, i in zip(table.shape, idx))]
 
 

@@ -235,3 +235,19 @@ def test_a_wrong_mask_array_is_a_clear_error(visible, error, match):
     k = jnp.ones((B, SKV, 2, 4))
     with pytest.raises(error, match=match):
         jf.attention(q, k, k, mask=visible)
+
+
+@pytest.mark.parametrize(
+    "batch,sq,skv,heads", [((B,), 5, 0, 2), ((B,), 0, 7, 2), ((0,), 5, 7, 2), ((B, 0), 5, 7, 2), ((B,), 5, 7, 0)],
+    ids=["no_keys", "no_queries", "no_items", "an_empty_batch_dim", "no_heads"],
+)
+def test_an_array_mask_takes_empty_calls(batch, sq, skv, heads):
+    """An empty array is traced all the same (its mask read at scalar indices): zeros, lse -inf, a
+    zero gradient."""
+    q, k = jnp.ones((*batch, sq, heads, 4)), jnp.ones((*batch, skv, max(heads // 2, 1) if heads else 0, 4))
+    visible = jnp.ones((*batch, heads, sq, skv), bool)
+    out, lse = jf.attention(q, k, k, mask=visible, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (*batch, sq, heads)
+    np.testing.assert_array_equal(out, 0.0)
+    np.testing.assert_array_equal(lse, -np.inf)
+    np.testing.assert_array_equal(jax.grad(lambda q: jf.attention(q, k, k, mask=visible).sum())(q), 0.0)
