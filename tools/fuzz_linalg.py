@@ -68,7 +68,7 @@ def random_problem(rng):
     side = 41 if rng.random() < 0.2 else 11
     m, n = (int(x) for x in rng.integers(0 if rng.random() < 0.1 else 1, side, 2))
     s, kind = random_singular_values(rng, min(m, n), distinct=derivatives and rng.random() < 0.7)
-    a = with_singular_values(rng, batch, m, n, s, np.complex128 if np.iscomplexobj(np.zeros((), dtype)) else np.float64)
+    a = with_singular_values(rng, batch, m, n, s, np.result_type(dtype, np.float64))  # built in double precision
     return dtype, a, s, kind
 
 
