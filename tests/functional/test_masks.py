@@ -193,20 +193,55 @@ def test_a_mask_vmaps_with_the_queries():
     np.testing.assert_allclose(mapped, jf.attention(q, k, k, mask=mask), rtol=1e-12, atol=1e-12)
 
 
-def test_an_array_mask_measures_the_span_block_mask_evaluates():
-    """from_array's ranges, measured at the call, are those block_mask keeps for the same pairs:
-    per item, each query's keys seen by any head and seen whole by every head (and back)."""
+def _ranges_of_rows(visible):
+    """Each (item, row)'s ``(lo, hi, sure_hi)``: the columns any head sees span ``[lo, hi)``, every head
+    sees all of ``[lo, sure_hi)``; ``(cols, 0, cols)`` where none is seen."""
+    seen, hidden_to_some = visible.any(axis=1), ~visible.all(axis=1)
+    cols = seen.shape[-1]
+    lo = np.where(seen.any(-1), seen.argmax(-1), cols)
+    hi = np.where(seen.any(-1), cols - seen[..., ::-1].argmax(-1), 0)
+    breaks = hidden_to_some & (np.arange(cols) >= lo[..., None])
+    return lo, hi, np.where(breaks.any(-1), breaks.argmax(-1), cols)
+
+
+@pytest.mark.parametrize("rows_per_step", [1, 4, SQ])
+def test_an_array_mask_measures_the_span_block_mask_evaluates(monkeypatch, rows_per_step):
+    """from_array's ranges, measured at the call, and block_mask's for the same pairs are per item
+    each query's keys seen by any head and seen whole by every head (and back), however many rows
+    a step of their pass takes (4: the last step overlaps the one before)."""
     heads = 3
     visible = rng.random((B, heads, SQ, SKV)) < 0.5
     visible[:, :, 4] = False  # a query no head sees a key with
+    visible[:, :, :, 5] = False  # a key no query sees
     visible[0, :, 6, 2:9] = True  # a run every head sees
+    visible[1, :, 3:12, 7] = True  # and one down a key
+    monkeypatch.setattr(jf.masks, "_PAIRS_PER_STEP", rows_per_step * B * heads * SKV)
     table = jnp.asarray(visible)
     evaluated = jf.masks.block_mask(lambda b, h, i, j: table[b, h, i, j], SQ, SKV, batch_shape=(B,), num_heads=heads)
     measured = jf.masks.from_array(table).span_arrays((B,), SQ, SKV, num_heads=heads)
-    expected = evaluated.span_arrays((B,), SQ, SKV, num_heads=heads)
-    assert len(measured) == len(expected) == 6
-    for got, want in zip(measured, expected):
-        np.testing.assert_array_equal(got, want)
+    expected = (*_ranges_of_rows(visible), *_ranges_of_rows(visible.swapaxes(-1, -2)))
+    for ranges in (measured, evaluated.span_arrays((B,), SQ, SKV, num_heads=heads)):
+        assert len(ranges) == len(expected) == 6
+        for got, want in zip(ranges, expected):
+            np.testing.assert_array_equal(got, want)
+
+
+def test_block_mask_of_an_array_measures_once_and_cuts():
+    """An array reused across calls goes through block_mask once: its ranges then cost no call
+    anything, and it can be cut into pieces. A shared (q_len, kv_len) array reads neither b nor h."""
+    q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
+    k = jnp.asarray(rng.normal(size=(B, SKV, 2, 4)))
+    i, j = np.arange(SQ)[:, None], np.arange(SKV)[None]
+    visible = jnp.asarray((j < 2) | ((i >= j) & (i - j < 4)))  # sinks and a window: a gap to cut
+    cut = jf.masks.block_mask(jf.masks.from_array(visible), SQ, SKV, ranges=2)
+    assert len(cut.pieces()) == 2
+    want = jf.attention(q, k, k, mask=visible)
+    np.testing.assert_allclose(jf.attention(q, k, k, mask=cut), want, rtol=1e-12, atol=1e-12)
+    per_head = jnp.asarray(rng.random((B, 2, SQ, SKV)) < 0.5)
+    with pytest.raises(ValueError, match="reads its batch index b; pass batch_shape="):
+        jf.masks.block_mask(jf.masks.from_array(per_head), SQ, SKV)
+    evaluated = jf.masks.block_mask(jf.masks.from_array(per_head), SQ, SKV, batch_shape=(B,), num_heads=2)
+    np.testing.assert_allclose(jf.attention(q, k, k, mask=evaluated), jf.attention(q, k, k, mask=per_head), rtol=1e-12, atol=1e-12)
 
 
 def test_an_array_mask_broadcasts_over_batch_dims_heads_and_positions():
