@@ -629,8 +629,8 @@ def block_mask(
     ones are visited (attention sinks or global tokens plus a sliding window: every key between
     them). With ``n > 1`` each query's keys are cut at its ``n - 1`` widest gaps (runs of whole
     blocks of 16 hidden keys, the narrowest tile) into ``n`` pieces; attention runs each piece (a
-    call of its own, skipping the gaps) and merges them through their log-sum-exps. The evaluation
-    then reads the grid ``2n + 3`` times instead of 2.
+    call of its own, skipping the gaps) and merges them through their log-sum-exps. The grid is
+    still evaluated once (each block of rows cut as it comes), its ranges measured ``n + 1`` times.
 
     ``batch_shape``: the leading dims of q, needed when ``mask_mod`` reads ``b``; ``num_heads``: the
     query heads, needed when it reads ``h`` (each range then holds every head's). A function that
