@@ -715,15 +715,12 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
 
     def joined(columns, start):
         seen_by = tile(start)
-        views, of_rows = [seen_by], []
+        bounds = []
         if pieces > 1:
-            for lo, hi in zip(*(jnp.moveaxis(x, -1, 0) for x in _cuts(seen_by, col, pieces=pieces))):  # (items, block)
-                views.append(seen_by & (col >= lo[:, None, :, None]) & (col < hi[:, None, :, None]))
-                of_rows += [lo, hi]
+            bounds = list(zip(*(jnp.moveaxis(x, -1, 0) for x in _cuts(seen_by, col, pieces=pieces))))  # (items, block) each
+        views = [seen_by, *(seen_by & (col >= lo[:, None, :, None]) & (col < hi[:, None, :, None]) for lo, hi in bounds)]
         row = (start + _index(block))[:, None]
-        for view in views:
-            of_rows += _range(view, col)
-        return [_joined_range(c, view, row, rows) for c, view in zip(columns, views)], of_rows
+        return [_joined_range(c, view, row, rows) for c, view in zip(columns, views)], (bounds, [_range(view, col) for view in views])
 
     steps = -(-rows // block)
     starts = jnp.minimum(_index(steps) * block, rows - block)  # the last block ends at the last row
@@ -731,14 +728,15 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
     # gives (varying under shard_map), which constants would not.
     columns, first = joined([no_columns] * (1 if pieces == 1 else 1 + pieces), starts[0])
     columns, later = lax.scan(joined, columns, starts[1:])
-    kept = rows - (steps - 1) * block  # of the last block, the rows no block before it covered
-    of_rows = []
-    for r, r_later in zip(first, later):
+
+    def in_order(r, r_later):  # (items, block) and (steps - 1, items, block) -> (items, rows)
         r = jnp.concatenate([r, jnp.moveaxis(r_later, 0, 1).reshape(items, (steps - 1) * block)], axis=1)
-        of_rows.append(jnp.concatenate([r[:, : (steps - 1) * block], r[:, steps * block - kept :]], axis=1))
-    bounds, of_rows = of_rows[: len(of_rows) - 3 * len(columns)], of_rows[len(of_rows) - 3 * len(columns) :]
-    ranges = [(*of_rows[3 * i : 3 * i + 3], *c) for i, c in enumerate(columns)]
-    return tuple(ranges[0]), tuple((lo, hi, tuple(r)) for lo, hi, r in zip(bounds[::2], bounds[1::2], ranges[1:]))
+        kept = rows - (steps - 1) * block  # of the last block, the rows no block before it covered
+        return jnp.concatenate([r[:, : (steps - 1) * block], r[:, steps * block - kept :]], axis=1)
+
+    bounds, of_rows = jax.tree.map(in_order, first, later)
+    ranges = [(*r, *c) for r, c in zip(of_rows, columns)]
+    return ranges[0], tuple((lo, hi, r) for (lo, hi), r in zip(bounds, ranges[1:]))
 
 
 def _joined_range(column_range, seen_by, row, rows: int) -> tuple:
