@@ -23,6 +23,10 @@ def ids(*shape):
     return spec(*shape, dtype=jnp.int32)
 
 
+def booleans(*shape):
+    return spec(*shape, dtype=jnp.bool_)
+
+
 def attend(mask=None, **kw):
     return lambda q, k: jf.attention(q, k, k, mask=mask, **kw)
 
@@ -69,6 +73,17 @@ CASES = {
         spec(b, L, H, D),
         ids(b),
     ),
+    "attention mask array": (
+        jax.grad(lambda q, k, visible: jnp.sum(jf.attention(q, k, k, mask=visible) ** 2)),
+        spec(b, L, H, D),
+        spec(b, M, 2, D),
+        booleans(b, 1, L, M),
+    ),
+    "attention shared mask array and causal": (
+        lambda q, visible: jf.attention(q, q, q, mask=jf.masks.from_array(visible) & _CAUSAL),
+        spec(2, L, H, D),
+        booleans(L, L),
+    ),
     "svd batch": (lambda a: jf.linalg.svd(a), spec(b, 7, 5)),
     "svd grad": (jax.grad(lambda a: jnp.sum(jf.linalg.svd(a, compute_uv=False) ** 3)), spec(b, 5, 7)),
     "lstsq batch": (lambda a, y: tuple(jf.linalg.lstsq(a, y)), spec(b, 9, 4), spec(b, 9)),
@@ -78,6 +93,8 @@ CASES = {
 
 def concrete(shape_spec, sizes, rng):
     shape = tuple(d if isinstance(d, int) else sizes[str(d)] for d in shape_spec.shape)
+    if shape_spec.dtype == jnp.bool_:  # a mask array
+        return rng.random(shape) < 0.6
     if jnp.issubdtype(shape_spec.dtype, jnp.integer):  # segment ids, or lengths within L
         high = 3 if len(shape) > 1 else sizes["L"] + 1
         return np.sort(rng.integers(0, high, shape), axis=-1).astype(shape_spec.dtype)
