@@ -227,8 +227,8 @@ def test_an_array_mask_measures_the_span_block_mask_evaluates(monkeypatch, rows_
 
 
 def test_block_mask_of_an_array_measures_once_and_cuts():
-    """An array reused across calls goes through block_mask once: its ranges then cost no call
-    anything, and it can be cut into pieces. A shared (q_len, kv_len) array reads neither b nor h."""
+    """An array reused across calls goes through block_mask once (no call measures its ranges
+    again), which can cut it into pieces. A shared (q_len, kv_len) array reads neither b nor h."""
     q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
     k = jnp.asarray(rng.normal(size=(B, SKV, 2, 4)))
     i, j = np.arange(SQ)[:, None], np.arange(SKV)[None]
