@@ -1,5 +1,6 @@
 """Dense attention in jax.numpy on full score matrices, differentiable: the independent reference
-of the attention tests (``dense_jnp``) and the index arrays score and mask functions take (``grid``)."""
+of the attention tests (``dense_jnp``), the index arrays score and mask functions take (``grid``),
+and the ranges a mask's visible pairs give (``visible_ranges``)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,23 @@ def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
     out = jnp.swapaxes(out, 1, 2)
     lse = jnp.where(row, mx + jnp.log(t), -jnp.inf)[..., 0]
     return out.reshape(*batch, sq, hq, dv), jnp.swapaxes(lse, 1, 2).reshape(*batch, sq, hq)
+
+
+def visible_ranges(visible) -> tuple:
+    """RangeSpan's six arrays of a boolean ``(items, heads, q_len, kv_len)`` array by brute force,
+    ``(items, n)`` each: each query's hull of the keys any head shows it and the run of keys every
+    head shows it from there (``sure_hi``), then the same for each key; ``(n_other, 0, n_other)``
+    where none is seen."""
+    ranges = []
+    for by_rows in (visible, np.swapaxes(visible, 2, 3)):
+        seen, every = by_rows.any(axis=1), by_rows.all(axis=1)  # over heads: (items, rows, cols)
+        items, rows, width = seen.shape
+        lo, hi, sure_hi = (np.zeros((items, rows), np.int64) for _ in range(3))
+        for b in range(items):
+            for row in range(rows):
+                cols = np.flatnonzero(seen[b, row])
+                lo[b, row], hi[b, row] = (cols[0], cols[-1] + 1) if cols.size else (width, 0)
+                run = every[b, row, lo[b, row] : hi[b, row]]
+                sure_hi[b, row] = max(lo[b, row] + (np.argmin(run) if not run.all() else run.size), lo[b, row])
+        ranges += [lo, hi, sure_hi]
+    return tuple(ranges)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxforge as jf
+from tests.attention_dense import visible_ranges
 
 B, SQ, SKV = 2, 13, 17
 rng = np.random.default_rng(0)
@@ -193,17 +194,6 @@ def test_a_mask_vmaps_with_the_queries():
     np.testing.assert_allclose(mapped, jf.attention(q, k, k, mask=mask), rtol=1e-12, atol=1e-12)
 
 
-def _ranges_of_rows(visible):
-    """Each (item, row)'s ``(lo, hi, sure_hi)``: the columns any head sees span ``[lo, hi)``, every head
-    sees all of ``[lo, sure_hi)``; ``(cols, 0, cols)`` where none is seen."""
-    seen, hidden_to_some = visible.any(axis=1), ~visible.all(axis=1)
-    cols = seen.shape[-1]
-    lo = np.where(seen.any(-1), seen.argmax(-1), cols)
-    hi = np.where(seen.any(-1), cols - seen[..., ::-1].argmax(-1), 0)
-    breaks = hidden_to_some & (np.arange(cols) >= lo[..., None])
-    return lo, hi, np.where(breaks.any(-1), breaks.argmax(-1), cols)
-
-
 @pytest.mark.parametrize("rows_per_step", [1, 4, SQ])
 def test_an_array_mask_measures_the_span_block_mask_evaluates(monkeypatch, rows_per_step):
     """from_array's ranges, measured at the call, and block_mask's for the same pairs are per item
@@ -219,7 +209,7 @@ def test_an_array_mask_measures_the_span_block_mask_evaluates(monkeypatch, rows_
     table = jnp.asarray(visible)
     evaluated = jf.masks.block_mask(lambda b, h, i, j: table[b, h, i, j], SQ, SKV, batch_shape=(B,), num_heads=heads)
     measured = jf.masks.from_array(table).span_arrays((B,), SQ, SKV, num_heads=heads)
-    expected = (*_ranges_of_rows(visible), *_ranges_of_rows(visible.swapaxes(-1, -2)))
+    expected = visible_ranges(visible)
     for ranges in (measured, evaluated.span_arrays((B,), SQ, SKV, num_heads=heads)):
         assert len(ranges) == len(expected) == 6
         for got, want in zip(ranges, expected):

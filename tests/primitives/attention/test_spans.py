@@ -13,6 +13,7 @@ import pytest
 
 import jaxforge as jf
 from jaxforge.primitives.attention.mods import count_below
+from tests.attention_dense import visible_ranges
 
 SQ, SKV = 23, 31
 MASKS = {
@@ -269,15 +270,8 @@ def test_block_mask_ranges_are_each_positions_visible_keys_and_queries(name):
     every head shows it from there (and the same for each key): computed here by brute force."""
     mask, visible = _evaluated(name)
     arrays = mask.span_arrays((2,), SQ, SKV, num_heads=3)
-    for b in range(2):
-        for ranges, vis in ((arrays[:3], visible[b]), (arrays[3:], np.swapaxes(visible[b], 1, 2))):
-            seen, every = vis.any(axis=0), vis.all(axis=0)  # over heads: (rows, cols)
-            for row in range(seen.shape[0]):
-                cols = np.flatnonzero(seen[row])
-                lo, hi = (cols[0], cols[-1] + 1) if cols.size else (seen.shape[1], 0)
-                sure = lo + (np.argmin(every[row, lo:hi]) if not every[row, lo:hi].all() else hi - lo)
-                got = tuple(int(r[b, row]) for r in ranges)
-                assert got == (lo, hi, max(sure, lo)), (name, b, row, got)
+    for got, want in zip(arrays, visible_ranges(visible), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 @pytest.mark.parametrize("name", sorted(EVALUATED))
