@@ -709,7 +709,7 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
     piece evaluates the mask again.)"""
     none = lambda n, v: jnp.full((items, n), v, jnp.int32)  # noqa: E731
     no_columns = (none(cols, rows), none(cols, 0), none(cols, rows))
-    if isinstance(rows * cols, int) and not rows * cols:  # no pair visible; no block to slice, no gap to cut
+    if not rows * cols:  # no pair visible; no block to slice, no gap to cut
         return (none(rows, cols), none(rows, 0), none(rows, cols), *no_columns), ()
     col = _index(cols)
 
@@ -722,16 +722,14 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
         row = (start + _index(block))[:, None]
         return [_joined_range(c, view, row, rows) for c, view in zip(columns, views)], (bounds, [_range(view, col) for view in views])
 
-    steps = -(-rows // block) if isinstance(rows, int) else 1  # symbolic rows: one block (_rows_per_step)
-    starts = jnp.minimum(_index(steps) * block, rows - block) if steps > 1 else _index(1)  # the last block ends at the last row
+    steps = -(-rows // block)
+    starts = jnp.minimum(_index(steps) * block, rows - block)  # the last block ends at the last row
     # The first block outside the loop: its ranges, as the loop's carry, have the type the tile
     # gives (varying under shard_map), which constants would not.
     columns, first = joined([no_columns] * (1 if pieces == 1 else 1 + pieces), starts[0])
     columns, later = lax.scan(joined, columns, starts[1:])
 
     def in_order(r, r_later):  # (items, block) and (steps - 1, items, block) -> (items, rows)
-        if steps == 1:
-            return r
         r = jnp.concatenate([r, jnp.moveaxis(r_later, 0, 1).reshape(items, (steps - 1) * block)], axis=1)
         kept = rows - (steps - 1) * block  # of the last block, the rows no block before it covered
         return jnp.concatenate([r[:, : (steps - 1) * block], r[:, steps * block - kept :]], axis=1)
