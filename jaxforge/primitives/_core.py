@@ -237,14 +237,15 @@ def _explicitly_sharded(aval) -> bool:
 
 
 def batch_sharded_avals(
-    fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple], *, split: tuple[str, dict] | None = None
+    fn: str, operands: dict, batch_ndim: int, outputs: Sequence[tuple], *, split: tuple[str, dict] | None = None, hint: str = ""
 ) -> tuple:
     """Output avals whose batch dims are sharded like the operands'.
 
     Under explicit sharding, avals carry a sharding: a primitive partitions along its batch dims,
     and optionally along one core dim ``split = (label, {operand name: dim})`` — attention's heads —
     sharded alike in every operand that has it. Any other sharded core dim is an error naming the
-    operand and its spec. ``outputs`` holds ``(shape, dtype)`` or ``(shape, dtype, split dim)``.
+    operand, its spec and the spec to reshard it to (then ``hint``). ``outputs`` holds
+    ``(shape, dtype)`` or ``(shape, dtype, split dim)``.
     """
     label, split_dims = split if split is not None else ("", {})
     batch_specs, split_specs = {}, {}
@@ -254,9 +255,10 @@ def batch_sharded_avals(
         own = None if own is None else own % aval.ndim
         if any(p is not None for d, p in enumerate(spec) if d >= batch_ndim and d != own):
             allowed = f"the leading {batch_ndim} batch dim(s)" + (f" and the {label} dim" if split_dims else "")
+            kept = PartitionSpec(*(p if d < batch_ndim or d == own else None for d, p in enumerate(spec)))
             raise ValueError(
                 f"{fn}: `{name}` is sharded along a core dim, spec {PartitionSpec(*spec)}; only "
-                f"{allowed} may be sharded: reshard it first"
+                f"{allowed} may be sharded: reshard it first to {kept} (jax.sharding.reshard){hint}"
             )
         batch_specs[name] = spec[:batch_ndim]
         if own is not None:
