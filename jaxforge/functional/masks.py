@@ -17,7 +17,8 @@ range of keys (queries) each query (key) sees, so tiles outside are skipped as f
 (FlexAttention's ``create_block_mask``), or several ranges each, cut at each row's widest gaps
 (``ranges=``: attention then runs a call per piece and merges them); :func:`from_mask_mod`
 combines it with them as it is. A boolean array of visible pairs (``jax.nn``'s ``mask``) is a mask
-too (:func:`from_array`), whose ranges each call measures.
+too (:func:`from_array`), whose ranges each call measures. :func:`shifted` moves a mask of
+positions to a block of the sequence (a chunk of context parallelism), spans and all.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ __all__ = [
     "full",
     "padding",
     "prefix_lm",
+    "shifted",
     "sliding_window",
 ]
 
@@ -95,6 +97,20 @@ class Mask:
         whose values at ``(b, q_idx)`` and ``(b, kv_idx)`` ``fn`` receives (the form kernels run:
         they slice a tile of each instead of gathering). Most masks have none."""
         return self.mask_mod, [], []
+
+    constructor: str | None = None  # what builds it, for masks of per-position arrays (no shift)
+
+    def shifted(self, q_offset, kv_offset) -> Mask:
+        """This mask read at ``(q_idx + q_offset, kv_idx + kv_offset)`` (:func:`shifted`, whose
+        checks the offsets have passed): a mask of positions rewrites itself, keeping its span;
+        others are read at the shifted indices, their span unknown."""
+        if self.constructor is None:
+            return _Shifted(self, q_offset, kv_offset)
+        raise TypeError(
+            f"shifted: a {self.constructor} mask reads arrays given per position of the call, which a shift "
+            "cannot move: build it from the block's own arrays (document(q_ids, kv_ids) of its queries and "
+            "keys) and combine it with the shifted mask of positions by &"
+        )
 
     def pieces(self) -> tuple[Mask, ...]:
         """Disjoint masks whose union is this one, which attention runs one by one and merges through
@@ -185,16 +201,27 @@ class _Causal(Mask):
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.offset, int) else [self._per_batch(batch_shape)]
 
+    def shifted(self, q_offset, kv_offset):
+        return _Causal(self.offset + q_offset - kv_offset)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Window(Mask):
     window: int
+    shift: int = 0  # queries' positions minus keys' (shifted)
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return jnp.abs(q_idx - kv_idx) < self.window
+        return jnp.abs(q_idx - kv_idx + self.shift) < self.window
 
     def span(self):
-        return Band(1 - self.window, self.window - 1)
+        return Band(self.shift + 1 - self.window, self.shift + self.window - 1)
+
+    def shifted(self, q_offset, kv_offset):
+        d = self.shift + q_offset - kv_offset
+        if isinstance(d, int):
+            return _Window(self.window, d)
+        # |q - kv + d| < w: kv <= q + d + w - 1 and not kv <= q + d - w, two causal bands
+        return _Causal(d + self.window - 1) & ~_Causal(d - self.window)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -230,6 +257,10 @@ class _PrefixLM(Mask):
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.prefix, int) else [self._per_batch(batch_shape)]
 
+    def shifted(self, q_offset, kv_offset):
+        # kv + ko < prefix, or kv + ko <= q + qo
+        return _Lengths("kv", self.prefix - kv_offset, "prefix_len") | _Causal(q_offset - kv_offset)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Lengths(Mask):
@@ -257,6 +288,9 @@ class _Lengths(Mask):
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [] if isinstance(self.length, int) else [self._per_batch(batch_shape)]
 
+    def shifted(self, q_offset, kv_offset):
+        return _Lengths(self.axis, self.length - (q_offset if self.axis == "q" else kv_offset), self.name)
+
 
 def _item(x, b, trailing: int = 0):
     """Batch item ``b`` of a mask's per-item array (``(*lead, *trailing)``, ``b`` indexing the
@@ -279,6 +313,7 @@ def _per_item_rows(per_item, sq: int, signed: bool = False):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Document(Mask):
+    constructor = "document"
     q_segments: jnp.ndarray
     kv_segments: jnp.ndarray
     ranges: tuple  # RangeSpan's six arrays, computed once per mask (not once per attention call)
@@ -316,10 +351,47 @@ class _FromFunction(Mask):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _Shifted(Mask):
+    """``mask`` read at ``(q_idx + q_offset, kv_idx + kv_offset)``, for masks whose span a shift does
+    not keep (chunked, a plain mask_mod): no tile is skipped. An offset per batch item goes to the
+    kernels as a positional row, like causal's."""
+
+    mask: Mask
+    q_offset: int | jnp.ndarray
+    kv_offset: int | jnp.ndarray
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.mask.mask_mod(b, h, q_idx + _item(self.q_offset, b), kv_idx + _item(self.kv_offset, b))
+
+    def bind_positional(self, batch_shape, sq, skv):
+        fn, inner_rows, inner_cols = self.mask.bind_positional(batch_shape, sq, skv)
+        if inner_rows or inner_cols:  # a Mask subclass of the user's, given per position
+            raise TypeError(f"shifted: {type(self.mask).__name__} hands the kernels arrays per position, which a shift cannot move")
+        offsets = (self.q_offset, self.kv_offset)
+        static = [o if isinstance(o, int) else None for o in offsets]
+        rows = [
+            _per_item_rows(_per_batch(o, batch_shape, "shifted", name, trailing=0), sq, signed=True)
+            for o, name in zip(offsets, ("q_offset", "kv_offset"))
+            if not isinstance(o, int)
+        ]
+
+        def at_shifted(b, h, q_idx, kv_idx, *values):
+            values = iter(values)
+            qo, ko = (next(values) if o is None else o for o in static)
+            return fn(b, h, q_idx + qo, kv_idx + ko)
+
+        return at_shifted, rows, []
+
+    def shifted(self, q_offset, kv_offset):
+        return _Shifted(self.mask, self.q_offset + q_offset, self.kv_offset + kv_offset)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _Evaluated(Mask):
     """A mask (``from_mask_mod``'s for a plain function) with the span measured by ``block_mask``:
     its function and kernel form (positional operands) are the mask's own."""
 
+    constructor = "block_mask"
     mask: Mask
     q_len: int
     kv_len: int
@@ -366,6 +438,7 @@ class _Within(Mask):
     """``mask`` where ``lo[b, q_idx] <= kv_idx < hi[b, q_idx]``: one piece of a block mask, its bounds
     (``(*batch_shape, q_len)``) handed to kernels as positional rows."""
 
+    constructor = "block_mask"
     mask: Mask
     lo: jnp.ndarray
     hi: jnp.ndarray
@@ -391,6 +464,7 @@ class _FromArray(Mask):
     """The pairs an array marks visible: ``visible`` ``(*lead, heads, q_len, kv_len)`` or
     ``(q_len, kv_len)``, each of the last three dims its size or 1 (broadcast)."""
 
+    constructor = "from_array"
     visible: jnp.ndarray
 
     def mask_mod(self, b, h, q_idx, kv_idx):
@@ -445,6 +519,9 @@ class _Full(Mask):
     def span(self):
         return AllVisible()
 
+    def shifted(self, q_offset, kv_offset):
+        return self
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Combined(Mask):
@@ -474,6 +551,9 @@ class _Combined(Mask):
 
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [*self.a.span_arrays(batch_shape, sq, skv, num_heads), *self.b.span_arrays(batch_shape, sq, skv, num_heads)]
+
+    def shifted(self, q_offset, kv_offset):
+        return type(self)(self.a.shifted(q_offset, kv_offset), self.b.shifted(q_offset, kv_offset))
 
 
 class _And(_Combined):
@@ -506,6 +586,9 @@ class _Not(Mask):
 
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return self.a.span_arrays(batch_shape, sq, skv, num_heads)
+
+    def shifted(self, q_offset, kv_offset):
+        return _Not(self.a.shifted(q_offset, kv_offset))
 
 
 def causal(offset=0) -> Mask:
@@ -611,6 +694,36 @@ def from_mask_mod(mask_mod: Callable) -> Mask:
     if not callable(mask_mod):
         raise TypeError(f"from_mask_mod: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
     return _FromFunction(mask_mod)
+
+
+def shifted(mask, q_offset=0, kv_offset=0) -> Mask:
+    """``mask`` for a block of queries that starts at position ``q_offset`` and of keys at
+    ``kv_offset``: ``shifted(mask, qo, ko)(b, h, q_idx, kv_idx) == mask(b, h, q_idx + qo, kv_idx + ko)``.
+
+    For attention over part of a sequence (a chunk of context parallelism, :func:`jf.parallel.ring_attention
+    <jaxforge.functional.parallel.ring_attention>`): causal, sliding-window, prefix-LM and padding
+    masks become masks of the same kinds, so the block skips the tiles they hide (all of them when
+    the block sees nothing); chunked masks and plain ``mask_mod`` functions are read at the shifted
+    indices, every tile visited. Each offset is a Python int, or an integer array: one offset, or
+    one per batch item (shape ``batch`` of q, or broadcastable to it); runtime values such as
+    ``lax.axis_index(axis) * block``. Masks that read arrays given per position (``document``,
+    ``from_array``, ``block_mask``) are an error: build them from the block's own arrays and
+    combine, e.g. ``shifted(causal(), qo, ko) & document(q_ids, kv_ids)``.
+    """
+    mask = as_mask(mask)
+    return mask.shifted(*(_offset(name, x) for name, x in (("q_offset", q_offset), ("kv_offset", kv_offset))))
+
+
+def _offset(name: str, value):
+    """A position offset: a Python int, or an integer array (one offset, or one per batch item)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, (jax.Array, np.ndarray)):
+        raise TypeError(f"shifted: `{name}` must be an int or an integer array, got {type(value).__name__} {value!r}")
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.integer):
+        raise TypeError(f"shifted: `{name}` must be an int or an integer array, got dtype {value.dtype}")
+    return value.astype(jnp.int32) if jnp.issubdtype(value.dtype, jnp.unsignedinteger) else value  # differences signed
 
 
 def block_mask(

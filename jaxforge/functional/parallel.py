@@ -10,7 +10,9 @@ invariant/varying typing of ``jax.shard_map``) produce the gradient communicatio
   gradient is summed over the shards by the transpose of the implicit broadcast.
 * :func:`ring_attention`: context parallelism — the sequence is sharded, key/value blocks travel
   round the ring (``shift``) and the partial results merge through their log-sum-exp. With
-  ``causal=True`` and :func:`load_balance`'s head–tail layout every device does the same work.
+  ``causal=True`` and :func:`load_balance`'s head–tail layout every device does the same work;
+  ``mask=`` takes any mask of positions (a sliding window, prefix-LM, chunks), each block of it
+  shifted to where its queries and keys lie (``jf.masks.shifted``) so blocks it hides cost nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
     return (x * lax.rsqrt(ms + eps).astype(x.dtype)) * scale
 
 
-def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: bool = True, scale=None, sinks=None):
+def ring_attention(
+    q, k, v, *, axis_name, causal: bool = False, mask=None, load_balanced: bool = True, scale=None, sinks=None
+):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
     ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``. Key/value chunks go
@@ -75,13 +79,28 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: b
     and ``2n-1-r`` of ``2n``), and every step costs each device half a block; otherwise device
     ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks``: as
     :func:`jf.attention <jaxforge.attention>`'s, joined once after the ring.
+
+    ``mask``: a mask over the global positions that reads no per-position arrays (``sliding_window``,
+    ``prefix_lm``, ``chunked``, ``padding``, a plain ``mask_mod``; with ``causal=True``, joined to it
+    by ``&``), in either layout: each step attends each local chunk to each visiting one under the
+    mask shifted to their positions, and a pair of chunks it hides visits no tile.
     """
-    n = lax.axis_size(axis_name)
-    me = lax.axis_index(axis_name)
+    if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
+        raise ValueError(f"ring_attention: a load-balanced mask needs an even local length, got q {q.shape}")
     kw = dict(scale=scale, return_lse=True)
-    half = q.shape[-3] // 2
-    if causal and load_balanced and q.shape[-3] % 2:
-        raise ValueError(f"ring_attention: load-balanced causal needs an even local length, got q {q.shape}")
+    if mask is None:
+        out, lse = _ring(q, k, v, axis_name, causal, load_balanced, kw)
+    else:
+        mask = masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
+        out, lse = _ring_masked(q, k, v, mask, axis_name, load_balanced, kw)
+    if sinks is not None:
+        out, _ = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
+    return out
+
+
+def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, kw):
+    """:func:`ring_attention`'s ``(out, lse)``, unmasked or causal: whole blocks, or halves of them."""
+    n, me, half = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3] // 2
 
     def step_attention(src, k, v):
         if not causal:
@@ -101,9 +120,32 @@ def ring_attention(q, k, v, *, axis_name, causal: bool = False, load_balanced: b
     for step in range(1, n):
         k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
         out, lse = merge_attention(out, lse, *step_attention((me - step) % n, k, v))
-    if sinks is not None:
-        out, _ = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
-    return out
+    return out, lse
+
+
+def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
+    """:func:`ring_attention`'s ``(out, lse)`` under ``mask``: every local chunk of queries attends
+    every chunk of keys that visits, the mask shifted to their global positions; merged by lse."""
+    n, me, local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3]
+
+    def chunks(x, device):
+        """``(chunk, its first global position)`` of each chunk of ``x``, held by ``device``."""
+        if not load_balanced:
+            return [(x, device * local)]
+        c = local // 2
+        return [(x[..., :c, :, :], device * c), (x[..., c:, :, :], (2 * n - 1 - device) * c)]
+
+    results = [None] * len(chunks(q, me))
+    for step in range(n):
+        if step:
+            k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
+        src = (me - step) % n
+        for i, (q_chunk, q_offset) in enumerate(chunks(q, me)):
+            for (k_chunk, kv_offset), (v_chunk, _) in zip(chunks(k, src), chunks(v, src)):
+                part = attention(q_chunk, k_chunk, v_chunk, mask=masks.shifted(mask, q_offset, kv_offset), **kw)
+                results[i] = part if results[i] is None else merge_attention(*results[i], *part)
+    outs, lses = zip(*results)
+    return jnp.concatenate(outs, axis=-3), jnp.concatenate(lses, axis=-2)
 
 
 def _rows_after(half, result):

@@ -64,6 +64,31 @@ MASKS = {
         lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
         lambda b, q, kv: KI[b, kv] <= QI[b, q],
     ),
+    # shifted: the mask at (q + q_offset, kv + kv_offset); static offsets stay static masks
+    "shifted_window&causal": (
+        lambda: jf.masks.shifted(jf.masks.causal() & jf.masks.sliding_window(5), 9, 2),
+        lambda b, q, kv: (kv + 2 <= q + 9) & (np.abs(q + 9 - kv - 2) < 5),
+    ),
+    "shifted_window_per_item": (
+        lambda: jf.masks.shifted(jf.masks.sliding_window(4), jnp.asarray([0, 20]), jnp.asarray(11)),
+        lambda b, q, kv: np.abs(q + np.asarray([0, 20])[b] - kv - 11) < 4,
+    ),
+    "shifted_chunked|prefix": (
+        lambda: jf.masks.shifted(jf.masks.chunked(5) | jf.masks.prefix_lm(jnp.asarray(PREFIX)), jnp.asarray(7), 3),
+        lambda b, q, kv: ((q + 7) // 5 == (kv + 3) // 5) | (kv + 3 < PREFIX[b]) | (kv + 3 <= q + 7),
+    ),
+    "shifted_mask_mod": (
+        lambda: jf.masks.shifted(lambda b, h, q, kv: (q * kv + b) % 4 == 0, jnp.asarray([3, 1]), 0),
+        lambda b, q, kv: ((q + np.asarray([3, 1])[b]) * kv + b) % 4 == 0,
+    ),
+    "shifted_padding_per_item": (
+        lambda: jf.masks.shifted(jf.masks.padding(jnp.asarray(LENGTHS), jnp.asarray(PREFIX)), 2, 5),
+        lambda b, q, kv: (kv + 5 < LENGTHS[b]) & (q + 2 < PREFIX[b]),
+    ),
+    "shifted_causal_per_item&document": (  # the document's ids are the block's own
+        lambda: jf.masks.shifted(jf.masks.causal(jnp.asarray([4, -6])), 6, jnp.asarray([0, 9])) & jf.masks.document(Q_IDS, KV_IDS),
+        lambda b, q, kv: (kv + np.asarray([0, 9])[b] <= q + 6 + np.asarray([4, -6])[b]) & (QI[b, q] == KI[b, kv]),
+    ),
 }
 
 
@@ -161,7 +186,7 @@ def test_a_mask_passes_into_jit_as_an_argument(name):
     mask = MASKS[name][0]()
     leaves = jax.tree.leaves(mask)
     assert all(isinstance(x, jax.Array) for x in leaves)
-    assert bool(leaves) == (name not in ("causal",))
+    assert bool(leaves) == (name not in ("causal", "shifted_window&causal"))
     q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
     k, v = (jnp.asarray(rng.normal(size=(B, SKV, 2, 4))) for _ in range(2))
     traced = jax.jit(lambda mask: jf.attention(q, k, v, mask=mask))(mask)
@@ -276,3 +301,45 @@ def test_an_array_mask_takes_empty_calls(batch, sq, skv, heads):
     np.testing.assert_array_equal(out, 0.0)
     np.testing.assert_array_equal(lse, -np.inf)
     np.testing.assert_array_equal(jax.grad(lambda q: jf.attention(q, k, k, mask=visible).sum())(q), 0.0)
+
+
+@pytest.mark.parametrize(
+    "mask, offsets, error, match",
+    [
+        (lambda: jf.masks.document(Q_IDS, KV_IDS), (1, 0), TypeError, r"shifted: a document mask reads arrays given per position"),
+        (lambda: jf.masks.causal() & VISIBLE[0, 0], (0, 1), TypeError, r"shifted: a from_array mask"),
+        (lambda: jf.masks.block_mask(lambda b, h, q, kv: q >= kv, SQ, SKV), (2, 2), TypeError, r"shifted: a block_mask mask"),
+        (jf.masks.causal, (1.5, 0), TypeError, r"shifted: `q_offset` must be an int or an integer array, got float"),
+        (jf.masks.causal, (0, True), TypeError, r"shifted: `kv_offset` must be an int or an integer array, got bool"),
+        (jf.masks.causal, (jnp.asarray(1.0), 0), TypeError, r"shifted: `q_offset` .* got dtype float"),
+    ],
+)
+def test_what_cannot_shift_is_a_clear_error(mask, offsets, error, match):
+    with pytest.raises(error, match=match):
+        jf.masks.shifted(mask(), *offsets)
+
+
+def test_a_shifted_block_attends_as_the_whole_sequence_does():
+    """Attention of a block of queries to a block of keys under the shifted mask, the offsets traced
+    (one per item for the queries), equals those rows and columns of the whole sequence's attention
+    (the keys outside the block masked), and so do its gradients."""
+    s = 40
+    q, k, v = (jnp.asarray(rng.normal(size=(B, s, 2, 4))) for _ in range(3))
+    mask = jf.masks.causal() & jf.masks.sliding_window(9) | jf.masks.prefix_lm(3)
+    q_at, kv_at, kv_len = np.asarray([21, 5]), 12, 16  # per item: q[b, q_at[b]:][:SQ]
+    rows = q_at[:, None] + np.arange(SQ)
+    q_block = jnp.asarray(np.asarray(q)[np.arange(B)[:, None], rows])
+    k_block, v_block = k[:, kv_at : kv_at + kv_len], v[:, kv_at : kv_at + kv_len]
+    inside = np.zeros((B, 1, s, s), bool)
+    inside[..., kv_at : kv_at + kv_len] = True
+    whole = lambda q, k, v: jf.attention(q, k, v, mask=mask & jf.masks.from_array(jnp.asarray(inside)))  # noqa: E731
+    block = jax.jit(lambda q, k, v, qo, ko: jf.attention(q, k, v, mask=jf.masks.shifted(mask, qo, ko)))
+    want = np.asarray(whole(q, k, v))[np.arange(B)[:, None], rows]
+    np.testing.assert_allclose(block(q_block, k_block, v_block, jnp.asarray(q_at), jnp.asarray(kv_at)), want, rtol=1e-12, atol=1e-12)
+    g_out = jnp.asarray(rng.normal(size=want.shape))
+    g_block = jax.grad(lambda q, k, v: jnp.sum(block(q, k, v, jnp.asarray(q_at), kv_at) * g_out), (0, 1, 2))(q_block, k_block, v_block)
+    scattered = jnp.zeros((B, s, 2, 4)).at[jnp.arange(B)[:, None], rows].set(g_out)
+    g_whole = jax.grad(lambda q, k, v: jnp.sum(whole(q, k, v) * scattered), (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(g_block[0], np.asarray(g_whole[0])[np.arange(B)[:, None], rows], rtol=1e-11, atol=1e-12)
+    for g, w in zip(g_block[1:], g_whole[1:]):
+        np.testing.assert_allclose(g, w[:, kv_at : kv_at + kv_len], rtol=1e-11, atol=1e-12)

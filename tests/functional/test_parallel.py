@@ -98,8 +98,8 @@ def test_sequence_parallel_rms_norm_gradient_of_the_replicated_scale():
 RING_CASES = [(2, False, False), (2, True, False), (4, True, True)]  # (devices, causal, load_balanced)
 
 
-def ring(n, causal, balanced, sinks=None):
-    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, load_balanced=balanced, sinks=sinks)
+def ring(n, causal, balanced, sinks=None, mask=None):
+    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, mask=mask, load_balanced=balanced, sinks=sinks)
     sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
     if not balanced:
         return sharded
@@ -120,6 +120,27 @@ def test_ring_attention_value_grad_and_jvp(n, causal, balanced):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
     tangents = tuple(rng_arrays(q.shape, k.shape, v.shape, seed=1))
     np.testing.assert_allclose(jax.jvp(f, (q, k, v), tangents)[1], jax.jvp(ref, (q, k, v), tangents)[1], atol=1e-11)
+
+
+# (devices, load_balanced, mask, causal): the mask over global positions, shifted to each pair of chunks
+RING_MASKS = {
+    "window&causal": (2, True, jf.masks.sliding_window(5), True),  # pairs of chunks hidden
+    "prefix": (2, False, jf.masks.prefix_lm(11), False),
+    "mask_mod": (4, False, lambda b, h, i, j: (i - j) % 3 == 0, False),  # read at shifted indices, no span
+}
+
+
+@pytest.mark.parametrize("name", sorted(RING_MASKS))
+def test_ring_attention_under_a_mask_value_and_grad(name):
+    """(The jvp is attention's through the same calls and merges, tested above.)"""
+    n, balanced, mask, causal = RING_MASKS[name]
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
+    whole = jf.masks.as_mask(mask) & jf.masks.causal() if causal else mask
+    f, ref = jax.jit(ring(n, causal, balanced, mask=mask)), lambda q, k, v: jf.attention(q, k, v, mask=whole)
+    np.testing.assert_allclose(f(q, k, v), ref(q, k, v), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))
+    for g, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
 
 
 def test_ring_attention_joins_sinks_once():

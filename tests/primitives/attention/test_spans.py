@@ -37,6 +37,12 @@ MASKS = {
     "padding&causal": jf.masks.padding(SKV, 9) & jf.masks.causal(),
     "not_padding": ~jf.masks.padding(12),
     "document": jf.masks.document(jnp.asarray(np.repeat(np.arange(5), 5)[:SQ]), jnp.asarray(np.repeat(np.arange(5), 7)[:SKV])),
+    "shifted_window": jf.masks.shifted(jf.masks.sliding_window(4), 7, 0),
+    "shifted_window_back": jf.masks.shifted(jf.masks.sliding_window(6), 0, 12),
+    "shifted_window&causal": jf.masks.shifted(jf.masks.sliding_window(5) & jf.masks.causal(), 20, 3),
+    "shifted_chunked": jf.masks.shifted(jf.masks.chunked(7), 3, 5),
+    "shifted_prefix": jf.masks.shifted(jf.masks.prefix_lm(9), 4, 6),
+    "shifted_padding": jf.masks.shifted(jf.masks.padding(20, 15), 2, 8),
 }
 
 
@@ -367,3 +373,23 @@ def test_block_mask_pieces_of_empty_sequences(sq, skv):
     q, kv = jnp.ones((1, sq, 1, 4)), jnp.ones((1, skv, 1, 4))
     np.testing.assert_array_equal(jf.attention(q, kv, kv, mask=mask), np.zeros((1, sq, 1, 4)))
     np.testing.assert_array_equal(jax.grad(lambda q: jf.attention(q, kv, kv, mask=mask).sum())(q), np.zeros(q.shape))
+
+
+@pytest.mark.parametrize("combine", ["window", "window&causal", "prefix|chunked", "~padding"])
+def test_per_batch_shifted_spans(combine):
+    """A mask shifted by offsets given as arrays (one per item for the queries) reads them as span
+    data; a block the shifted mask hides has an empty range, so attention visits none of its tiles."""
+    mask = {
+        "window": jf.masks.sliding_window(4),
+        "window&causal": jf.masks.sliding_window(6) & jf.masks.causal(),
+        "prefix|chunked": jf.masks.prefix_lm(jnp.asarray([2, 12])) | jf.masks.chunked(5),
+        "~padding": ~jf.masks.padding(jnp.asarray([9, 30])),
+    }[combine]
+    mask = jf.masks.shifted(mask, jnp.asarray([0, 25]), jnp.asarray(14))
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays
+    for b in range(2):
+        check_span(f"shifted/{combine}/b{b}", span, dense(mask, (2,), b), tuple(a[b] for a in arrays))
+    far = jf.masks.shifted(jf.masks.sliding_window(4) & jf.masks.causal(), jnp.asarray(64), jnp.asarray(0))
+    lo, hi = (int(x) for x in far.span().kv(0, SQ, SKV, tuple(a[0] for a in far.span_arrays((), SQ, SKV))))
+    assert lo >= hi
