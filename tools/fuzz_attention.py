@@ -4,7 +4,8 @@ suite's fixed cases may miss after a change to the masks, spans or tile loops.
 Each seed draws batch, lengths (1-39, one seed in five up to 71), GQA heads, head dims, an implementation (XLA's default
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
-chunked, prefix LM, padding and document masks and plain mask_mods evaluated by
+chunked, prefix LM, padding and document masks, masks of positions shifted to a block of the sequence
+(static, shared or per-item offsets: ``jf.masks.shifted``) and plain mask_mods evaluated by
 ``jf.masks.block_mask`` (frames, tables of visible pairs per item and head, sink keys and a window
 far from them) and boolean arrays as jax.nn takes them (some dims broadcast), some subtrees
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the range pass taking
@@ -47,7 +48,7 @@ def random_leaf(rng, b, hq, sq, skv):
     q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
     per_item = lambda x: x[:, None, None, None]  # noqa: E731
     kinds = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"]
-    kind = rng.choice([*kinds, "frames", "table", "sinks_window", "array"])
+    kind = rng.choice([*kinds, "frames", "table", "sinks_window", "array", "shifted"])
     if kind == "causal":
         offset = int(rng.integers(-sq, skv + 1))
         return masks.causal(offset), k <= q + offset
@@ -68,6 +69,11 @@ def random_leaf(rng, b, hq, sq, skv):
         if rng.random() < 0.5:
             return masks.padding(kv_len), k < per_item(kv_len)
         return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
+    if kind == "shifted":  # a mask of positions moved to a block: queries from q_offset, keys from kv_offset
+        offsets = [_offset(rng, b, 2 * max(sq, skv)) for _ in range(2)]
+        at = lambda x, o: x + (per_item(o) if np.ndim(o) == 1 else np.asarray(o))  # noqa: E731
+        mask, visible = _positions_mask(rng, b, sq, skv, at(q, offsets[0]), at(k, offsets[1]))
+        return masks.shifted(mask, *(o if isinstance(o, int) else jnp.asarray(o) for o in offsets)), visible
     if kind == "frames":  # a frame sees itself and those before: a plain mask_mod
         frame = int(rng.integers(1, max(sq, skv) + 2))
         return masks.block_mask(lambda b, h, i, j: i // frame >= j // frame, sq, skv), q // frame >= k // frame
@@ -91,6 +97,37 @@ def random_leaf(rng, b, hq, sq, skv):
         return masks.document(q_ids), q_ids[:, None, :, None] == q_ids[:, None, None, :]
     kv_ids = _ids(rng, b, skv, n)
     return masks.document(q_ids, kv_ids), q_ids[:, None, :, None] == kv_ids[:, None, None, :]
+
+
+def _offset(rng, b, n):
+    """A position offset in [-n, n]: a Python int, one shared array value, or one per item."""
+    r = rng.random()
+    if r < 0.4:
+        return int(rng.integers(-n, n + 1))
+    return rng.integers(-n, n + 1, () if r < 0.6 else b).astype(np.int32)
+
+
+def _positions_mask(rng, b, sq, skv, q, k):
+    """``(mask, visible)``: a mask of positions (no per-position arrays), its pairs at positions
+    ``q`` (``(b | 1, 1, sq, 1)``) and ``k`` (``(b | 1, 1, 1, skv)``)."""
+    per_item = lambda x: x[:, None, None, None]  # noqa: E731
+    kind, n = rng.choice(["causal", "window", "chunked", "prefix", "padding", "mask_mod"]), max(sq, skv)
+    if kind == "causal":
+        offset = int(rng.integers(-n, n + 1))
+        return masks.causal(offset), k <= q + offset
+    if kind == "window":
+        window = int(rng.integers(1, n + 2))
+        return masks.sliding_window(window), np.abs(q - k) < window
+    if kind == "chunked":
+        chunk = int(rng.integers(1, n + 2))
+        return masks.chunked(chunk), q // chunk == k // chunk
+    if kind == "prefix":
+        prefix = int(rng.integers(-n, 2 * n))
+        return masks.prefix_lm(prefix) if prefix >= 0 else masks.prefix_lm(jnp.asarray(prefix)), (k < prefix) | (k <= q)
+    if kind == "padding":
+        kv_len, q_len = rng.integers(-n, 2 * n, b).astype(np.int32), rng.integers(-n, 2 * n, b).astype(np.int32)
+        return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
+    return masks.from_mask_mod(lambda b, h, i, j: (3 * i + j) % 5 < 2), (3 * q + k) % 5 < 2
 
 
 def _ranges(rng) -> int:
