@@ -76,6 +76,8 @@ class Mask:
     into ``jax.jit`` as an argument and two masks that differ only in their arrays share a compile.
     """
 
+    constructor: str | None = None  # what builds it, for masks of per-position arrays (no shift)
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_pytree_with_keys(cls, _flatten_mask, functools.partial(_unflatten_mask, cls))
@@ -97,8 +99,6 @@ class Mask:
         whose values at ``(b, q_idx)`` and ``(b, kv_idx)`` ``fn`` receives (the form kernels run:
         they slice a tile of each instead of gathering). Most masks have none."""
         return self.mask_mod, [], []
-
-    constructor: str | None = None  # what builds it, for masks of per-position arrays (no shift)
 
     def shifted(self, q_offset, kv_offset) -> Mask:
         """This mask read at ``(q_idx + q_offset, kv_idx + kv_offset)`` (:func:`shifted`, whose
@@ -598,14 +598,7 @@ def causal(offset=0) -> Mask:
     of q, or broadcastable to it; runtime values): a decoding step over KV caches filled to
     ``lengths`` (its queries the last ``Sq`` positions of each) is ``causal(lengths - Sq)``.
     """
-    if isinstance(offset, (int, np.integer)) and not isinstance(offset, bool):
-        return _Causal(int(offset))
-    if isinstance(offset, bool) or not isinstance(offset, (jax.Array, np.ndarray)):
-        raise TypeError(f"causal: `offset` must be an int or an integer array, got {type(offset).__name__} {offset!r}")
-    offset = jnp.asarray(offset)
-    if not jnp.issubdtype(offset.dtype, jnp.integer):
-        raise TypeError(f"causal: `offset` must be an int or an integer array, got dtype {offset.dtype}")
-    return _Causal(offset)
+    return _Causal(_offset("causal", "offset", offset))
 
 
 def sliding_window(window: int) -> Mask:
@@ -711,19 +704,20 @@ def shifted(mask, q_offset=0, kv_offset=0) -> Mask:
     combine, e.g. ``shifted(causal(), qo, ko) & document(q_ids, kv_ids)``.
     """
     mask = as_mask(mask)
-    return mask.shifted(*(_offset(name, x) for name, x in (("q_offset", q_offset), ("kv_offset", kv_offset))))
+    return mask.shifted(_offset("shifted", "q_offset", q_offset), _offset("shifted", "kv_offset", kv_offset))
 
 
-def _offset(name: str, value):
-    """A position offset: a Python int, or an integer array (one offset, or one per batch item)."""
+def _offset(fn: str, name: str, value):
+    """A position offset: a Python int, or an integer array (one offset, or one per batch item),
+    signed (offsets are added and subtracted)."""
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, bool) or not isinstance(value, (jax.Array, np.ndarray)):
-        raise TypeError(f"shifted: `{name}` must be an int or an integer array, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got {type(value).__name__} {value!r}")
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
-        raise TypeError(f"shifted: `{name}` must be an int or an integer array, got dtype {value.dtype}")
-    return value.astype(jnp.int32) if jnp.issubdtype(value.dtype, jnp.unsignedinteger) else value  # differences signed
+        raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got dtype {value.dtype}")
+    return value.astype(jnp.int32) if jnp.issubdtype(value.dtype, jnp.unsignedinteger) else value
 
 
 def block_mask(
