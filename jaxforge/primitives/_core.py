@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax import core
 from jax.ad_checkpoint import checkpoint_name
-from jax.extend.core import ClosedJaxpr, Literal, Primitive, jaxpr_as_fun
+from jax.extend.core import ClosedJaxpr, Literal, Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -353,7 +353,10 @@ class StaticFunction:
         self._key = str(closed.jaxpr)
 
     def __call__(self, *args):
-        return jaxpr_as_fun(ClosedJaxpr(self._jaxpr, []))(*args)
+        # Not jax's eval_jaxpr, which re-enters each equation's trace-time context: its mesh is the
+        # caller's (inside a shard_map manual over some axes), not that of the per-shard code
+        # the kernels run in (manual over the rest too).
+        return _eval_without_varying_casts(self._jaxpr, [], args)
 
     @property
     def jaxpr(self):

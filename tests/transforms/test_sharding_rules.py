@@ -124,3 +124,33 @@ def test_core_dims_other_than_heads_stay_an_error():
     fix = r"reshard it first to P\(None, None, None, None\) \(jax.sharding.reshard\).*ring_attention"
     with pytest.raises(ValueError, match=r"attention: `q` is sharded along a core dim.*" + fix):
         jf.attention(q, q, q)
+
+
+@pytest.mark.parametrize("case", ["ring_window", "local_bias"])
+def test_attention_inside_a_shard_map_manual_over_some_axes(case):
+    """Context parallelism over a manual "seq" axis while the batch stays explicitly sharded on
+    "data": the mask's and score_mod's traced programs (their trace-time mesh is the caller's)
+    run in the per-shard code of the remaining axis. Values and gradients equal one device's."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(5)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 32, 2, 8))) for _ in range(3))
+    bias = jnp.asarray(rng.standard_normal(15))
+    window = jf.masks.causal() & jf.masks.sliding_window(6)
+    if case == "ring_window":
+        body = lambda q, k, v: jf.parallel.ring_attention(q, k, v, axis_name="seq", mask=window, load_balanced=False)
+        want = lambda q, k, v: jf.attention(q, k, v, mask=window)
+    else:  # each shard's 8 tokens attend among themselves, with a relative bias from a table
+        score_mod = lambda s, b, h, i, j: s + bias[jnp.clip(i - j, -7, 7) + 7]
+        body = lambda q, k, v: jf.attention(q, k, v, mask=window, score_mod=score_mod)
+        chunks = lambda x: x.reshape(4, 4, 8, 2, 8)  # (batch, shard, token, head, dim)
+        want = lambda q, k, v: jax.vmap(body, in_axes=1, out_axes=1)(*map(chunks, (q, k, v))).reshape(q.shape)
+    f = lambda q, k, v: jax.shard_map(body, mesh=mesh, in_specs=P(None, "seq"), out_specs=P(None, "seq"), axis_names={"seq"})(q, k, v)
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    with jax.set_mesh(mesh):
+        args = [jax.device_put(x, NamedSharding(mesh, P("data", "seq"))) for x in (q, k, v)]
+        out = jax.jit(f)(*args)
+        grads = jax.jit(jax.grad(loss(f), (0, 1, 2)))(*args)
+    assert out.sharding.spec == P("data", "seq", None, None)
+    np.testing.assert_allclose(out, want(q, k, v), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss(want), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
