@@ -126,7 +126,7 @@ def define_primitive(
     prim.multiple_results = True
     prim.def_abstract_eval(abstract_eval)
     prim.def_impl(functools.partial(_impl_through_jit, prim))
-    ad.primitive_jvps[prim] = jvp
+    ad.primitive_jvps[prim] = functools.partial(_jvp_of_tangents_like_primals, jvp)
     if transpose is not None:
         ad.primitive_transposes[prim] = transpose
     batching.primitive_batchers[prim] = functools.partial(batch or _leading_batch_rule, prim)
@@ -139,6 +139,20 @@ def define_primitive(
         bench_entry=bench_entry,
     )
     return prim
+
+
+def _jvp_of_tangents_like_primals(jvp: Callable, primals, tangents, **params):
+    """``jvp`` with each tangent placed like its primal under explicit sharding: a replicated tangent
+    of a batch-sharded primal is resharded to it, as the rules' per-shard kernels take both in the
+    primal's blocks."""
+
+    def like(primal, tangent):
+        aval = jax.typeof(primal)
+        if type(tangent) is ad.Zero or not _explicitly_sharded(aval) or tangent.dtype == jax.dtypes.float0:
+            return tangent
+        return tangent if jax.typeof(tangent).sharding == aval.sharding else jax.sharding.reshard(tangent, aval.sharding)
+
+    return jvp(primals, [like(p, t) for p, t in zip(primals, tangents)], **params)
 
 
 def registered_primitives() -> dict[str, PrimitiveSpec]:

@@ -154,3 +154,17 @@ def test_attention_inside_a_shard_map_manual_over_some_axes(case):
     np.testing.assert_allclose(out, want(q, k, v), rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, jax.grad(loss(want), (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):
+    """jvp at a batch-sharded primal with a replicated tangent (as jnp's rules allow): the kernels
+    run per shard on both, the tangent resharded like its primal."""
+    rng = np.random.default_rng(9)
+    q, a = jnp.asarray(rng.standard_normal((16, 12, 2, 4))), jnp.asarray(rng.standard_normal((16, 6, 4)))
+    attend = lambda q: jf.attention(q, q, q, mask=jf.masks.causal())
+    svals = lambda a: jf.linalg.svd(a, compute_uv=False)
+    for fn, x in ((attend, q), (svals, a)):
+        tangent = jnp.cos(x)
+        got = jax.jit(lambda x, t: jax.jvp(fn, (x,), (t,))[1])(jax.device_put(x, batch), tangent)
+        np.testing.assert_allclose(got, jax.jvp(fn, (x,), (tangent,))[1], rtol=1e-11, atol=1e-12)
+        assert got.sharding.spec[0] == "batch"
