@@ -8,8 +8,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec as P
 
-from jaxforge.functional.masks import Mask, as_mask
+from jaxforge.functional.masks import Mask, as_mask, shifted
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     IMPLEMENTATION_NAMES,
@@ -74,6 +76,12 @@ def attention(
 
     Differentiable in every mode (jvp, grad, vmap, and their compositions): forward-mode runs a
     fused tangent kernel, reverse-mode the FlashAttention backward.
+
+    Under explicit sharding, batch dims and heads may be sharded; so may q's sequence (k's and v's
+    not): each shard then attends its queries to all the keys, the mask and ``score_mod`` seeing the
+    queries' global positions (:func:`jf.masks.shifted <jaxforge.functional.masks.shifted>`), as
+    ``jax.nn.dot_product_attention`` partitions it. A key side split too needs
+    :func:`jf.parallel.ring_attention <jaxforge.functional.parallel.ring_attention>`.
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -88,6 +96,10 @@ def attention(
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
     sq, skv, d = q.shape[-3], k.shape[-3], q.shape[-1]
+    if axes := _query_split(q, k, v):
+        kw = dict(score_mod=score_mod, scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
+        out, lse = _over_query_shards(axes, q, k, v, mask, **kw)
+        return (out, lse) if return_lse else out
 
     if scale is None:
         scale = 1 / math.sqrt(d) if d else 1.0
@@ -101,9 +113,55 @@ def attention(
         parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, implementation=implementation))
     if sinks is not None:  # a part of value 0
         lse = parts[0][1]
-        parts.append((None, jnp.broadcast_to(sinks.astype(lse.dtype), lse.shape)))
+        parts.append((None, jnp.zeros_like(lse) + sinks.astype(lse.dtype)))  # lse's shape and sharding
     out, lse = parts[0] if len(parts) == 1 else _merged(parts)
     return (out, lse) if return_lse else out
+
+
+def _query_split(q, k, v) -> tuple:
+    """The explicit mesh axes that split q's sequence where k's and v's stay whole (else ``()``:
+    the primitive's sharding rule takes the call, or refuses it)."""
+    mesh, entry = jax.typeof(q).sharding.mesh, _sequence_entry(q)
+    if entry is None or _sequence_entry(k) is not None or _sequence_entry(v) is not None:
+        return ()
+    axes = tuple(entry) if isinstance(entry, tuple) else (entry,)
+    explicit = dict(zip(mesh.axis_names, mesh.axis_types))
+    return axes if all(explicit[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
+
+
+def _sequence_entry(x):
+    """The mesh axes that split ``x``'s sequence dim (-3) under explicit sharding, or None."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return spec[x.ndim - 3] if len(spec) > x.ndim - 3 else None
+
+
+def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
+    """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them in
+    which each shard attends its queries, from global position ``index * local``, to every key."""
+    mesh, spec, seq = jax.typeof(q).sharding.mesh, tuple(jax.typeof(q).sharding.spec), q.ndim - 3
+    local = q.shape[seq] // math.prod(mesh.shape[a] for a in axes)
+    split = [(axes if len(axes) > 1 else axes[0]) if d == seq else None for d in range(q.ndim)]
+    specs = {"q": P(*split), "k": P(), "v": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
+    operands = {"q": q, "k": k, "v": v}
+    if sinks is not None:
+        operands["sinks"] = jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1])
+
+    def shard(q, k, v, sinks=None):
+        start = lax.axis_index(axes) * local
+        try:
+            local_mask = None if mask is None else shifted(mask, start, 0)
+        except TypeError as error:
+            whole = P(*(None if d == seq else e for d, e in enumerate(spec)))
+            raise ValueError(
+                f"attention: q's sequence is split over {axes}, each shard attending its queries under the mask shifted "
+                f"to their positions, which this mask cannot follow ({error}); reshard q first to {whole}"
+            ) from None
+        at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
+        return attention(q, k, v, mask=local_mask, score_mod=at, sinks=sinks, return_lse=True, **kw)
+
+    in_specs = tuple(specs[name] for name in operands)
+    sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], specs["sinks"]), axis_names=set(axes))
+    return sharded(*operands.values())
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):
@@ -113,7 +171,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     either part stay 0 with lse ``-inf`` (no NaN, zero gradients). ``out_b=None``: a part of value 0
     (an attention sink of logit ``lse_b``, which broadcasts to ``lse_a``).
     """
-    return _merged([(out_a, lse_a), (out_b, jnp.broadcast_to(lse_b, lse_a.shape))])
+    return _merged([(out_a, lse_a), (out_b, jnp.zeros_like(lse_a) + lse_b)])  # lse_a's shape and sharding
 
 
 def _merged(parts):

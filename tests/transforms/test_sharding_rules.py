@@ -156,6 +156,49 @@ def test_attention_inside_a_shard_map_manual_over_some_axes(case):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
 
 
+QUERY_SPLITS = {  # name: (mask, score_mod, sinks), over global positions
+    "window_alibi": (jf.masks.causal() & jf.masks.sliding_window(7), lambda s, b, h, i, j: s - 0.3 * (h + 1) * (i - j), None),
+    "prefix_per_item_sinks": (jf.masks.prefix_lm(jnp.asarray([3, 20, 0, 9])) & jf.masks.causal(), None, jnp.asarray([0.5, -1.0])),
+    "chunked_bias": (jf.masks.chunked(12), lambda s, b, h, i, j: s + jnp.sin(0.1 * (i - j)), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(QUERY_SPLITS))
+def test_queries_split_along_the_sequence_attend_every_key(name):
+    """q sharded along its sequence (explicitly, over "seq"; its batch over "data"), k and v whole
+    there: each shard attends its queries at their global positions, as jax.nn partitions it; out
+    and lse keep q's split. Values, lse and gradients equal one device's."""
+    mask, score_mod, sinks = QUERY_SPLITS[name]
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.standard_normal(s)) for s in ((4, 32, 2, 8), (4, 24, 2, 8), (4, 24, 2, 6)))
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=score_mod, sinks=sinks, return_lse=True)
+    loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)[0])) + jnp.sum(jnp.where(jnp.isfinite(l := attend(q, k, v)[1]), l, 0))
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, NamedSharding(mesh, P("data", "seq")))
+        ks, vs = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (k, v))
+        out, lse = jax.jit(attend)(qs, ks, vs)
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(qs, ks, vs)
+    assert out.sharding.spec == P("data", "seq", None, None) and tuple(lse.sharding.spec)[:2] == ("data", "seq")
+    want_out, want_lse = attend(q, k, v)
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+    tangents = tuple(jnp.cos(x) for x in (q, k, v))  # replicated: resharded like the primals
+    with jax.set_mesh(mesh):
+        _, (d_out, _) = jax.jit(lambda *a: jax.jvp(attend, a[:3], a[3:]))(qs, ks, vs, *tangents)
+    np.testing.assert_allclose(d_out, jax.jvp(attend, (q, k, v), tangents)[1][0], rtol=1e-11, atol=1e-11)
+
+
+def test_queries_split_under_a_mask_of_positional_arrays_is_a_clear_error():
+    mesh = jax.make_mesh((8,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
+    q = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P(None, "seq")))
+    k = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P()))
+    with pytest.raises(ValueError, match=r"q's sequence is split over \('seq',\).*a document mask.*reshard q first to P\(None, None"):
+        jf.attention(q, k, k, mask=jf.masks.document(jnp.zeros((2, 16), jnp.int32)))
+
+
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):
     """jvp at a batch-sharded primal with a replicated tangent (as jnp's rules allow): the kernels
     run per shard on both, the tangent resharded like its primal."""

@@ -368,7 +368,7 @@ def check_operands(fn: str, q, k, v):
 def _output_avals(fn, q, k, v, outputs):
     """Outputs ``(shape, dtype, heads dim)``, partitioned along batch and heads like q, k, v."""
     heads = ("heads", {"q": -2, "k": -2, "v": -2})
-    hint = "; to split the sequence over devices, call jf.parallel.ring_attention inside jf.shard"
+    hint = "; q's sequence alone may be split (each shard attending every key); to split k's and v's too, call jf.parallel.ring_attention inside jf.shard"
     return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, q.ndim - 3, outputs, split=heads, hint=hint)
 
 
