@@ -1,0 +1,89 @@
+"""Ring attention under a mask of positions, side by side in one process: ``ring_attention(mask=
+causal & sliding_window(w))``, whose shifted masks skip the pairs of chunks the window hides, the
+causal ring (``causal=True``: half the pairs), the unmasked ring, and one device's ``jf.attention``
+under the window. For each: its median forward time over interleaved repeats and its largest
+difference from one device's ``jf.attention`` under the same mask. The JSON has the bench's layout (``python -m jaxforge.bench``):
+the masked ring is the ``jaxforge`` record, the others anchors with ``ratio`` = their time / its.
+
+    python benchmarks/ring_attention.py [--devices 4] [--repeats 5] [--out benchmarks/results] [--quick]
+
+On a CPU the devices are simulated (``jax_num_cpu_devices``, set here before jax starts) and share
+its cores. ``--quick``: 256 tokens, a window of 32 (the smoke test's size).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import jaxforge as jf
+
+SHAPE, WINDOW = (1, 8192, 4, 64), 512  # (batch, tokens, heads, head_dim)
+QUICK_SHAPE, QUICK_WINDOW = (1, 256, 2, 16), 32
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    shape, width = (QUICK_SHAPE, QUICK_WINDOW) if args.quick else (SHAPE, WINDOW)
+    mesh = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[: args.devices])
+    q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.float32) for i in range(3))
+    window = jf.masks.causal() & jf.masks.sliding_window(width)
+
+    def ring(**kw):
+        inner = lambda q, k, v: jf.parallel.ring_attention(q, k, v, axis_name="sp", load_balanced=False, **kw)  # noqa: E731
+        return jax.jit(jf.shard(inner, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+
+    one_device = lambda mask: jax.jit(lambda q, k, v: jf.attention(q, k, v, mask=mask))  # noqa: E731
+    variants = {  # name: (function, its mask)
+        "ring, causal & window": (ring(mask=window), window),
+        "ring, causal": (ring(causal=True), jf.masks.causal()),
+        "ring, no mask": (ring(), None),
+        "one device, causal & window": (one_device(window), window),
+    }
+    references = {name: one_device(mask)(q, k, v) for name, (_, mask) in variants.items()}
+    variants = {name: fn for name, (fn, _) in variants.items()}
+    times = {name: [] for name in variants}
+    for fn in variants.values():
+        jax.block_until_ready(fn(q, k, v))
+    for _ in range(args.repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(q, k, v))
+            times[name].append((time.perf_counter() - start) * 1e3)
+    ours = float(np.median(times["ring, causal & window"]))
+    records = []
+    print(f"{'variant':28s} {'median ms':>10s} {'ratio':>6s} {'max |Δout| vs one device':>25s}")
+    for name, fn in variants.items():
+        median = float(np.median(times[name]))
+        difference = float(jnp.max(jnp.abs(fn(q, k, v) - references[name])))
+        print(f"{name:28s} {median:10.1f} {median / ours:6.2f} {difference:25.2e}")
+        records.append(dict(
+            op="ring_attention", mode="fwd", shape_name=f"{args.devices}dev_{shape[1]}tok_window{width}", shape=list(shape),
+            status="ok", implementation="jaxforge" if name == "ring, causal & window" else name, variant=name,
+            median_ms=median, ratio=median / ours, times_ms=times[name], accuracy={"out_vs_one_device": difference},
+        ))  # fmt: skip
+    device = jax.devices()[0]
+    path = args.out / f"{datetime.date.today()}-{device.platform}-ring-attention{'-quick' if args.quick else ''}.json"
+    run = dict(family="ring_attention", date=str(datetime.date.today()), device=device.platform, device_kind=device.device_kind,
+               backend=jax.default_backend(), jax_version=jax.__version__, devices=args.devices, window=width, dtype="float32",
+               records=records)  # fmt: skip
+    path.write_text(json.dumps(run, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)  # before jax starts its CPU backend
+    main()

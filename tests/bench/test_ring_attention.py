@@ -1,0 +1,27 @@
+"""benchmarks/ring_attention.py at its quick size: its JSON in the bench's layout, every variant
+timed, and each ring's output one device's under the same mask."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("ring_attention", ROOT / "benchmarks" / "ring_attention.py")
+ring_attention = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ring_attention)
+
+
+def test_quick_run_writes_the_bench_layout(tmp_path, capsys):
+    ring_attention.main(["--quick", "--repeats", "2", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*-ring-attention-quick.json")
+    run = json.loads(path.read_text())
+    assert run["family"] == "ring_attention" and run["devices"] == 4 and run["window"] == ring_attention.QUICK_WINDOW
+    rows = {r["variant"]: r for r in run["records"]}
+    assert list(rows) == ["ring, causal & window", "ring, causal", "ring, no mask", "one device, causal & window"]
+    for row in rows.values():
+        assert row["status"] == "ok" and len(row["times_ms"]) == 2 and row["median_ms"] > 0
+    assert all(row["accuracy"]["out_vs_one_device"] < 1e-5 for row in rows.values())
+    assert rows["ring, causal & window"]["implementation"] == "jaxforge" and rows["ring, causal & window"]["ratio"] == 1.0
+    assert "ring, causal & window" in capsys.readouterr().out  # the table
