@@ -3,18 +3,14 @@ flips a flag only on passing tests and faster, as accurate bench rows."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import re
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("pending_kernels", ROOT / "benchmarks" / "pending_kernels.py")
-pending_kernels = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(pending_kernels)
+from tests.bench.scripts import ROOT, load
+
+pending_kernels = load("pending_kernels")
 PENDING = pending_kernels.PENDING
 
 

@@ -3,14 +3,11 @@ variants' attention forwards and memory as the remat policies promise, the same 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("remat_attention", ROOT / "benchmarks" / "remat_attention.py")
-remat_attention = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(remat_attention)
+from tests.bench.scripts import load
+
+remat_attention = load("remat_attention")
 
 
 def test_quick_run_writes_the_bench_layout(tmp_path, capsys):

@@ -3,14 +3,11 @@ timed, and each ring's output one device's under the same mask."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("ring_attention", ROOT / "benchmarks" / "ring_attention.py")
-ring_attention = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ring_attention)
+from tests.bench.scripts import load
+
+ring_attention = load("ring_attention")
 
 
 def test_quick_run_writes_the_bench_layout(tmp_path, capsys):
