@@ -2,8 +2,9 @@
 causal & sliding_window(w))``, whose shifted masks skip the pairs of chunks the window hides, the
 causal ring (``causal=True``: half the pairs), the unmasked ring, and one device's ``jf.attention``
 under the window. For each: its median forward time over interleaved repeats and its largest
-difference from one device's ``jf.attention`` under the same mask. The JSON has the bench's layout (``python -m jaxforge.bench``):
-the masked ring is the ``jaxforge`` record, the others anchors with ``ratio`` = their time / its.
+difference from one device's ``jf.attention`` under the same mask. The JSON has the bench's layout
+(``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the others anchors with
+``ratio`` = their time / its.
 
     python benchmarks/ring_attention.py [--devices 4] [--repeats 5] [--out benchmarks/results] [--quick]
 

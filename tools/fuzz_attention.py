@@ -43,36 +43,19 @@ def _ids(rng, b, s, n):
     return np.sort(ids, -1) if rng.random() < 0.6 else ids  # packed documents, or scattered ids
 
 
+POSITIONAL = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding"]
+
+
 def random_leaf(rng, b, hq, sq, skv):
     """``(mask, visible)``: a basic mask and its boolean pairs, broadcasting to (b, hq, sq, skv)."""
     q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
-    per_item = lambda x: x[:, None, None, None]  # noqa: E731
-    kinds = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding", "document"]
-    kind = rng.choice([*kinds, "frames", "table", "sinks_window", "array", "shifted"])
-    if kind == "causal":
-        offset = int(rng.integers(-sq, skv + 1))
-        return masks.causal(offset), k <= q + offset
-    if kind == "causal_per_item":
-        offset = rng.integers(-sq, skv + 1, b).astype(np.int32)
-        return masks.causal(offset), k <= q + per_item(offset)
-    if kind == "window":
-        window = int(rng.integers(1, max(sq, skv) + 2))
-        return masks.sliding_window(window), np.abs(q - k) < window
-    if kind == "chunked":
-        chunk = int(rng.integers(1, max(sq, skv) + 2))
-        return masks.chunked(chunk), q // chunk == k // chunk
-    if kind in ("prefix", "prefix_per_item"):
-        prefix = int(rng.integers(0, skv + 2)) if kind == "prefix" else rng.integers(0, skv + 2, b).astype(np.int32)
-        return masks.prefix_lm(prefix), (k < (prefix if kind == "prefix" else per_item(prefix))) | (k <= q)
-    if kind == "padding":
-        kv_len, q_len = rng.integers(0, skv + 1, b).astype(np.int32), rng.integers(0, sq + 1, b).astype(np.int32)
-        if rng.random() < 0.5:
-            return masks.padding(kv_len), k < per_item(kv_len)
-        return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
+    kind = rng.choice([*POSITIONAL, "document", "frames", "table", "sinks_window", "array", "shifted"])
+    if kind in POSITIONAL:
+        return positions_mask(rng, kind, b, sq, skv, q, k)
     if kind == "shifted":  # a mask of positions moved to a block: queries from q_offset, keys from kv_offset
         offsets = [_offset(rng, b, 2 * max(sq, skv)) for _ in range(2)]
-        at = lambda x, o: x + (per_item(o) if np.ndim(o) == 1 else np.asarray(o))  # noqa: E731
-        mask, visible = _positions_mask(rng, b, sq, skv, at(q, offsets[0]), at(k, offsets[1]))
+        at = lambda x, o: x + (o[:, None, None, None] if np.ndim(o) == 1 else np.asarray(o))  # noqa: E731
+        mask, visible = positions_mask(rng, rng.choice([*POSITIONAL, "mask_mod"]), b, sq, skv, at(q, offsets[0]), at(k, offsets[1]))
         return masks.shifted(mask, *(o if isinstance(o, int) else jnp.asarray(o) for o in offsets)), visible
     if kind == "frames":  # a frame sees itself and those before: a plain mask_mod
         frame = int(rng.integers(1, max(sq, skv) + 2))
@@ -107,27 +90,28 @@ def _offset(rng, b, n):
     return rng.integers(-n, n + 1, () if r < 0.6 else b).astype(np.int32)
 
 
-def _positions_mask(rng, b, sq, skv, q, k):
-    """``(mask, visible)``: a mask of positions (no per-position arrays), its pairs at positions
-    ``q`` (``(b | 1, 1, sq, 1)``) and ``k`` (``(b | 1, 1, 1, skv)``)."""
+def positions_mask(rng, kind, b, sq, skv, q, k):
+    """``(mask, visible)``: a mask of positions of ``kind`` (no per-position arrays), its pairs at
+    positions ``q`` (``(b | 1, 1, sq, 1)``) and ``k`` (``(b | 1, 1, 1, skv)``)."""
     per_item = lambda x: x[:, None, None, None]  # noqa: E731
-    kind, n = rng.choice(["causal", "window", "chunked", "prefix", "padding", "mask_mod"]), max(sq, skv)
-    if kind == "causal":
-        offset = int(rng.integers(-n, n + 1))
-        return masks.causal(offset), k <= q + offset
+    if kind in ("causal", "causal_per_item"):
+        offset = int(rng.integers(-sq, skv + 1)) if kind == "causal" else rng.integers(-sq, skv + 1, b).astype(np.int32)
+        return masks.causal(offset), k <= q + (offset if kind == "causal" else per_item(offset))
     if kind == "window":
-        window = int(rng.integers(1, n + 2))
+        window = int(rng.integers(1, max(sq, skv) + 2))
         return masks.sliding_window(window), np.abs(q - k) < window
     if kind == "chunked":
-        chunk = int(rng.integers(1, n + 2))
+        chunk = int(rng.integers(1, max(sq, skv) + 2))
         return masks.chunked(chunk), q // chunk == k // chunk
-    if kind == "prefix":
-        prefix = int(rng.integers(-n, 2 * n))
-        return masks.prefix_lm(prefix) if prefix >= 0 else masks.prefix_lm(jnp.asarray(prefix)), (k < prefix) | (k <= q)
+    if kind in ("prefix", "prefix_per_item"):
+        prefix = int(rng.integers(0, skv + 2)) if kind == "prefix" else rng.integers(0, skv + 2, b).astype(np.int32)
+        return masks.prefix_lm(prefix), (k < (prefix if kind == "prefix" else per_item(prefix))) | (k <= q)
     if kind == "padding":
-        kv_len, q_len = rng.integers(-n, 2 * n, b).astype(np.int32), rng.integers(-n, 2 * n, b).astype(np.int32)
+        kv_len, q_len = rng.integers(0, skv + 1, b).astype(np.int32), rng.integers(0, sq + 1, b).astype(np.int32)
+        if rng.random() < 0.5:
+            return masks.padding(kv_len), k < per_item(kv_len)
         return masks.padding(kv_len, q_len), (k < per_item(kv_len)) & (q < per_item(q_len))
-    return masks.from_mask_mod(lambda b, h, i, j: (3 * i + j) % 5 < 2), (3 * q + k) % 5 < 2
+    return masks.from_mask_mod(lambda b, h, i, j: (3 * i + j) % 5 < 2), (3 * q + k) % 5 < 2  # a plain mask_mod
 
 
 def _ranges(rng) -> int:

@@ -135,12 +135,13 @@ def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
         c = local // 2
         return [(x[..., :c, :, :], device * c), (x[..., c:, :, :], (2 * n - 1 - device) * c)]
 
-    results = [None] * len(chunks(q, me))
+    queries = chunks(q, me)
+    results = [None] * len(queries)
     for step in range(n):
         if step:
             k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
         src = (me - step) % n
-        for i, (q_chunk, q_offset) in enumerate(chunks(q, me)):
+        for i, (q_chunk, q_offset) in enumerate(queries):
             for (k_chunk, kv_offset), (v_chunk, _) in zip(chunks(k, src), chunks(v, src)):
                 part = attention(q_chunk, k_chunk, v_chunk, mask=masks.shifted(mask, q_offset, kv_offset), **kw)
                 results[i] = part if results[i] is None else merge_attention(*results[i], *part)
