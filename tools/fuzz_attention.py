@@ -5,7 +5,8 @@ Each seed draws batch, lengths (1-39, one seed in five up to 71), GQA heads, hea
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
 a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
 chunked, prefix LM, padding and document masks, masks of positions shifted to a block of the sequence
-(static, shared or per-item offsets: ``jf.masks.shifted``) and plain mask_mods evaluated by
+(static, shared or per-item offsets: ``jf.masks.shifted``), blocks of any of these leaves drawn over
+a longer sequence (their per-position arrays sliced) and plain mask_mods evaluated by
 ``jf.masks.block_mask`` (frames, tables of visible pairs per item and head, sink keys and a window
 far from them) and boolean arrays as jax.nn takes them (some dims broadcast), some subtrees
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the range pass taking
@@ -44,14 +45,23 @@ def _ids(rng, b, s, n):
 
 
 POSITIONAL = ["causal", "causal_per_item", "window", "chunked", "prefix", "prefix_per_item", "padding"]
+LEAVES = [*POSITIONAL, "document", "frames", "table", "sinks_window", "array", "shifted", "block"]
 
 
-def random_leaf(rng, b, hq, sq, skv):
+def random_leaf(rng, b, hq, sq, skv, kinds=LEAVES):
     """``(mask, visible)``: a basic mask and its boolean pairs, broadcasting to (b, hq, sq, skv)."""
     q, k = np.arange(sq)[None, None, :, None], np.arange(skv)[None, None, None, :]
-    kind = rng.choice([*POSITIONAL, "document", "frames", "table", "sinks_window", "array", "shifted"])
+    kind = rng.choice(kinds)
     if kind in POSITIONAL:
         return positions_mask(rng, kind, b, sq, skv, q, k)
+    if kind == "block":  # a block of a leaf over a longer sequence, its per-position arrays sliced
+        extra = [int(rng.integers(0, 9)) for _ in range(2)]
+        mask, visible = random_leaf(rng, b, hq, sq + extra[0], skv + extra[1], [k for k in LEAVES if k != "block"])
+        qo, ko = (_start(rng, b, n) for n in extra)
+        visible = np.broadcast_to(visible, (b, hq, sq + extra[0], skv + extra[1]))
+        rows = [visible[i, :, _at_item(qo, i) :][:, :sq, _at_item(ko, i) :][:, :, :skv] for i in range(b)]
+        offsets = (o if isinstance(o, int) else jnp.asarray(o) for o in (qo, ko))
+        return masks.shifted(mask, *offsets, q_len=sq, kv_len=skv), np.stack(rows)
     if kind == "shifted":  # a mask of positions moved to a block: queries from q_offset, keys from kv_offset
         offsets = [_offset(rng, b, 2 * max(sq, skv)) for _ in range(2)]
         at = lambda x, o: x + (o[:, None, None, None] if np.ndim(o) == 1 else np.asarray(o))  # noqa: E731
@@ -88,6 +98,18 @@ def _offset(rng, b, n):
     if r < 0.4:
         return int(rng.integers(-n, n + 1))
     return rng.integers(-n, n + 1, () if r < 0.6 else b).astype(np.int32)
+
+
+def _start(rng, b, n):
+    """A block's first position in [0, n]: a Python int, one shared array value, or one per item."""
+    r = rng.random()
+    if r < 0.4:
+        return int(rng.integers(0, n + 1))
+    return rng.integers(0, n + 1, () if r < 0.6 else b).astype(np.int32)
+
+
+def _at_item(offset, i):
+    return int(offset[i]) if np.ndim(offset) else int(offset)
 
 
 def positions_mask(rng, kind, b, sq, skv, q, k):

@@ -17,8 +17,9 @@ range of keys (queries) each query (key) sees, so tiles outside are skipped as f
 (FlexAttention's ``create_block_mask``), or several ranges each, cut at each row's widest gaps
 (``ranges=``: attention then runs a call per piece and merges them); :func:`from_mask_mod`
 combines it with them as it is. A boolean array of visible pairs (``jax.nn``'s ``mask``) is a mask
-too (:func:`from_array`), whose ranges each call measures. :func:`shifted` moves a mask of
-positions to a block of the sequence (a chunk of context parallelism), spans and all.
+too (:func:`from_array`), whose ranges each call measures. :func:`shifted` moves any mask to a
+block of the sequence (a chunk of context parallelism), spans and all, slicing the per-position
+arrays of those that have them.
 """
 
 from __future__ import annotations
@@ -76,8 +77,6 @@ class Mask:
     into ``jax.jit`` as an argument and two masks that differ only in their arrays share a compile.
     """
 
-    constructor: str | None = None  # what builds it, for masks of per-position arrays (no shift)
-
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         jax.tree_util.register_pytree_with_keys(cls, _flatten_mask, functools.partial(_unflatten_mask, cls))
@@ -101,16 +100,16 @@ class Mask:
         return self.mask_mod, [], []
 
     def shifted(self, q_offset, kv_offset) -> Mask:
-        """This mask read at ``(q_idx + q_offset, kv_idx + kv_offset)`` (:func:`shifted`, whose
-        checks the offsets have passed): a mask of positions rewrites itself, keeping its span;
-        others are read at the shifted indices, their span unknown."""
-        if self.constructor is None:
-            return _Shifted(self, q_offset, kv_offset)
-        raise TypeError(
-            f"shifted: a {self.constructor} mask reads arrays given per position of the call, which a shift "
-            "cannot move: build it from the block's own arrays (document(q_ids, kv_ids) of its queries and "
-            "keys) and combine it with the shifted mask of positions by &"
-        )
+        """This mask read at ``(q_idx + q_offset, kv_idx + kv_offset)``: a mask of positions rewrites
+        itself, keeping its span; others are read at the shifted indices, their span unknown."""
+        return _Shifted(self, q_offset, kv_offset)
+
+    def block(self, q_offset, kv_offset, q_len: int | None, kv_len: int | None) -> Mask:
+        """This mask over the ``q_len`` queries from position ``q_offset`` and the ``kv_len`` keys
+        from ``kv_offset`` (:func:`shifted`, whose checks the arguments have passed; a length None:
+        to the end): a mask of positions is shifted, its lengths unread; one of per-position arrays
+        slices them."""
+        return self.shifted(q_offset, kv_offset)
 
     def pieces(self) -> tuple[Mask, ...]:
         """Disjoint masks whose union is this one, which attention runs one by one and merges through
@@ -313,7 +312,6 @@ def _per_item_rows(per_item, sq: int, signed: bool = False):
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Document(Mask):
-    constructor = "document"
     q_segments: jnp.ndarray
     kv_segments: jnp.ndarray
     ranges: tuple  # RangeSpan's six arrays, computed once per mask (not once per attention call)
@@ -340,6 +338,13 @@ class _Document(Mask):
 
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [_per_batch(r, batch_shape, "document", "segment_ids", trailing=1) for r in self.ranges]
+
+    def block(self, q_offset, kv_offset, q_len, kv_len):
+        q_len = _block_length("document", "q_len", q_offset, q_len, self.q_segments.shape[-1])
+        kv_len = _block_length("document", "kv_len", kv_offset, kv_len, self.kv_segments.shape[-1])
+        q_seg = _slice_positions(self.q_segments, q_offset, q_len, axis=-1, trailing=1)
+        kv_seg = _slice_positions(self.kv_segments, kv_offset, kv_len, axis=-1, trailing=1)
+        return _Document(q_seg, kv_seg, _block_ranges(self.ranges, q_offset, kv_offset, q_len, kv_len))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -391,7 +396,6 @@ class _Evaluated(Mask):
     """A mask (``from_mask_mod``'s for a plain function) with the span measured by ``block_mask``:
     its function and kernel form (positional operands) are the mask's own."""
 
-    constructor = "block_mask"
     mask: Mask
     q_len: int
     kv_len: int
@@ -426,6 +430,13 @@ class _Evaluated(Mask):
             )
         return [_per_batch(r, batch_shape, "block_mask", "batch_shape", trailing=1) for r in self.ranges]
 
+    def block(self, q_offset, kv_offset, q_len, kv_len):
+        q_len = _block_length("block_mask", "q_len", q_offset, q_len, self.q_len)
+        kv_len = _block_length("block_mask", "kv_len", kv_offset, kv_len, self.kv_len)
+        of = lambda mask: mask.block(q_offset, kv_offset, q_len, kv_len)  # noqa: E731
+        ranges = _block_ranges(self.ranges, q_offset, kv_offset, q_len, kv_len)
+        return dataclasses.replace(self, mask=of(self.mask), q_len=q_len, kv_len=kv_len, ranges=ranges, parts=tuple(map(of, self.parts)))
+
     def _check_lengths(self, sq, skv):
         if (sq, skv) != (self.q_len, self.kv_len):
             raise ValueError(
@@ -438,7 +449,6 @@ class _Within(Mask):
     """``mask`` where ``lo[b, q_idx] <= kv_idx < hi[b, q_idx]``: one piece of a block mask, its bounds
     (``(*batch_shape, q_len)``) handed to kernels as positional rows."""
 
-    constructor = "block_mask"
     mask: Mask
     lo: jnp.ndarray
     hi: jnp.ndarray
@@ -458,13 +468,16 @@ class _Within(Mask):
 
         return within, [*rows, *bounds], cols
 
+    def block(self, q_offset, kv_offset, q_len, kv_len):  # lengths resolved by its _Evaluated
+        lo, hi = (_moved(_slice_positions(x, q_offset, q_len, axis=-1, trailing=1), kv_offset) for x in (self.lo, self.hi))
+        return _Within(self.mask.block(q_offset, kv_offset, q_len, kv_len), lo, hi)
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _FromArray(Mask):
     """The pairs an array marks visible: ``visible`` ``(*lead, heads, q_len, kv_len)`` or
     ``(q_len, kv_len)``, each of the last three dims its size or 1 (broadcast)."""
 
-    constructor = "from_array"
     visible: jnp.ndarray
 
     def mask_mod(self, b, h, q_idx, kv_idx):
@@ -487,6 +500,14 @@ class _FromArray(Mask):
         block = _rows_per_step(*table.shape)
         tile = lambda start: lax.dynamic_slice_in_dim(table, start, block, axis=2)  # noqa: E731
         return list(_scanned_ranges(tile, table.shape[0], sq, skv, block)[0])
+
+    def block(self, q_offset, kv_offset, q_len, kv_len):
+        table = self._table()
+        for axis, offset, length, name in ((-2, q_offset, q_len, "q_len"), (-1, kv_offset, kv_len, "kv_len")):
+            if table.shape[axis] != 1:  # else broadcast over every position
+                length = _block_length("from_array", name, offset, length, table.shape[axis])
+                table = _slice_positions(table, offset, length, axis=axis, trailing=3)
+        return _FromArray(table)
 
     def _table(self):
         return self.visible.reshape((1,) * (3 - self.visible.ndim) + self.visible.shape)
@@ -552,8 +573,8 @@ class _Combined(Mask):
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return [*self.a.span_arrays(batch_shape, sq, skv, num_heads), *self.b.span_arrays(batch_shape, sq, skv, num_heads)]
 
-    def shifted(self, q_offset, kv_offset):
-        return type(self)(self.a.shifted(q_offset, kv_offset), self.b.shifted(q_offset, kv_offset))
+    def block(self, *where):
+        return type(self)(self.a.block(*where), self.b.block(*where))
 
 
 class _And(_Combined):
@@ -587,8 +608,8 @@ class _Not(Mask):
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         return self.a.span_arrays(batch_shape, sq, skv, num_heads)
 
-    def shifted(self, q_offset, kv_offset):
-        return _Not(self.a.shifted(q_offset, kv_offset))
+    def block(self, *where):
+        return _Not(self.a.block(*where))
 
 
 def causal(offset=0) -> Mask:
@@ -689,7 +710,7 @@ def from_mask_mod(mask_mod: Callable) -> Mask:
     return _FromFunction(mask_mod)
 
 
-def shifted(mask, q_offset=0, kv_offset=0) -> Mask:
+def shifted(mask, q_offset=0, kv_offset=0, *, q_len: int | None = None, kv_len: int | None = None) -> Mask:
     """``mask`` for a block of queries that starts at position ``q_offset`` and of keys at
     ``kv_offset``: ``shifted(mask, qo, ko)(b, h, q_idx, kv_idx) == mask(b, h, q_idx + qo, kv_idx + ko)``.
 
@@ -699,12 +720,65 @@ def shifted(mask, q_offset=0, kv_offset=0) -> Mask:
     the block sees nothing); chunked masks and plain ``mask_mod`` functions are read at the shifted
     indices, every tile visited. Each offset is a Python int, or an integer array: one offset, or
     one per batch item (shape ``batch`` of q, or broadcastable to it); runtime values such as
-    ``lax.axis_index(axis) * block``. Masks that read arrays given per position (``document``,
-    ``from_array``, ``block_mask``) are an error: build them from the block's own arrays and
-    combine, e.g. ``shifted(causal(), qo, ko) & document(q_ids, kv_ids)``.
+    ``lax.axis_index(axis) * block``.
+
+    Masks that read arrays given per position (``document``, ``from_array``, ``block_mask``) slice
+    them to the block: ``q_len`` queries from ``q_offset`` and ``kv_len`` keys from ``kv_offset``
+    (static ints; each defaults to the rest of the sequence after a static offset, and is needed
+    after a traced one). Their spans are sliced alike, so the block still skips the tiles they hide.
+    The block must lie within the arrays (a traced offset is not checked: ``lax.dynamic_slice``
+    clamps it).
     """
     mask = as_mask(mask)
-    return mask.shifted(_offset("shifted", "q_offset", q_offset), _offset("shifted", "kv_offset", kv_offset))
+    offsets = (_offset("shifted", "q_offset", q_offset), _offset("shifted", "kv_offset", kv_offset))
+    lengths = (None if n is None else _static_int("shifted", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    return mask.block(*offsets, *lengths)
+
+
+def _block_length(fn: str, name: str, offset, length: int | None, size: int) -> int:
+    """The length of a block of a mask's per-position arrays (``size`` positions) from ``offset``:
+    ``length``, or the rest after a static offset; a static block checked to lie within them."""
+    if length is None:
+        if not isinstance(offset, int):
+            raise TypeError(
+                f"shifted: a {fn} mask reads arrays given per position, which a block slices: pass `{name}`, "
+                "the block's length (its offset is traced)"
+            )
+        length = size - offset
+    if isinstance(offset, int) and not 0 <= offset <= offset + length <= size:
+        raise ValueError(f"shifted: the block [{offset}, {offset + length}) lies outside the {size} positions of the {fn} mask")
+    return length
+
+
+def _slice_positions(x, offset, length: int, *, axis: int, trailing: int):
+    """``x``'s positions ``[offset, offset + length)`` along ``axis`` (one of its ``trailing`` dims,
+    negative); the offset an int, one integer value, or one per item of ``x``'s leading dims."""
+    if isinstance(offset, int):
+        return lax.slice_in_dim(x, offset, offset + length, axis=axis)
+    if offset.ndim == 0:
+        return lax.dynamic_slice_in_dim(x, offset, length, axis=axis)
+    lead, core = jnp.broadcast_shapes(x.shape[: x.ndim - trailing], offset.shape), x.shape[x.ndim - trailing :]
+    rows = jnp.broadcast_to(x, (*lead, *core)).reshape(math.prod(lead), *core)
+    starts = jnp.broadcast_to(offset, lead).reshape(math.prod(lead))
+    sliced = jax.vmap(lambda row, start: lax.dynamic_slice_in_dim(row, start, length, axis=axis))(rows, starts)
+    return sliced.reshape(*lead, *sliced.shape[1:])
+
+
+def _moved(positions, offset):
+    """Positions ``(*lead, seq)`` counted from ``offset`` (an int, one value or one per item)."""
+    offset = offset if isinstance(offset, int) or offset.ndim == 0 else offset[..., None]
+    return (positions - offset).astype(positions.dtype)
+
+
+def _block_ranges(ranges, q_offset, kv_offset, q_len: int, kv_len: int) -> tuple:
+    """RangeSpan's six arrays of a block: each query's range of keys (and each key's of queries)
+    sliced to the block's rows, moved to its positions and clipped to it; a range still holds the
+    visible positions of the block, its sure part visible ones only."""
+    per_query, per_key = ranges[:3], ranges[3:]
+    return (
+        *(jnp.clip(_moved(_slice_positions(r, q_offset, q_len, axis=-1, trailing=1), kv_offset), 0, kv_len) for r in per_query),
+        *(jnp.clip(_moved(_slice_positions(r, kv_offset, kv_len, axis=-1, trailing=1), q_offset), 0, q_len) for r in per_key),
+    )
 
 
 def _offset(fn: str, name: str, value):

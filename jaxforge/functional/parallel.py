@@ -80,10 +80,11 @@ def ring_attention(
     ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks``: as
     :func:`jf.attention <jaxforge.attention>`'s, joined once after the ring.
 
-    ``mask``: a mask over the global positions that reads no per-position arrays (``sliding_window``,
-    ``prefix_lm``, ``chunked``, ``padding``, a plain ``mask_mod``; with ``causal=True``, joined to it
-    by ``&``), in either layout: each step attends each local chunk to each visiting one under the
-    mask shifted to their positions, and a pair of chunks it hides visits no tile.
+    ``mask``: any mask over the global positions (with ``causal=True``, joined to it by ``&``), in
+    either layout: each step attends each local chunk to each visiting one under the mask shifted
+    to their positions (:func:`jf.masks.shifted <jaxforge.functional.masks.shifted>`), and a pair of
+    chunks it hides visits no tile. Its arrays (a document's segment ids, ``from_array``'s table)
+    are the whole sequence's, in its global order, on every device.
     """
     if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
         raise ValueError(f"ring_attention: a load-balanced mask needs an even local length, got q {q.shape}")
@@ -143,7 +144,8 @@ def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
         src = (me - step) % n
         for i, (q_chunk, q_offset) in enumerate(queries):
             for (k_chunk, kv_offset), (v_chunk, _) in zip(chunks(k, src), chunks(v, src)):
-                part = attention(q_chunk, k_chunk, v_chunk, mask=masks.shifted(mask, q_offset, kv_offset), **kw)
+                block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
+                part = attention(q_chunk, k_chunk, v_chunk, mask=block, **kw)
                 results[i] = part if results[i] is None else merge_attention(*results[i], *part)
     outs, lses = zip(*results)
     return jnp.concatenate(outs, axis=-3), jnp.concatenate(lses, axis=-2)

@@ -17,6 +17,10 @@ QI, KI = np.asarray(Q_IDS), np.asarray(KV_IDS)
 PREFIX = np.asarray([3, 9])
 LENGTHS = np.asarray([16, 4])
 VISIBLE = rng.random((B, 1, SQ, SKV)) < 0.4  # an array mask, jax.nn's layout: one for every head
+# A longer sequence's arrays, of which blocks of SQ queries and SKV keys are taken
+WQ_IDS, WKV_IDS = np.sort(rng.integers(0, 5, (B, SQ + 9)), axis=1), rng.integers(0, 3, (B, SKV + 6))
+WIDE_VISIBLE = rng.random((B, 1, SQ + 4, SKV + 3)) < 0.4
+QO = np.asarray([2, 7])  # a block's first query, per item
 # name: (mask, the same mask written independently in numpy on (b, q, kv) index grids)
 MASKS = {
     "document": (lambda: jf.masks.document(Q_IDS, KV_IDS), lambda b, q, kv: QI[b, q] == KI[b, kv]),
@@ -88,6 +92,27 @@ MASKS = {
     "shifted_causal_per_item&document": (  # the document's ids are the block's own
         lambda: jf.masks.shifted(jf.masks.causal(jnp.asarray([4, -6])), 6, jnp.asarray([0, 9])) & jf.masks.document(Q_IDS, KV_IDS),
         lambda b, q, kv: (kv + np.asarray([0, 9])[b] <= q + 6 + np.asarray([4, -6])[b]) & (QI[b, q] == KI[b, kv]),
+    ),
+    # blocks of masks of per-position arrays: the arrays and their spans sliced
+    "block_of_document&causal": (  # per-item query offsets, a traced key offset
+        lambda: jf.masks.shifted(
+            jf.masks.document(jnp.asarray(WQ_IDS), jnp.asarray(WKV_IDS)) & jf.masks.causal(), jnp.asarray(QO), jnp.asarray(5), q_len=SQ, kv_len=SKV
+        ),
+        lambda b, q, kv: (WQ_IDS[b, q + QO[b]] == WKV_IDS[b, kv + 5]) & (kv + 5 <= q + QO[b]),
+    ),
+    "block_of_array": (  # static offsets: the lengths default to the rest
+        lambda: jf.masks.shifted(jf.masks.from_array(jnp.asarray(WIDE_VISIBLE)), 4, 3),
+        lambda b, q, kv: WIDE_VISIBLE[b, 0, q + 4, kv + 3],
+    ),
+    "block_of_block_mask": (  # its pieces too
+        lambda: jf.masks.shifted(
+            jf.masks.block_mask(lambda b, h, q, kv: (jnp.asarray(WKV_IDS)[b, kv] == 1) | (q - kv < 2), SQ + 9, SKV + 6, batch_shape=(B,), ranges=2),
+            jnp.asarray(6),
+            2,
+            q_len=SQ,
+            kv_len=SKV,
+        ),
+        lambda b, q, kv: (WKV_IDS[b, kv + 2] == 1) | (q + 6 - kv - 2 < 2),
     ),
 }
 
@@ -304,36 +329,49 @@ def test_an_array_mask_takes_empty_calls(batch, sq, skv, heads):
 
 
 @pytest.mark.parametrize(
-    "mask, offsets, error, match",
+    "mask, offsets, lengths, error, match",
     [
-        (lambda: jf.masks.document(Q_IDS, KV_IDS), (1, 0), TypeError, r"shifted: a document mask reads arrays given per position"),
-        (lambda: jf.masks.causal() & VISIBLE[0, 0], (0, 1), TypeError, r"shifted: a from_array mask"),
-        (lambda: jf.masks.block_mask(lambda b, h, q, kv: q >= kv, SQ, SKV), (2, 2), TypeError, r"shifted: a block_mask mask"),
-        (jf.masks.causal, (1.5, 0), TypeError, r"shifted: `q_offset` must be an int or an integer array, got float"),
-        (jf.masks.causal, (0, True), TypeError, r"shifted: `kv_offset` must be an int or an integer array, got bool"),
-        (jf.masks.causal, (jnp.asarray(1.0), 0), TypeError, r"shifted: `q_offset` .* got dtype float"),
+        (lambda: jf.masks.document(Q_IDS, KV_IDS), (jnp.asarray(1), 0), {}, TypeError, r"shifted: a document mask .* pass `q_len`"),
+        (lambda: jf.masks.causal() & VISIBLE[0, 0], (0, 5), {"kv_len": 13}, ValueError, r"the block \[5, 18\) lies outside the 17 positions of the from_array"),
+        (lambda: jf.masks.block_mask(lambda b, h, q, kv: q >= kv, SQ, SKV), (0, jnp.asarray(2)), {}, TypeError, r"block_mask mask .* pass `kv_len`"),
+        (jf.masks.causal, (0, 0), {"q_len": -1}, ValueError, r"shifted: `q_len` must be"),
+        (jf.masks.causal, (1.5, 0), {}, TypeError, r"shifted: `q_offset` must be an int or an integer array, got float"),
+        (jf.masks.causal, (0, True), {}, TypeError, r"shifted: `kv_offset` must be an int or an integer array, got bool"),
+        (jf.masks.causal, (jnp.asarray(1.0), 0), {}, TypeError, r"shifted: `q_offset` .* got dtype float"),
     ],
 )
-def test_what_cannot_shift_is_a_clear_error(mask, offsets, error, match):
+def test_what_cannot_shift_is_a_clear_error(mask, offsets, lengths, error, match):
     with pytest.raises(error, match=match):
-        jf.masks.shifted(mask(), *offsets)
+        jf.masks.shifted(mask(), *offsets, **lengths)
 
 
-def test_a_shifted_block_attends_as_the_whole_sequence_does():
+S_WHOLE = 64
+W_IDS = np.sort(rng.integers(0, 6, (B, S_WHOLE)), axis=1)
+WHOLE_MASKS = {  # over the whole sequence's positions
+    "window|prefix": jf.masks.causal() & jf.masks.sliding_window(9) | jf.masks.prefix_lm(3),
+    "document&causal": jf.masks.document(jnp.asarray(W_IDS)) & jf.masks.causal(),
+    "block_mask_in_pieces": (  # the block's rows cut at the keys [16, 32) they do not see
+        jf.masks.block_mask(lambda b, h, q, kv: (kv < 3) | ((kv <= q) & (q - kv < 6)), S_WHOLE, S_WHOLE, ranges=2)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WHOLE_MASKS))
+def test_a_shifted_block_attends_as_the_whole_sequence_does(name):
     """Attention of a block of queries to a block of keys under the shifted mask, the offsets traced
     (one per item for the queries), equals those rows and columns of the whole sequence's attention
     (the keys outside the block masked), and so do its gradients."""
-    s = 40
+    s, mask = S_WHOLE, WHOLE_MASKS[name]
     q, k, v = (jnp.asarray(rng.normal(size=(B, s, 2, 4))) for _ in range(3))
-    mask = jf.masks.causal() & jf.masks.sliding_window(9) | jf.masks.prefix_lm(3)
-    q_at, kv_at, kv_len = np.asarray([21, 5]), 12, 16  # per item: q[b, q_at[b]:][:SQ]
+    q_at, kv_at, kv_len = np.asarray([40, 45]), 24, 24  # per item: q[b, q_at[b]:][:SQ]
     rows = q_at[:, None] + np.arange(SQ)
     q_block = jnp.asarray(np.asarray(q)[np.arange(B)[:, None], rows])
     k_block, v_block = k[:, kv_at : kv_at + kv_len], v[:, kv_at : kv_at + kv_len]
     inside = np.zeros((B, 1, s, s), bool)
     inside[..., kv_at : kv_at + kv_len] = True
     whole = lambda q, k, v: jf.attention(q, k, v, mask=mask & jf.masks.from_array(jnp.asarray(inside)))  # noqa: E731
-    block = jax.jit(lambda q, k, v, qo, ko: jf.attention(q, k, v, mask=jf.masks.shifted(mask, qo, ko)))
+    at = lambda qo, ko: jf.masks.shifted(mask, qo, ko, q_len=SQ, kv_len=kv_len)  # noqa: E731
+    block = jax.jit(lambda q, k, v, qo, ko: jf.attention(q, k, v, mask=at(qo, ko)))
     want = np.asarray(whole(q, k, v))[np.arange(B)[:, None], rows]
     np.testing.assert_allclose(block(q_block, k_block, v_block, jnp.asarray(q_at), jnp.asarray(kv_at)), want, rtol=1e-12, atol=1e-12)
     g_out = jnp.asarray(rng.normal(size=want.shape))

@@ -393,3 +393,35 @@ def test_per_batch_shifted_spans(combine):
     far = jf.masks.shifted(jf.masks.sliding_window(4) & jf.masks.causal(), jnp.asarray(64), jnp.asarray(0))
     lo, hi = (int(x) for x in far.span().kv(0, SQ, SKV, tuple(a[0] for a in far.span_arrays((), SQ, SKV))))
     assert lo >= hi
+
+
+# name: a mask reading per-position arrays over a longer sequence (2 items, 3 heads, SQ + 9 × SKV + 6)
+WIDE = np.random.default_rng(8).random((2, 3, SQ + 9, SKV + 6)) < 0.3
+WIDE_IDS = np.sort(np.random.default_rng(9).integers(0, 6, (2, SKV + 6)), axis=-1)
+OF_ARRAYS = {
+    "document": jf.masks.document(jnp.asarray(WIDE_IDS[:, : SQ + 9]), jnp.asarray(WIDE_IDS)),
+    "array": jf.masks.from_array(jnp.asarray(WIDE)),
+    "block_mask": jf.masks.block_mask(lambda b, h, i, j: jnp.asarray(WIDE)[b, h, i, j] | (i == j), SQ + 9, SKV + 6, batch_shape=(2,), num_heads=3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OF_ARRAYS))
+def test_blocks_of_masks_of_arrays_keep_spans_that_hold_them(name):
+    """A block of SQ queries and SKV keys (static, traced and per-item offsets) is the whole mask's
+    rows and columns there, and its spans, sliced from the whole mask's, hold it; a document of
+    contiguous segments keeps exact ranges (its tiles across documents still skipped)."""
+    whole = OF_ARRAYS[name]
+    for qo, ko in ((5, 2), (jnp.asarray(9), jnp.asarray(6)), (jnp.asarray([0, 7]), jnp.asarray(3))):
+        mask = jf.masks.shifted(whole, qo, ko, q_len=SQ, kv_len=SKV)
+        span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV, num_heads=3)
+        q, kv = (jnp.asarray(x) for x in np.meshgrid(np.arange(SQ + 9), np.arange(SKV + 6), indexing="ij"))
+        for b in range(2):
+            q0, k0 = int(np.broadcast_to(qo, (2,))[b]), int(np.broadcast_to(ko, (2,))[b])
+            want = np.stack([np.broadcast_to(whole.bind((2,), SQ + 9, SKV + 6)(b, h, q, kv), q.shape) for h in range(3)])
+            per_head = np.stack([np.asarray(_bound(mask, b, h)) for h in range(3)])
+            np.testing.assert_array_equal(per_head, want[:, q0 : q0 + SQ, k0 : k0 + SKV])
+            data = tuple(a[b] for a in arrays)
+            check_span(f"{name}/{qo}/{ko}/b{b}", span, per_head.any(0), data, per_head.all(0))
+            if name == "document":
+                lo, hi = data[:2]
+                np.testing.assert_array_equal(np.maximum(hi - lo, 0), per_head[0].sum(1))
