@@ -62,11 +62,23 @@ def init_embedding(key: PRNGKeyArray, num_embeddings: int, features: int, *, dty
 
 def embedding(params: Params, ids: Int[ArrayLike, "*batch"]) -> Float[Array, "*batch features"]:
     r""":math:`y = T[\text{ids}]`; negative ids count from the end as in numpy, ids past the end
-    are clamped (JAX's indexing)."""
+    are clamped (JAX's indexing). Under explicit sharding the rows are split as the ids are."""
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
         raise TypeError(f"embedding: `ids` must be integers, got dtype {ids.dtype}")
-    return jnp.asarray(params["table"])[ids]
+    table = jnp.asarray(params["table"])
+    return table.at[ids].get(out_sharding=_rows_like(table, ids))
+
+
+def _rows_like(table, ids):
+    """The sharding of ``table``'s rows gathered at ``ids`` where explicit sharding splits either
+    (jax asks for it): split as ``ids``, their features as the table's; else None."""
+    ids_spec, table_spec = (tuple(jax.typeof(x).sharding.spec) for x in (ids, table))
+    if not any(entry is not None for entry in (*ids_spec, *table_spec)):
+        return None
+    features = table_spec[1] if len(table_spec) > 1 else None
+    spec = jax.sharding.PartitionSpec(*ids_spec, *[None] * (ids.ndim - len(ids_spec)), features)
+    return jax.sharding.NamedSharding(jax.typeof(ids).sharding.mesh, spec)
 
 
 def init_rms_norm(features: int, *, dtype=jnp.float32) -> Params:
