@@ -1,7 +1,9 @@
 """Ring attention under a mask of positions, side by side in one process: ``ring_attention(mask=
 causal & sliding_window(w))``, whose shifted masks skip the pairs of chunks the window hides, the
-causal ring (``causal=True``: half the pairs), the unmasked ring, and one device's ``jf.attention``
-under the window. For each: its median forward time over interleaved repeats and its largest
+causal ring (``causal=True``: half the pairs), the unmasked ring, ``jf.attention`` with q, k and v
+split along the sequence on an explicit mesh (k and v gathered whole: Llama 3's context
+parallelism) and one device's ``jf.attention``, both under the window. For each: its median
+forward time over interleaved repeats and its largest
 difference from one device's ``jf.attention`` under the same mask. The JSON has the bench's layout
 (``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the others anchors with
 ``ratio`` = their time / its.
@@ -47,11 +49,22 @@ def main(argv=None) -> None:
         inner = lambda q, k, v: jf.parallel.ring_attention(q, k, v, axis_name="sp", load_balanced=False, **kw)  # noqa: E731
         return jax.jit(jf.shard(inner, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
 
+    def gathered(mask):
+        explicit = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[: args.devices])
+        attend = jax.jit(lambda q, k, v: jf.attention(*(jax.sharding.reshard(x, P(None, "sp")) for x in (q, k, v)), mask=mask))
+
+        def call(q, k, v):
+            with jax.set_mesh(explicit):
+                return attend(q, k, v)
+
+        return call
+
     one_device = lambda mask: jax.jit(lambda q, k, v: jf.attention(q, k, v, mask=mask))  # noqa: E731
     variants = {  # name: (function, its mask)
         "ring, causal & window": (ring(mask=window), window),
         "ring, causal": (ring(causal=True), jf.masks.causal()),
         "ring, no mask": (ring(), None),
+        "k, v gathered, causal & window": (gathered(window), window),
         "one device, causal & window": (one_device(window), window),
     }
     references = {name: one_device(mask)(q, k, v) for name, (_, mask) in variants.items()}
@@ -66,11 +79,11 @@ def main(argv=None) -> None:
             times[name].append((time.perf_counter() - start) * 1e3)
     ours = float(np.median(times["ring, causal & window"]))
     records = []
-    print(f"{'variant':28s} {'median ms':>10s} {'ratio':>6s} {'max |Δout| vs one device':>25s}")
+    print(f"{'variant':31s} {'median ms':>10s} {'ratio':>6s} {'max |Δout| vs one device':>25s}")
     for name, fn in variants.items():
         median = float(np.median(times[name]))
         difference = float(jnp.max(jnp.abs(fn(q, k, v) - references[name])))
-        print(f"{name:28s} {median:10.1f} {median / ours:6.2f} {difference:25.2e}")
+        print(f"{name:31s} {median:10.1f} {median / ours:6.2f} {difference:25.2e}")
         records.append(dict(
             op="ring_attention", mode="fwd", shape_name=f"{args.devices}dev_{shape[1]}tok_window{width}", shape=list(shape),
             status="ok", implementation="jaxforge" if name == "ring, causal & window" else name, variant=name,

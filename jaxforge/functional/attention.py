@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxforge.functional.masks import Mask, as_mask, shifted
 from jaxforge.primitives import _core
@@ -77,11 +77,13 @@ def attention(
     Differentiable in every mode (jvp, grad, vmap, and their compositions): forward-mode runs a
     fused tangent kernel, reverse-mode the FlashAttention backward.
 
-    Under explicit sharding, batch dims and heads may be sharded; so may q's sequence (k's and v's
-    not): each shard then attends its queries to all the keys, the mask and ``score_mod`` seeing the
-    queries' global positions (:func:`jf.masks.shifted <jaxforge.functional.masks.shifted>`), as
-    ``jax.nn.dot_product_attention`` partitions it. A key side split too needs
-    :func:`jf.parallel.ring_attention <jaxforge.functional.parallel.ring_attention>`.
+    Under explicit sharding, batch dims and heads may be sharded, and so may the sequences: each
+    shard of q's attends its queries to every key, the mask (its per-position arrays sliced) and
+    ``score_mod`` seeing the queries' global positions (:func:`jf.masks.shifted
+    <jaxforge.functional.masks.shifted>`); out and lse keep q's split. k and v split along their
+    sequence are gathered whole first (an all-gather, whose transpose sums their gradients back to
+    the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
+    <jaxforge.functional.parallel.ring_attention>` keeps them split instead.
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -96,7 +98,8 @@ def attention(
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
     sq, skv, d = q.shape[-3], k.shape[-3], q.shape[-1]
-    if axes := _query_split(q, k, v):
+    k, v = (_without_axes(x, _sequence_split(x)) for x in (k, v))  # gathered whole along the sequence
+    if axes := _sequence_split(q):
         kw = dict(score_mod=score_mod, scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
         out, lse = _over_query_shards(axes, q, k, v, mask, **kw)
         return (out, lse) if return_lse else out
@@ -118,50 +121,49 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-def _query_split(q, k, v) -> tuple:
-    """The explicit mesh axes that split q's sequence where k's and v's stay whole (else ``()``:
-    the primitive's sharding rule takes the call, or refuses it)."""
-    mesh, entry = jax.typeof(q).sharding.mesh, _sequence_entry(q)
-    if entry is None or _sequence_entry(k) is not None or _sequence_entry(v) is not None:
-        return ()
-    axes = tuple(entry) if isinstance(entry, tuple) else (entry,)
-    explicit = dict(zip(mesh.axis_names, mesh.axis_types))
-    return axes if all(explicit[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
+def _sequence_split(x) -> tuple:
+    """The explicit mesh axes that split ``x``'s sequence dim (-3), or ``()``."""
+    sharding = jax.typeof(x).sharding
+    spec, kinds = tuple(sharding.spec), dict(zip(sharding.mesh.axis_names, sharding.mesh.axis_types))
+    entry = spec[x.ndim - 3] if len(spec) > x.ndim - 3 else None
+    axes = () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
+    return axes if all(kinds[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
 
 
-def _sequence_entry(x):
-    """The mesh axes that split ``x``'s sequence dim (-3) under explicit sharding, or None."""
-    spec = tuple(jax.typeof(x).sharding.spec)
-    return spec[x.ndim - 3] if len(spec) > x.ndim - 3 else None
+def _without_axes(x, axes):
+    """``x`` gathered along every dim that mesh ``axes`` split."""
+    sharding = jax.typeof(x).sharding
+    drop = lambda e: (tuple(a for a in e if a not in axes) or None) if isinstance(e, tuple) else (None if e in axes else e)  # noqa: E731
+    spec = P(*map(drop, sharding.spec))
+    return x if spec == sharding.spec else jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
 
 
 def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
     """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them in
-    which each shard attends its queries, from global position ``index * local``, to every key."""
-    mesh, spec, seq = jax.typeof(q).sharding.mesh, tuple(jax.typeof(q).sharding.spec), q.ndim - 3
+    which each shard attends its queries, from global position ``index * local``, to every key.
+    The mask goes in as an operand (a shard_map's code cannot close over arrays those axes split),
+    whole along them."""
+    mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
     local = q.shape[seq] // math.prod(mesh.shape[a] for a in axes)
     split = [(axes if len(axes) > 1 else axes[0]) if d == seq else None for d in range(q.ndim)]
-    specs = {"q": P(*split), "k": P(), "v": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
+    specs = {"q": P(*split), "k": P(), "v": P(), "mask": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
     operands = {"q": q, "k": k, "v": v}
+    if mask is not None:
+        operands["mask"] = jax.tree.map(lambda x: _without_axes(jnp.asarray(x), axes), as_mask(mask))
     if sinks is not None:
         operands["sinks"] = jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1])
 
-    def shard(q, k, v, sinks=None):
+    def shard(operands):
         start = lax.axis_index(axes) * local
-        try:
-            local_mask = None if mask is None else shifted(mask, start, 0)
-        except TypeError as error:
-            whole = P(*(None if d == seq else e for d, e in enumerate(spec)))
-            raise ValueError(
-                f"attention: q's sequence is split over {axes}, each shard attending its queries under the mask shifted "
-                f"to their positions, which this mask cannot follow ({error}); reshard q first to {whole}"
-            ) from None
+        mask = operands.get("mask")
+        local_mask = None if mask is None else shifted(mask, start, 0, q_len=local)
         at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
-        return attention(q, k, v, mask=local_mask, score_mod=at, sinks=sinks, return_lse=True, **kw)
+        q, k, v = (operands[name] for name in "qkv")
+        return attention(q, k, v, mask=local_mask, score_mod=at, sinks=operands.get("sinks"), return_lse=True, **kw)
 
-    in_specs = tuple(specs[name] for name in operands)
+    in_specs = ({name: specs[name] for name in operands},)
     sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], specs["sinks"]), axis_names=set(axes))
-    return sharded(*operands.values())
+    return sharded(operands)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

@@ -118,10 +118,10 @@ def test_attention_split_over_batch_and_heads(implementation):
     assert collectives(text) == {}
 
 
-def test_core_dims_other_than_heads_stay_an_error():
+def test_core_dims_other_than_heads_and_sequences_stay_an_error():
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
-    q = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P(None, "x")))
-    fix = r"reshard it first to P\(None, None, None, None\) \(jax.sharding.reshard\).*ring_attention"
+    q = jax.device_put(jnp.ones((2, 16, 2, 8)), NamedSharding(mesh, P(None, None, None, "x")))
+    fix = r"reshard it first to P\(None, None, None, None\) \(jax.sharding.reshard\).*only the heads and the sequences"
     with pytest.raises(ValueError, match=r"attention: `q` is sharded along a core dim.*" + fix):
         jf.attention(q, q, q)
 
@@ -191,12 +191,34 @@ def test_queries_split_along_the_sequence_attend_every_key(name):
     np.testing.assert_allclose(d_out, jax.jvp(attend, (q, k, v), tangents)[1][0], rtol=1e-11, atol=1e-11)
 
 
-def test_queries_split_under_a_mask_of_positional_arrays_is_a_clear_error():
-    mesh = jax.make_mesh((8,), ("seq",), axis_types=(jax.sharding.AxisType.Explicit,))
-    q = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P(None, "seq")))
-    k = jax.device_put(jnp.ones((2, 16, 2, 4)), NamedSharding(mesh, P()))
-    with pytest.raises(ValueError, match=r"q's sequence is split over \('seq',\).*a document mask.*reshard q first to P\(None, None"):
-        jf.attention(q, k, k, mask=jf.masks.document(jnp.zeros((2, 16), jnp.int32)))
+SEQUENCE_SPLITS = {  # name: a mask of per-position arrays, from segment ids (4, 32) or a table (4, 1, 32, 32)
+    "document&causal": lambda ids, table: jf.masks.document(ids) & jf.masks.causal(),
+    "array|window": lambda ids, table: jf.masks.from_array(table) | jf.masks.sliding_window(3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SEQUENCE_SPLITS))
+def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name):
+    """q, k, v and the mask's arrays all split along the sequence (jax.nn refuses this): k and v are
+    gathered whole, each shard of q attends under the mask's rows of its queries. Values,
+    gradients and their splits (those of the primals) match one device's."""
+    build = SEQUENCE_SPLITS[name]
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 32, 2, 8))) for _ in range(3))
+    ids, table = jnp.asarray(np.sort(rng.integers(0, 5, (4, 32)), axis=-1)), jnp.asarray(rng.random((4, 1, 32, 32)) < 0.3)
+    loss = lambda q, k, v, mask: jnp.sum(jnp.sin(jf.attention(q, k, v, mask=mask)))
+    with jax.set_mesh(mesh):
+        split = lambda x, spec=P("data", "seq"): jax.device_put(x, NamedSharding(mesh, spec))
+        args = (*map(split, (q, k, v)), build(split(ids), split(table, P("data", None, "seq"))))
+        out = jax.jit(lambda q, k, v, mask: jf.attention(q, k, v, mask=mask))(*args)
+        grads = jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+    mask = build(ids, table)
+    np.testing.assert_allclose(out, jf.attention(q, k, v, mask=mask), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v, mask)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+    assert out.sharding.spec == P("data", "seq", None, None)
+    assert all(g.sharding.spec == P("data", "seq", None, None) for g in grads)
 
 
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):

@@ -368,7 +368,7 @@ def check_operands(fn: str, q, k, v):
 def _output_avals(fn, q, k, v, outputs):
     """Outputs ``(shape, dtype, heads dim)``, partitioned along batch and heads like q, k, v."""
     heads = ("heads", {"q": -2, "k": -2, "v": -2})
-    hint = "; q's sequence alone may be split (each shard attending every key); to split k's and v's too, call jf.parallel.ring_attention inside jf.shard"
+    hint = "; of the core dims, only the heads and the sequences may be split (jf.attention gathers k's and v's)"
     return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, q.ndim - 3, outputs, split=heads, hint=hint)
 
 

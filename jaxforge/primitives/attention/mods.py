@@ -352,9 +352,10 @@ def _counts_below(values, queries, inclusive: tuple[bool, ...]) -> tuple:
             new.append((jnp.where(right, mid + 1, lo), jnp.where(right | (lo == hi), hi, mid)))
         return tuple(new)
 
-    # Bounds made like the queries carry their type (under shard_map, the mesh axes they vary
-    # along), which the loop's updates have and a constant lacks.
-    bounds = tuple((jnp.zeros_like(queries, jnp.int32), jnp.full_like(queries, size, jnp.int32)) for _ in belows)
+    # Bounds made like both operands carry their types (under shard_map, the mesh axes either
+    # varies along), which the loop's updates have and a constant lacks.
+    zero = jnp.zeros_like(queries, jnp.int32) + jnp.zeros_like(jnp.sum(values, axis=-1, keepdims=True), jnp.int32)
+    bounds = tuple((zero, jnp.full_like(zero, size)) for _ in belows)
     return tuple(lo for lo, _ in jax.lax.fori_loop(0, steps, step, bounds))
 
 
