@@ -201,7 +201,7 @@ SEQUENCE_SPLITS = {  # name: a mask of per-position arrays, from segment ids (4,
 def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name):
     """q, k, v and the mask's arrays all split along the sequence (jax.nn refuses this): k and v are
     gathered whole, each shard of q attends under the mask's rows of its queries. Values,
-    gradients and their splits (those of the primals) match one device's."""
+    gradients (split as their primals) and a jvp match one device's."""
     build = SEQUENCE_SPLITS[name]
     mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     rng = np.random.default_rng(11)
@@ -219,6 +219,11 @@ def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name)
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
     assert out.sharding.spec == P("data", "seq", None, None)
     assert all(g.sharding.spec == P("data", "seq", None, None) for g in grads)
+    tangents = tuple(jnp.cos(x) for x in (q, k, v))  # through the shard_map, the mask's integer arrays beside
+    attend = lambda mask, *qkv: jf.attention(*qkv, mask=mask)
+    with jax.set_mesh(mesh):
+        d_out = jax.jit(lambda mask, *a: jax.jvp(lambda *qkv: attend(mask, *qkv), a[:3], a[3:])[1])(args[3], *args[:3], *tangents)
+    np.testing.assert_allclose(d_out, jax.jvp(lambda *qkv: attend(mask, *qkv), (q, k, v), tangents)[1], rtol=1e-11, atol=1e-11)
 
 
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):
