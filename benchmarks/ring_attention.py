@@ -1,12 +1,12 @@
 """Ring attention under a mask of positions, side by side in one process: ``ring_attention(mask=
 causal & sliding_window(w))``, whose shifted masks skip the pairs of chunks the window hides, the
-causal ring (``causal=True``: half the pairs), the unmasked ring, ``jf.attention`` with q, k and v
-split along the sequence on an explicit mesh (k and v gathered whole: Llama 3's context
-parallelism) and one device's ``jf.attention``, both under the window. For each: its median
-forward time over interleaved repeats and its largest
-difference from one device's ``jf.attention`` under the same mask. The JSON has the bench's layout
-(``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the others anchors with
-``ratio`` = their time / its.
+causal ring (``causal=True``: half the pairs), the unmasked ring, ``all_gather_attention`` (k and v
+gathered whole: Llama 3's context parallelism) and ``jf.attention`` with q, k and v split along the
+sequence on an explicit mesh (the same, partitioned by jf.attention) under the window, and one
+device's ``jf.attention`` under it. For each: its median forward time over interleaved repeats
+and its largest difference from one device's ``jf.attention`` under the same mask. The JSON has
+the bench's layout (``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the
+others anchors with ``ratio`` = their time / its.
 
     python benchmarks/ring_attention.py [--devices 4] [--repeats 5] [--out benchmarks/results] [--quick]
 
@@ -45,8 +45,8 @@ def main(argv=None) -> None:
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.float32) for i in range(3))
     window = jf.masks.causal() & jf.masks.sliding_window(width)
 
-    def ring(**kw):
-        inner = lambda q, k, v: jf.parallel.ring_attention(q, k, v, axis_name="sp", load_balanced=False, **kw)  # noqa: E731
+    def ring(attend=jf.parallel.ring_attention, **kw):
+        inner = lambda q, k, v: attend(q, k, v, axis_name="sp", load_balanced=False, **kw)  # noqa: E731
         return jax.jit(jf.shard(inner, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
 
     def gathered(mask):
@@ -64,6 +64,7 @@ def main(argv=None) -> None:
         "ring, causal & window": (ring(mask=window), window),
         "ring, causal": (ring(causal=True), jf.masks.causal()),
         "ring, no mask": (ring(), None),
+        "all-gather, causal & window": (ring(jf.parallel.all_gather_attention, mask=window), window),
         "k, v gathered, causal & window": (gathered(window), window),
         "one device, causal & window": (one_device(window), window),
     }

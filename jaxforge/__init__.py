@@ -10,7 +10,7 @@ Public surface::
     jf.export.save(fn, args, path), jf.export.load(path)  # jax.export artifacts, checked on load
     jf.shard(f, *, mesh=None, in_specs, out_specs)
     jf.remat.save_attention(*names, policy=None), save_linalg  # jax.checkpoint policies keeping their residuals
-    jf.parallel.column_parallel_linear, row_parallel_linear, sequence_parallel_rms_norm, ring_attention
+    jf.parallel.column_parallel_linear, row_parallel_linear, sequence_parallel_rms_norm, ring_attention, all_gather_attention
     jf.linalg.svd(a, full_matrices=False, compute_uv=True, *, grad_eps=0.0)
     jf.linalg.lstsq(a, b, rcond=None) -> LstsqResult(solution, residuals, rank, singular_values)
 """

@@ -24,6 +24,7 @@ from jaxforge.functional import collectives, masks
 from jaxforge.functional.attention import attention, merge_attention
 
 __all__ = [
+    "all_gather_attention",
     "column_parallel_linear",
     "load_balance",
     "merge_attention",
@@ -94,9 +95,14 @@ def ring_attention(
     else:
         mask = masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
         out, lse = _ring_masked(q, k, v, mask, axis_name, load_balanced, kw)
-    if sinks is not None:
-        out, _ = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
-    return out
+    return _with_sinks(out, lse, sinks)
+
+
+def _with_sinks(out, lse, sinks):
+    """``out`` with the attention sinks joined once, through its lse (None: as it is)."""
+    if sinks is None:
+        return out
+    return merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))[0]
 
 
 def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, kw):
@@ -127,28 +133,64 @@ def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, kw):
 def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
     """:func:`ring_attention`'s ``(out, lse)`` under ``mask``: every local chunk of queries attends
     every chunk of keys that visits, the mask shifted to their global positions; merged by lse."""
-    n, me, local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3]
-
-    def chunks(x, device):
-        """``(chunk, its first global position)`` of each chunk of ``x``, held by ``device``."""
-        if not load_balanced:
-            return [(x, device * local)]
-        c = local // 2
-        return [(x[..., :c, :, :], device * c), (x[..., c:, :, :], (2 * n - 1 - device) * c)]
-
-    queries = chunks(q, me)
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    queries = _local_chunks(q, me, n, load_balanced)
     results = [None] * len(queries)
     for step in range(n):
         if step:
             k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
         src = (me - step) % n
         for i, (q_chunk, q_offset) in enumerate(queries):
-            for (k_chunk, kv_offset), (v_chunk, _) in zip(chunks(k, src), chunks(v, src)):
+            for (k_chunk, kv_offset), (v_chunk, _) in zip(_local_chunks(k, src, n, load_balanced), _local_chunks(v, src, n, load_balanced)):
                 block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
                 part = attention(q_chunk, k_chunk, v_chunk, mask=block, **kw)
                 results[i] = part if results[i] is None else merge_attention(*results[i], *part)
     outs, lses = zip(*results)
     return jnp.concatenate(outs, axis=-3), jnp.concatenate(lses, axis=-2)
+
+
+def _local_chunks(x, device, n: int, load_balanced: bool) -> list:
+    """``(chunk, its first global position)`` of each chunk of the sequence ``x`` (dim -3) that
+    ``device`` of ``n`` holds: all of it, or the head and tail chunks of :func:`load_balance`."""
+    local = x.shape[-3]
+    if not load_balanced:
+        return [(x, device * local)]
+    c = local // 2
+    return [(x[..., :c, :, :], device * c), (x[..., c:, :, :], (2 * n - 1 - device) * c)]
+
+
+def all_gather_attention(
+    q, k, v, *, axis_name, causal: bool = False, mask=None, load_balanced: bool = True, scale=None, sinks=None
+):
+    """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``) by
+    gathering every key and value: the context parallelism of Llama 3, beside :func:`ring_attention`.
+
+    ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``, in the same layouts as
+    ring_attention's (``load_balanced``: :func:`load_balance`'s head–tail order, so that a causal
+    mask gives every device the same work). One all-gather of k and one of v (their backward one
+    reduce-scatter each) bring the whole sequence to every device, which attends its queries to it
+    under ``mask`` (with ``causal=True``, joined by ``&``) shifted to their positions: one call per
+    local chunk, the tiles the mask hides skipped. Against the ring: memory for every key per
+    device, but no step waits on the next permute, and a mask of arrays slices them once. Small
+    k and v (GQA, MQA) make the gather cheap.
+    """
+    if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
+        raise ValueError(f"all_gather_attention: a load-balanced mask needs an even local length, got q {q.shape}")
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))
+    if causal:
+        mask = masks.causal() if mask is None else masks.as_mask(mask) & masks.causal()
+    if mask is None:  # the keys' order does not matter
+        parts = [attention(q, k, v, scale=scale, return_lse=True)]
+    else:
+        if load_balanced:  # the gathered chunks into their global order
+            k, v = unbalance(k, n), unbalance(v, n)
+        parts = [
+            attention(chunk, k, v, mask=masks.shifted(mask, start, 0, q_len=chunk.shape[-3]), scale=scale, return_lse=True)
+            for chunk, start in _local_chunks(q, me, n, load_balanced)
+        ]
+    out, lse = (jnp.concatenate(xs, axis=axis) for xs, axis in zip(zip(*parts), (-3, -2)))
+    return _with_sinks(out, lse, sinks)
 
 
 def _rows_after(half, result):

@@ -98,8 +98,8 @@ def test_sequence_parallel_rms_norm_gradient_of_the_replicated_scale():
 RING_CASES = [(2, False, False), (2, True, False), (4, True, True)]  # (devices, causal, load_balanced)
 
 
-def ring(n, causal, balanced, sinks=None, mask=None):
-    inner = lambda q, k, v: par.ring_attention(q, k, v, axis_name="ctx", causal=causal, mask=mask, load_balanced=balanced, sinks=sinks)
+def ring(n, causal, balanced, sinks=None, mask=None, attend=par.ring_attention):
+    inner = lambda q, k, v: attend(q, k, v, axis_name="ctx", causal=causal, mask=mask, load_balanced=balanced, sinks=sinks)
     sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
     if not balanced:
         return sharded
@@ -171,6 +171,40 @@ def test_ring_attention_communication(n):
     assert fwd["collective-permute"] in (n - 1, 2 * (n - 1)) and sum(fwd.values()) == fwd["collective-permute"]
     grad = collectives(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)), q, k, v)
     assert grad["all-reduce"] == grad["all-gather"] == grad["all-to-all"] == 0  # only the ring and its reverse
+
+
+GATHERED = {  # name: (devices, causal, load balanced, mask over the global positions, sinks)
+    "unmasked": (2, False, False, None, None),
+    "causal_balanced_sinks": (4, True, True, None, jnp.asarray([0.5, -1.0, 2.0, -jnp.inf])),
+    "window": (4, False, False, jf.masks.causal() & jf.masks.sliding_window(7), None),
+    "document&causal_balanced": (2, True, True, RING_MASKS["document"][2], None),
+    "array": (2, False, True, RING_MASKS["array"][2], None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GATHERED))
+def test_all_gather_attention_value_and_grad(name):
+    n, causal, balanced, mask, sinks = GATHERED[name]
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
+    whole = jf.masks.causal() if causal and mask is None else jf.masks.as_mask(mask) & jf.masks.causal() if causal else mask
+    f = jax.jit(ring(n, causal, balanced, sinks, mask, attend=par.all_gather_attention))
+    ref = lambda q, k, v: jf.attention(q, k, v, mask=whole, sinks=sinks)
+    np.testing.assert_allclose(f(q, k, v), ref(q, k, v), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: jnp.sum(f(*a) ** 2))
+    for g, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
+def test_all_gather_attention_communication():
+    """The forward gathers k and v (XLA may fuse the two) and permutes nothing; the backward sums
+    their gradients back to the shards."""
+    q, k, v = rng_arrays((1, 32, 2, 4), (1, 32, 2, 4), (1, 32, 2, 4))
+    inner = lambda q, k, v: par.all_gather_attention(q, k, v, axis_name="ctx", causal=True)
+    f = jf.shard(inner, mesh=mesh(4, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    fwd = collectives(f, q, k, v)
+    assert fwd["all-gather"] in (1, 2) and sum(fwd.values()) == fwd["all-gather"]
+    grad = collectives(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)), (0, 1, 2)), q, k, v)
+    assert grad["collective-permute"] == 0 and grad["reduce-scatter"] + grad["all-reduce"] >= 1
 
 
 def test_load_balance_round_trip_and_layout():
