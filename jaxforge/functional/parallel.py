@@ -140,8 +140,9 @@ def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
         if step:
             k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
         src = (me - step) % n
+        visiting = list(zip(*(_local_chunks(x, src, n, load_balanced) for x in (k, v))))
         for i, (q_chunk, q_offset) in enumerate(queries):
-            for (k_chunk, kv_offset), (v_chunk, _) in zip(_local_chunks(k, src, n, load_balanced), _local_chunks(v, src, n, load_balanced)):
+            for (k_chunk, kv_offset), (v_chunk, _) in visiting:
                 block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
                 part = attention(q_chunk, k_chunk, v_chunk, mask=block, **kw)
                 results[i] = part if results[i] is None else merge_attention(*results[i], *part)
@@ -167,12 +168,12 @@ def all_gather_attention(
 
     ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``, in the same layouts as
     ring_attention's (``load_balanced``: :func:`load_balance`'s head–tail order, so that a causal
-    mask gives every device the same work). One all-gather of k and one of v (their backward one
-    reduce-scatter each) bring the whole sequence to every device, which attends its queries to it
-    under ``mask`` (with ``causal=True``, joined by ``&``) shifted to their positions: one call per
-    local chunk, the tiles the mask hides skipped. Against the ring: memory for every key per
-    device, but no step waits on the next permute, and a mask of arrays slices them once. Small
-    k and v (GQA, MQA) make the gather cheap.
+    mask gives every device the same work). One all-gather of k and one of v (whose transposes sum
+    their gradients back to the shards) bring the whole sequence to every device, which attends
+    its queries to it under ``mask`` (with ``causal=True``, joined by ``&``) shifted to their
+    positions: one call per local chunk, the tiles the mask hides skipped. Against the ring: memory
+    for every key per device, but no step waits on the next permute, and a mask of arrays slices
+    them once. Small k and v (GQA, MQA) make the gather cheap.
     """
     if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
         raise ValueError(f"all_gather_attention: a load-balanced mask needs an even local length, got q {q.shape}")
