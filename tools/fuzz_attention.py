@@ -13,9 +13,12 @@ evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the ra
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
-a per-head scale) and compares the gradient in the table too and a Hessian-vector product.
+a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
+``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
+q split along its sequence (k and v too, or whole; the batch split or not; ALiBi on q_idx now and
+then), and compares out, lse and the gradient.
 
-    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order] [--seconds 600] [--seed 0]
+    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded] [--seconds 600] [--seed 0]
 
 prints each failing seed with its error, and last the count of seeds run and failed (exit 1 if any
 failed). A seed reruns alone with ``--seed S --count 1``.
@@ -28,6 +31,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 jax.config.update("jax_enable_x64", True)
 
@@ -238,12 +242,48 @@ def _run_seed(seed: int, mode: str) -> None:
             _assert_close(a, e, 1e-7)
 
 
+def _run_sharded_seed(seed: int) -> None:
+    """A random call with its sequences split on an explicit ("data", "seq") mesh, against the dense
+    attention on one device."""
+    rng = np.random.default_rng(seed)
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2, devices=jax.devices()[:8])
+    b, sq, skv, hkv = 2, 4 * int(rng.integers(1, 11)), 4 * int(rng.integers(1, 11)), int(rng.integers(1, 3))
+    hq, d = hkv * int(rng.integers(1, 3)), int(rng.choice([4, 8]))
+    mask, visible = random_mask(rng, b, hq, sq, skv)
+    visible = np.broadcast_to(visible, (b, hq, sq, skv))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, d)))
+    score_mod = (lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j)) if rng.random() < 0.3 else None
+    implementation = random_implementation(rng)
+    implementation = "xla" if isinstance(implementation, str) or implementation.name != "xla" else implementation
+    batch = "data" if rng.random() < 0.5 else None
+    specs = (P(batch, "seq"), *[P(batch, "seq" if rng.random() < 0.6 else None)] * 2)
+    ours = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=score_mod, return_lse=True, implementation=implementation)  # noqa: E731
+    dense = lambda q, k, v: dense_jnp(q, k, v, visible, score_mod)  # noqa: E731
+    weights = rng.standard_normal((b, sq, hq, d))
+    with jax.set_mesh(mesh):
+        split = [jax.device_put(x, spec) for x, spec in zip((q, k, v), specs)]
+        out, lse = jax.jit(ours)(*split)
+        grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(*split)
+    out_d, lse_d = dense(q, k, v)
+    rows = np.isfinite(np.asarray(lse_d))
+    _assert_close(out, out_d, 1e-9)
+    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
+    _assert_close(lse, lse_d, 1e-9, rows)
+    for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2))(q, k, v)):
+        _assert_close(a, e, 1e-8)
+
+
 def main(argv=None) -> int:
     parser = fuzz_loop.parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["first-order", "second-order"], default="first-order")
+    parser.add_argument("--mode", choices=["first-order", "second-order", "sharded"], default="first-order")
     args = parser.parse_args(argv)
-    return fuzz_loop.run(lambda seed: run_seed(seed, args.mode), args, label=f"{args.mode}: ")
+    if args.mode == "sharded" and len(jax.devices()) < 8:
+        print(f"sharded: needs 8 devices, {len(jax.devices())} here (on a CPU, run this script: it asks for 8)")
+        return 1
+    seeds = (lambda seed: run_seed(seed, args.mode)) if args.mode != "sharded" else _run_sharded_seed
+    return fuzz_loop.run(seeds, args, label=f"{args.mode}: ")
 
 
 if __name__ == "__main__":
+    jax.config.update("jax_num_cpu_devices", 8)  # the sharded mode's mesh; before jax starts its CPU backend
     sys.exit(main())
