@@ -4,6 +4,7 @@ conftest.py switches on jaxtyping + beartype for jf.nn, so every call here also 
 shape annotations of the signatures.
 """
 
+import functools
 import inspect
 
 import jax
@@ -455,6 +456,37 @@ def test_context_parallel_training_under_explicit_sharding_equals_single_device(
         got_value, got_grads = jax.jit(jax.value_and_grad(loss_of))(jax.device_put(params, P()), *split)
     np.testing.assert_allclose(got_value, value, rtol=1e-12)
     jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13), got_grads, grads)
+
+
+def test_context_parallel_training_under_shard_equals_single_device():
+    """Inside jf.shard, each of 4 devices holds two chunks of every sequence in load_balance's
+    head–tail order (tokens, targets, rotary positions); attention is all_gather_attention under a
+    document & causal mask over the global positions (the ids whole on every device). Loss and
+    gradients equal one device's."""
+    n, par = 4, jf.parallel
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **dict(CONFIG, depth=1))
+    tokens, segments = jnp.asarray(RNG.integers(0, 13, (2, 33))), jnp.asarray(np.sort(RNG.integers(0, 3, (2, 33)), axis=1))
+    inputs, targets, segments, positions = tokens[:, :-1], tokens[:, 1:], segments[:, :-1], jnp.arange(32)[None]
+
+    def loss_of(params, inputs, targets, segments, positions, attention_fn=jf.attention):
+        mask = jf.masks.document(segments) & jf.masks.causal()
+        return nn.cross_entropy(nn.transformer(params, inputs, mask=mask, positions=positions, attention_fn=attention_fn), targets)
+
+    sequence = P(None, "sp")
+
+    @jax.jit
+    @jf.shard(mesh=jax.make_mesh((n,), ("sp",), devices=jax.devices()[:n]), in_specs=(P(), sequence, sequence, P(), sequence), out_specs=P())
+    def context_parallel(params, inputs, targets, segments, positions):
+        attend = functools.partial(par.all_gather_attention, axis_name="sp")
+        # Every device holds as many tokens: the mean of their mean losses is the mean loss.
+        mean_loss = lambda p: jf.collectives.all_reduce(loss_of(p, inputs, targets, segments, positions, attend), "sp", op="mean")  # noqa: E731
+        return jax.value_and_grad(mean_loss)(params)
+
+    balanced = [par.load_balance(x, n, axis=1) for x in (inputs, targets, positions)]
+    value, grads = context_parallel(params, *balanced[:2], segments, balanced[2])
+    want_value, want_grads = jax.jit(jax.value_and_grad(loss_of))(params, inputs, targets, segments, positions)
+    np.testing.assert_allclose(value, want_value, rtol=1e-12)
+    jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-13), grads, want_grads)
 
 
 # -- bad input ------------------------------------------------------------------------------------
