@@ -61,7 +61,7 @@ def random_leaf(rng, b, hq, sq, skv, kinds=LEAVES):
     if kind == "block":  # a block of a leaf over a longer sequence, its per-position arrays sliced
         extra = [int(rng.integers(0, 9)) for _ in range(2)]
         mask, visible = random_leaf(rng, b, hq, sq + extra[0], skv + extra[1], [k for k in LEAVES if k != "block"])
-        qo, ko = (_start(rng, b, n) for n in extra)
+        qo, ko = (_offset(rng, b, n, low=0) for n in extra)
         visible = np.broadcast_to(visible, (b, hq, sq + extra[0], skv + extra[1]))
         rows = [visible[i, :, _at_item(qo, i) :][:, :sq, _at_item(ko, i) :][:, :, :skv] for i in range(b)]
         offsets = (o if isinstance(o, int) else jnp.asarray(o) for o in (qo, ko))
@@ -96,20 +96,14 @@ def random_leaf(rng, b, hq, sq, skv, kinds=LEAVES):
     return masks.document(q_ids, kv_ids), q_ids[:, None, :, None] == kv_ids[:, None, None, :]
 
 
-def _offset(rng, b, n):
-    """A position offset in [-n, n]: a Python int, one shared array value, or one per item."""
+def _offset(rng, b, n, low=None):
+    """A position offset in [low, n] (default [-n, n]): a Python int, one shared array value, or one
+    per item."""
+    low = -n if low is None else low
     r = rng.random()
     if r < 0.4:
-        return int(rng.integers(-n, n + 1))
-    return rng.integers(-n, n + 1, () if r < 0.6 else b).astype(np.int32)
-
-
-def _start(rng, b, n):
-    """A block's first position in [0, n]: a Python int, one shared array value, or one per item."""
-    r = rng.random()
-    if r < 0.4:
-        return int(rng.integers(0, n + 1))
-    return rng.integers(0, n + 1, () if r < 0.6 else b).astype(np.int32)
+        return int(rng.integers(low, n + 1))
+    return rng.integers(low, n + 1, () if r < 0.6 else b).astype(np.int32)
 
 
 def _at_item(offset, i):
@@ -188,6 +182,17 @@ def _assert_close(actual, expected, tol, rows=None):
     np.testing.assert_allclose(actual, expected, rtol=tol, atol=tol)
 
 
+def _assert_attention_close(ours, dense):
+    """``(out, lse)`` against the dense attention's; lse is -inf exactly on the rows that see no
+    key. Returns those that see one."""
+    (out, lse), (out_d, lse_d) = ours, dense
+    rows = np.isfinite(np.asarray(lse_d))
+    _assert_close(out, out_d, 1e-9)
+    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
+    _assert_close(lse, lse_d, 1e-9, rows)
+    return rows
+
+
 def run_seed(seed: int, mode: str) -> None:
     # The range pass's step (pairs a step): most seeds one step, some a row or a few at a time.
     per_step = int(np.random.default_rng([seed, 1]).choice([1 << 20, 1 << 20, 1 << 9, 1 << 6]))
@@ -221,12 +226,8 @@ def _run_seed(seed: int, mode: str) -> None:
     )
     dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table))  # noqa: E731
     args = (q, k, v, table)
-    (out, lse), (out_d, lse_d) = ours(*args), dense(*args)
-    rows = np.isfinite(np.asarray(lse_d))
-    _assert_close(out, out_d, 1e-9)
-    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
-    _assert_close(lse, lse_d, 1e-9, rows)
-    weights = rng.standard_normal(out_d.shape)
+    rows = _assert_attention_close(ours(*args), dense(*args))
+    weights = rng.standard_normal((b, sq, hq, dv))  # like out
     argnums = (0, 1, 2, 3) if mode == "second-order" else (0, 1, 2)
     grads = [jax.grad(_loss(f, weights), argnums=argnums)(*args) for f in (ours, dense)]
     for a, e in zip(*grads):
@@ -264,11 +265,7 @@ def _run_sharded_seed(seed: int) -> None:
         split = [jax.device_put(x, spec) for x, spec in zip((q, k, v), specs)]
         out, lse = jax.jit(ours)(*split)
         grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(*split)
-    out_d, lse_d = dense(q, k, v)
-    rows = np.isfinite(np.asarray(lse_d))
-    _assert_close(out, out_d, 1e-9)
-    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
-    _assert_close(lse, lse_d, 1e-9, rows)
+    _assert_attention_close((out, lse), dense(q, k, v))
     for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2))(q, k, v)):
         _assert_close(a, e, 1e-8)
 
