@@ -340,7 +340,7 @@ def test_an_array_mask_takes_empty_calls(batch, sq, skv, heads):
         (jf.masks.causal, (jnp.asarray(1.0), 0), {}, TypeError, r"shifted: `q_offset` .* got dtype float"),
     ],
 )
-def test_what_cannot_shift_is_a_clear_error(mask, offsets, lengths, error, match):
+def test_bad_offsets_and_blocks_are_clear_errors(mask, offsets, lengths, error, match):
     with pytest.raises(error, match=match):
         jf.masks.shifted(mask(), *offsets, **lengths)
 
