@@ -129,7 +129,7 @@ RING_MASKS = {  # name: (devices, load balanced, mask over the global positions,
     "prefix": (2, False, jf.masks.prefix_lm(11), False),
     "mask_mod": (4, False, lambda b, h, i, j: (i - j) % 3 == 0, False),  # read at shifted indices, no span
     # per-position arrays, the whole sequence's on every device: each pair of chunks slices them
-    "document": (2, True, jf.masks.document(jnp.asarray(np.sort(_ring_tables.integers(0, 5, (2, 32)), axis=-1))), True),
+    "document": (2, False, jf.masks.document(jnp.asarray(np.sort(_ring_tables.integers(0, 5, (2, 32)), axis=-1))), True),
     "array": (2, False, jf.masks.from_array(jnp.asarray(_ring_tables.random((2, 1, 32, 32)) < 0.4)), False),
 }
 
