@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxforge.functional.masks import Mask, as_mask, shifted
 from jaxforge.primitives import _core
@@ -98,7 +98,7 @@ def attention(
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
     sq, skv, d = q.shape[-3], k.shape[-3], q.shape[-1]
-    k, v = (_without_axes(x, _sequence_split(x)) for x in (k, v))  # gathered whole along the sequence
+    k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
     if axes := _sequence_split(q):
         kw = dict(score_mod=score_mod, scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
         out, lse = _over_query_shards(axes, q, k, v, mask, **kw)
@@ -130,14 +130,6 @@ def _sequence_split(x) -> tuple:
     return axes if all(kinds[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
 
 
-def _without_axes(x, axes):
-    """``x`` gathered along every dim that mesh ``axes`` split."""
-    sharding = jax.typeof(x).sharding
-    drop = lambda e: (tuple(a for a in e if a not in axes) or None) if isinstance(e, tuple) else (None if e in axes else e)  # noqa: E731
-    spec = P(*map(drop, sharding.spec))
-    return x if spec == sharding.spec else jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
-
-
 def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
     """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them in
     which each shard attends its queries, from global position ``index * local``, to every key.
@@ -149,7 +141,7 @@ def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
     specs = {"q": P(*split), "k": P(), "v": P(), "mask": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
     operands = {"q": q, "k": k, "v": v}
     if mask is not None:
-        operands["mask"] = jax.tree.map(lambda x: _without_axes(jnp.asarray(x), axes), as_mask(mask))
+        operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x), axes), as_mask(mask))
     if sinks is not None:
         operands["sinks"] = jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1])
 

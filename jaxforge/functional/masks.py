@@ -1067,7 +1067,4 @@ def _per_batch(x, batch_shape, fn: str, name: str, trailing: int):
 def _replicated(x):
     """``x`` replicated where explicit sharding split it: masks and spans read it at traced batch
     indices, and the span's sort needs whole rows. (A few integers per token: small next to q, k, v.)"""
-    sharding = jax.typeof(x).sharding
-    if any(p is not None for p in sharding.spec):
-        x = jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-    return x
+    return _core.gathered(x)

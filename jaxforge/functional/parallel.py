@@ -11,8 +11,9 @@ invariant/varying typing of ``jax.shard_map``) produce the gradient communicatio
 * :func:`ring_attention`: context parallelism — the sequence is sharded, key/value blocks travel
   round the ring (``shift``) and the partial results merge through their log-sum-exp. With
   ``causal=True`` and :func:`load_balance`'s head–tail layout every device does the same work;
-  ``mask=`` takes any mask of positions (a sliding window, prefix-LM, chunks), each block of it
-  shifted to where its queries and keys lie (``jf.masks.shifted``) so blocks it hides cost nothing.
+  ``mask=`` takes any mask, each block of it shifted to where its queries and keys lie
+  (``jf.masks.shifted``) so blocks it hides cost nothing.
+* :func:`all_gather_attention`: the same layouts, k and v gathered whole on every device instead.
 """
 
 from __future__ import annotations
@@ -87,15 +88,26 @@ def ring_attention(
     chunks it hides visits no tile. Its arrays (a document's segment ids, ``from_array``'s table)
     are the whole sequence's, in its global order, on every device.
     """
-    if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
-        raise ValueError(f"ring_attention: a load-balanced mask needs an even local length, got q {q.shape}")
     kw = dict(scale=scale, return_lse=True)
     if mask is None:
+        _check_layout("ring_attention", q, causal, load_balanced)
         out, lse = _ring(q, k, v, axis_name, causal, load_balanced, kw)
     else:
-        mask = masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
-        out, lse = _ring_masked(q, k, v, mask, axis_name, load_balanced, kw)
+        out, lse = _ring_masked(q, k, v, _joined("ring_attention", q, mask, causal, load_balanced), axis_name, load_balanced, kw)
     return _with_sinks(out, lse, sinks)
+
+
+def _check_layout(fn: str, q, masked: bool, load_balanced: bool) -> None:
+    if masked and load_balanced and q.shape[-3] % 2:
+        raise ValueError(f"{fn}: a load-balanced mask needs an even local length, got q {q.shape}")
+
+
+def _joined(fn: str, q, mask, causal: bool, load_balanced: bool):
+    """``mask`` with ``causal=True`` joined by ``&`` (None: neither), its layout checked."""
+    _check_layout(fn, q, causal or mask is not None, load_balanced)
+    if mask is None:
+        return masks.causal() if causal else None
+    return masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
 
 
 def _with_sinks(out, lse, sinks):
@@ -175,12 +187,9 @@ def all_gather_attention(
     for every key per device, but no step waits on the next permute, and a mask of arrays slices
     them once. Small k and v (GQA, MQA) make the gather cheap.
     """
-    if (causal or mask is not None) and load_balanced and q.shape[-3] % 2:
-        raise ValueError(f"all_gather_attention: a load-balanced mask needs an even local length, got q {q.shape}")
+    mask = _joined("all_gather_attention", q, mask, causal, load_balanced)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))
-    if causal:
-        mask = masks.causal() if mask is None else masks.as_mask(mask) & masks.causal()
     if mask is None:  # the keys' order does not matter
         parts = [attention(q, k, v, scale=scale, return_lse=True)]
     else:

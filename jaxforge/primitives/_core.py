@@ -228,12 +228,8 @@ def _per_shard(fn, avals_in, avals_out, shared, pass_shards: bool):
 
     sharded = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
 
-    def replicate(x, spec):  # shared operands that arrive sharded are gathered first
-        if spec == PartitionSpec() and _explicitly_sharded(jax.typeof(x)):
-            return jax.sharding.reshard(x, NamedSharding(mesh, spec))
-        return x
-
-    return lambda *args: sharded(*(replicate(x, spec) for x, spec in zip(args, in_specs)))
+    # shared operands that arrive sharded are gathered first
+    return lambda *args: sharded(*(gathered(x) if spec == PartitionSpec() else x for x, spec in zip(args, in_specs)))
 
 
 def _untyped(aval):
@@ -241,6 +237,21 @@ def _untyped(aval):
     if not isinstance(aval, core.ShapedArray):
         return aval
     return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=aval.sharding)
+
+
+def gathered(x, axes=None):
+    """``x`` resharded whole along every dim that mesh ``axes`` (None: any axis) split under explicit
+    sharding (an all-gather); ``x`` itself where none does."""
+    sharding = jax.typeof(x).sharding
+    dropped = lambda a: axes is None or a in axes  # noqa: E731
+    if not _explicitly_sharded(jax.typeof(x)) or not any(dropped(a) for e in sharding.spec for a in _mesh_axes(e)):
+        return x
+
+    def kept(entry):
+        rest = tuple(a for a in _mesh_axes(entry) if not dropped(a))
+        return rest[0] if len(rest) == 1 else rest or None
+
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*map(kept, sharding.spec))))
 
 
 def _explicitly_sharded(aval) -> bool:
