@@ -2,8 +2,10 @@
 causal & sliding_window(w))``, whose shifted masks skip the pairs of chunks the window hides, the
 causal ring (``causal=True``: half the pairs), the unmasked ring, ``all_gather_attention`` (k and v
 gathered whole: Llama 3's context parallelism) and ``jf.attention`` with q, k and v split along the
-sequence on an explicit mesh (the same, partitioned by jf.attention) under the window, and one
-device's ``jf.attention`` under it. For each: its median forward time over interleaved repeats
+sequence on an explicit mesh (the same, partitioned by jf.attention) under the window, both again
+under the causal mask alone (all_gather_attention on contiguous chunks, where the last device
+does the most work; jf.attention trading halves of q into the head–tail layout), and one
+device's ``jf.attention`` under the window. For each: its median forward time over interleaved repeats
 and its largest difference from one device's ``jf.attention`` under the same mask. The JSON has
 the bench's layout (``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the
 others anchors with ``ratio`` = their time / its.
@@ -11,7 +13,8 @@ others anchors with ``ratio`` = their time / its.
     python benchmarks/ring_attention.py [--devices 4] [--repeats 5] [--out benchmarks/results] [--quick]
 
 On a CPU the devices are simulated (``jax_num_cpu_devices``, set here before jax starts) and share
-its cores. ``--quick``: 256 tokens, a window of 32 (the smoke test's size).
+its cores: an uneven split shows only where there are as many cores as devices (``--devices 2``
+on 2 cores; the JSON's name then says ``-2dev``). ``--quick``: 256 tokens, a window of 32 (the smoke test's size).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ def main(argv=None) -> None:
         "ring, no mask": (ring(), None),
         "all-gather, causal & window": (ring(jf.parallel.all_gather_attention, mask=window), window),
         "k, v gathered, causal & window": (gathered(window), window),
+        "all-gather, causal": (ring(jf.parallel.all_gather_attention, causal=True), jf.masks.causal()),
+        "k, v gathered, causal": (gathered(jf.masks.causal()), jf.masks.causal()),
         "one device, causal & window": (one_device(window), window),
     }
     references = {name: one_device(mask)(q, k, v) for name, (_, mask) in variants.items()}
@@ -91,7 +96,8 @@ def main(argv=None) -> None:
             median_ms=median, ratio=median / ours, times_ms=times[name], accuracy={"out_vs_one_device": difference},
         ))  # fmt: skip
     device = jax.devices()[0]
-    path = args.out / f"{datetime.date.today()}-{device.platform}-ring-attention{'-quick' if args.quick else ''}.json"
+    devices = "" if args.devices == 4 else f"-{args.devices}dev"
+    path = args.out / f"{datetime.date.today()}-{device.platform}-ring-attention{devices}{'-quick' if args.quick else ''}.json"
     run = dict(family="ring_attention", date=str(datetime.date.today()), device=device.platform, device_kind=device.device_kind,
                backend=jax.default_backend(), jax_version=jax.__version__, devices=args.devices, window=width, dtype="float32",
                records=records)  # fmt: skip

@@ -80,7 +80,10 @@ def attention(
     Under explicit sharding, batch dims and heads may be sharded, and so may the sequences: each
     shard of q's attends its queries to every key, the mask (its per-position arrays sliced) and
     ``score_mod`` seeing the queries' global positions (:func:`jf.masks.shifted
-    <jaxforge.functional.masks.shifted>`); out and lse keep q's split. k and v split along their
+    <jaxforge.functional.masks.shifted>`); out and lse keep q's split. Where the mask lets later
+    queries see more keys (causal), the shards first trade halves of their queries into
+    :func:`jf.parallel.load_balance <jaxforge.functional.parallel.load_balance>`'s head–tail layout,
+    so each does the same work, and trade the results back. k and v split along their
     sequence are gathered whole first (an all-gather, whose transpose sums their gradients back to
     the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
     <jaxforge.functional.parallel.ring_attention>` keeps them split instead.
@@ -133,10 +136,12 @@ def _sequence_split(x) -> tuple:
 def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
     """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them in
     which each shard attends its queries, from global position ``index * local``, to every key.
-    The mask goes in as an operand (a shard_map's code cannot close over arrays those axes split),
-    whole along them."""
+    Where the mask gives later queries more keys (causal), the shards first trade halves into the
+    head–tail layout (:func:`_head_tail`), so each does the same work. The mask goes in as an
+    operand (a shard_map's code cannot close over arrays those axes split), whole along them."""
     mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
-    local = q.shape[seq] // math.prod(mesh.shape[a] for a in axes)
+    shards = math.prod(mesh.shape[a] for a in axes)
+    local = q.shape[seq] // shards
     split = [(axes if len(axes) > 1 else axes[0]) if d == seq else None for d in range(q.ndim)]
     specs = {"q": P(*split), "k": P(), "v": P(), "mask": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
     operands = {"q": q, "k": k, "v": v}
@@ -144,18 +149,63 @@ def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
         operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x), axes), as_mask(mask))
     if sinks is not None:
         operands["sinks"] = jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1])
+    balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards)
+
+    def attend(parts, start, length):  # parts["q"] (and ["sinks"]): `length` queries from global `start`
+        mask = parts.get("mask")
+        block = None if mask is None else shifted(mask, start, 0, q_len=length)
+        at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
+        return attention(parts["q"], parts["k"], parts["v"], mask=block, score_mod=at, sinks=parts.get("sinks"), return_lse=True, **kw)
 
     def shard(operands):
-        start = lax.axis_index(axes) * local
-        mask = operands.get("mask")
-        local_mask = None if mask is None else shifted(mask, start, 0, q_len=local)
-        at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
-        q, k, v = (operands[name] for name in "qkv")
-        return attention(q, k, v, mask=local_mask, score_mod=at, sinks=operands.get("sinks"), return_lse=True, **kw)
+        index = lax.axis_index(axes)
+        if not balanced:
+            return attend(operands, index * local, local)
+        return _head_tail(operands, index, axes, shards, seq, attend)
 
     in_specs = ({name: specs[name] for name in operands},)
     sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], specs["sinks"]), axis_names=set(axes))
     return sharded(operands)
+
+
+def _head_tail(operands, index, axes, shards: int, seq: int, attend):
+    """``attend`` with device ``index``'s two halves of queries (chunks ``2 index``, ``2 index + 1``
+    of ``2 shards``) traded for chunks ``index`` and ``2 shards - 1 - index``, then the results
+    traded back: one collective-permute of the even chunks, one of the odd ones, each way (their
+    transposes carry the gradients)."""
+    rows = [name for name in ("q", "sinks") if name in operands]
+    half = operands["q"].shape[seq] // 2
+    home = lambda chunk: chunk if chunk < shards else 2 * shards - 1 - chunk  # noqa: E731  the device it goes to
+    parts = []
+    for parity in (0, 1):
+        there = [(i, home(2 * i + parity)) for i in range(shards)]
+        back = [(j, i) for i, j in there]
+        moved = {name: lax.ppermute(lax.slice_in_dim(operands[name], parity * half, (parity + 1) * half, axis=seq), axes, there) for name in rows}
+        chunk = jnp.where(index % 2 == parity, index, 2 * shards - 1 - index)  # which of its two arrived
+        out, lse = attend({**operands, **moved}, chunk * half, half)
+        parts.append((lax.ppermute(out, axes, back), lax.ppermute(lse, axes, back)))
+    (out_a, lse_a), (out_b, lse_b) = parts
+    return jnp.concatenate([out_a, out_b], axis=seq), jnp.concatenate([lse_a, lse_b], axis=seq)
+
+
+def _balances(mask, sq: int, skv: int, shards: int, rows_per_chunk: int = 8) -> bool:
+    """Whether trading q's halves into the head–tail layout pays: the keys the mask's static span
+    leaves each block of rows (data-dependent parts, such as document ids, count as every key)
+    give the busiest contiguous shard over 5/4 of the busiest head–tail device's (causal: about
+    ``2 - 1/shards`` times)."""
+    half = sq // shards // 2
+    if mask is None or shards < 2 or (sq // shards) % 2:
+        return False
+    edges = np.unique(np.linspace(0, half, rows_per_chunk + 1).astype(int))
+    starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
+    ends = starts + np.tile(np.diff(edges), 2 * shards)
+    with jax.ensure_compile_time_eval():
+        lo, hi = as_mask(mask).span().kv(jnp.asarray(starts), jnp.asarray(ends), skv)
+    keys = np.maximum(np.broadcast_to(np.asarray(hi) - np.asarray(lo), starts.shape), 0)
+    chunks = ((ends - starts) * keys).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
+    contiguous = chunks[0::2] + chunks[1::2]
+    head_tail = chunks[:shards] + chunks[::-1][:shards]
+    return bool(contiguous.max() * 4 > head_tail.max() * 5)
 
 
 def merge_attention(out_a, lse_a, out_b, lse_b):

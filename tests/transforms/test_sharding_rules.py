@@ -226,6 +226,29 @@ def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name)
     np.testing.assert_allclose(d_out, jax.jvp(lambda *qkv: attend(mask, *qkv), (q, k, v), tangents)[1], rtol=1e-11, atol=1e-11)
 
 
+@pytest.mark.parametrize("mask_name, sq, trades", [("causal", 32, True), ("window", 32, False), ("causal", 36, False)])
+def test_shards_of_causal_queries_trade_halves_for_equal_work(mask_name, sq, trades):
+    """Under a causal mask the later queries see more keys: the shards of q trade halves of their
+    queries into the head–tail layout (two collective-permutes each way) so that each does the
+    same work, and trade the results back. A sliding window leaves the work even (no trade), and
+    so must an odd local length (36 over 4: no halves). Values and gradients equal one device's."""
+    mask = {"causal": jf.masks.causal(), "window": jf.masks.causal() & jf.masks.sliding_window(5)}[mask_name]
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, sq, 2, 8))) for _ in range(3))
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j))
+    loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
+    with jax.set_mesh(mesh):
+        qs = jax.device_put(q, NamedSharding(mesh, P("data", "seq")))
+        ks, vs = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (k, v))
+        out, grads = jax.jit(attend)(qs, ks, vs), jax.jit(jax.grad(loss, (0, 1, 2)))(qs, ks, vs)
+        permutes = collectives(compiled(attend, qs, ks, vs)).get("collective-permute", 0)
+    assert permutes == (4 if trades else 0)  # q's halves there, out's back (the lse's are not used)
+    np.testing.assert_allclose(out, attend(q, k, v), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):
     """jvp at a batch-sharded primal with a replicated tangent (as jnp's rules allow): the kernels
     run per shard on both, the tangent resharded like its primal."""
