@@ -11,6 +11,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxforge.functional.collectives import permute
 from jaxforge.functional.masks import Mask, as_mask, shifted
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
@@ -180,23 +181,23 @@ def _head_tail(operands, index, axes, shards: int, seq: int, attend):
     for parity in (0, 1):
         there = [(i, home(2 * i + parity)) for i in range(shards)]
         back = [(j, i) for i, j in there]
-        moved = {name: lax.ppermute(lax.slice_in_dim(operands[name], parity * half, (parity + 1) * half, axis=seq), axes, there) for name in rows}
+        moved = {name: permute(lax.slice_in_dim(operands[name], parity * half, (parity + 1) * half, axis=seq), axes, there) for name in rows}
         chunk = jnp.where(index % 2 == parity, index, 2 * shards - 1 - index)  # which of its two arrived
         out, lse = attend({**operands, **moved}, chunk * half, half)
-        parts.append((lax.ppermute(out, axes, back), lax.ppermute(lse, axes, back)))
+        parts.append((permute(out, axes, back), permute(lse, axes, back)))
     (out_a, lse_a), (out_b, lse_b) = parts
     return jnp.concatenate([out_a, out_b], axis=seq), jnp.concatenate([lse_a, lse_b], axis=seq)
 
 
-def _balances(mask, sq: int, skv: int, shards: int, rows_per_chunk: int = 8) -> bool:
+def _balances(mask, sq: int, skv: int, shards: int) -> bool:
     """Whether trading q's halves into the head–tail layout pays: the keys the mask's static span
     leaves each block of rows (data-dependent parts, such as document ids, count as every key)
     give the busiest contiguous shard over 5/4 of the busiest head–tail device's (causal: about
     ``2 - 1/shards`` times)."""
     half = sq // shards // 2
-    if mask is None or shards < 2 or (sq // shards) % 2:
+    if mask is None or shards < 2 or (sq // shards) % 2 or not half:
         return False
-    edges = np.unique(np.linspace(0, half, rows_per_chunk + 1).astype(int))
+    edges = np.unique(np.linspace(0, half, 9).astype(int))  # 8 blocks of rows a chunk, the span's grain
     starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
     ends = starts + np.tile(np.diff(edges), 2 * shards)
     with jax.ensure_compile_time_eval():

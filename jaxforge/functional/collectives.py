@@ -189,7 +189,8 @@ def broadcast(x, axis_name, root: int = 0):
 
 def permute(x, axis_name, perm):
     """Sends device ``src``'s ``x`` to ``dst`` for each pair ``(src, dst)`` in ``perm``; devices that
-    receive nothing get zeros."""
+    receive nothing get zeros. Over a tuple of axes, devices are numbered in the tuple's order, as
+    ``axis_index`` and a spec's shards number them."""
     n = _axis_size("permute", axis_name)
     perm = tuple((int(s), int(d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
@@ -205,13 +206,32 @@ def permute(x, axis_name, perm):
         sends = jnp.asarray(np.isin(np.arange(n), srcs))[lax.axis_index(axis_name)]
         x = jnp.where(sends, x, jnp.zeros_like(x))
         perm = perm + tuple(zip(idle_src, idle_dst))
-    return lax.ppermute(x, axis_name, perm)
+    return lax.ppermute(x, *_in_mesh_order(axis_name, perm))
 
 
 def shift(x, axis_name, offset: int = 1):
     """The ring step: device ``i``'s ``x`` goes to device ``(i + offset) mod n``."""
     n = _axis_size("shift", axis_name)
-    return lax.ppermute(x, axis_name, [(i, (i + offset) % n) for i in range(n)])
+    return lax.ppermute(x, *_in_mesh_order(axis_name, [(i, (i + offset) % n) for i in range(n)]))
+
+
+def _in_mesh_order(axis_name, perm):
+    """``(axis_name, perm)`` for ``lax.ppermute``, with a tuple of mesh axes put in the mesh's order
+    and ``perm``'s device numbers renumbered to match. Devices are numbered along a tuple of axes
+    in the tuple's order by ``axis_index``, ``all_gather``, ``psum_scatter`` and a sharding's spec,
+    but in the mesh's order by ``ppermute`` (jax 0.10): with the tuple in the mesh's order, both agree."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    mesh = jax.sharding.get_abstract_mesh()
+    if len(names) < 2 or not all(name in mesh.axis_names for name in names):
+        return axis_name, perm
+    ordered = tuple(sorted(names, key=mesh.axis_names.index))
+    sizes = [mesh.shape[name] for name in names]
+
+    def renumber(i):
+        coords = dict(zip(names, np.unravel_index(i, sizes)))
+        return int(np.ravel_multi_index([coords[name] for name in ordered], [mesh.shape[name] for name in ordered]))
+
+    return ordered, [(renumber(src), renumber(dst)) for src, dst in perm]
 
 
 def copy_to_parallel(x, axis_name):

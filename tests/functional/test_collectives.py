@@ -448,6 +448,29 @@ def test_megatron_mlp_gradient_equals_unsharded_gradient():
         np.testing.assert_allclose(g, e, **TOL)
 
 
+@pytest.mark.parametrize("axes", [("a", "b"), ("b", "a"), ("b", "h", "a")])
+def test_permute_and_shift_number_devices_along_a_tuple_of_axes_as_the_spec_does(axes):
+    """Over a tuple of mesh axes the devices are numbered in the tuple's order (the spec's shard
+    order, axis_index's, all_gather's); jax's ppermute numbers them in the mesh's order, which
+    permute and shift translate to. Values and gradients against np.roll over the shards."""
+    mesh = jax.make_mesh((2, 2, 2), ("h", "a", "b"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    n = 2 ** len(axes)
+    perm = [(i, (3 * i + 1) % n) for i in range(n)]  # not a shift
+    x = np.arange(n * 3.0).reshape(n, 3)
+    loss = lambda out: jnp.sum(jnp.sin(out) * jnp.arange(out.size).reshape(out.shape))
+    for fn, want in (
+        (lambda y: C.shift(y, axes, 3), lambda x: jnp.roll(x, 3, axis=0)),
+        (lambda y: C.permute(y, axes, perm), lambda x: jnp.zeros_like(x).at[jnp.asarray([d for _, d in perm])].set(x)),
+        (lambda y: C.permute(y, axes, perm[:2]), lambda x: jnp.zeros_like(x).at[jnp.asarray([d for _, d in perm[:2]])].set(x[:2])),
+    ):
+        sharded = jax.shard_map(fn, mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes))
+        np.testing.assert_allclose(jax.jit(sharded)(x), want(x), **TOL)
+        grad = jax.jit(jax.grad(lambda x: loss(sharded(x))))(x)
+        np.testing.assert_allclose(grad, jax.grad(lambda x: loss(want(x)))(x), **TOL)
+    index = jax.shard_map(lambda y: lax.axis_index(axes)[None], mesh=mesh, in_specs=P(axes), out_specs=P(axes), axis_names=set(axes))
+    np.testing.assert_array_equal(jax.jit(index)(x), np.arange(n))  # the numbering the spec uses
+
+
 @pytest.mark.parametrize("tp", [True, False])
 def test_gather_from_parallel_gradient_equals_unsharded_gradient(tp):
     """Sequence-parallel gather: the computation after it is per device (tp=True, each device owns

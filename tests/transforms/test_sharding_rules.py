@@ -226,21 +226,31 @@ def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name)
     np.testing.assert_allclose(d_out, jax.jvp(lambda *qkv: attend(mask, *qkv), (q, k, v), tangents)[1], rtol=1e-11, atol=1e-11)
 
 
-@pytest.mark.parametrize("mask_name, sq, trades", [("causal", 32, True), ("window", 32, False), ("causal", 36, False)])
-def test_shards_of_causal_queries_trade_halves_for_equal_work(mask_name, sq, trades):
+TRADES = {  # name: (mask, q's length, mesh axes, q's spec, k's and v's spec, whether the shards trade)
+    "causal": (jf.masks.causal(), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
+    "causal, seq over two axes, heads split": (jf.masks.causal(), 32, ("h", "a", "b"), P(None, ("a", "b"), "h"), P(None, "a", "h"), True),
+    "causal, seq over two axes out of the mesh's order": (jf.masks.causal(), 32, ("h", "a", "b"), P("h", ("b", "a")), P("h", "b"), True),
+    "window": (jf.masks.causal() & jf.masks.sliding_window(5), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
+    "causal, odd local length": (jf.masks.causal(), 36, ("data", "seq"), P("data", "seq"), P("data"), False),
+}
+
+
+@pytest.mark.parametrize("name", list(TRADES))
+def test_shards_of_causal_queries_trade_halves_for_equal_work(name):
     """Under a causal mask the later queries see more keys: the shards of q trade halves of their
-    queries into the head–tail layout (two collective-permutes each way) so that each does the
-    same work, and trade the results back. A sliding window leaves the work even (no trade), and
-    so must an odd local length (36 over 4: no halves). Values and gradients equal one device's."""
-    mask = {"causal": jf.masks.causal(), "window": jf.masks.causal() & jf.masks.sliding_window(5)}[mask_name]
-    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    queries into the head–tail layout (two collective-permutes each way, over the sequence's mesh
+    axes in their order) so that each does the same work, and trade the results back. A sliding
+    window leaves the work even (no trade), and so must an odd local length (36 over 4: no
+    halves). Values and gradients equal one device's."""
+    mask, sq, axes, q_spec, kv_spec, trades = TRADES[name]
+    mesh = jax.make_mesh((2, 4) if len(axes) == 2 else (2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Explicit,) * len(axes))
     rng = np.random.default_rng(12)
     q, k, v = (jnp.asarray(rng.standard_normal((2, sq, 2, 8))) for _ in range(3))
-    attend = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s - 0.1 * (i - j))
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s - 0.1 * (h + 1) * (i - j))
     loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
     with jax.set_mesh(mesh):
-        qs = jax.device_put(q, NamedSharding(mesh, P("data", "seq")))
-        ks, vs = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (k, v))
+        qs = jax.device_put(q, NamedSharding(mesh, q_spec))
+        ks, vs = (jax.device_put(x, NamedSharding(mesh, kv_spec)) for x in (k, v))
         out, grads = jax.jit(attend)(qs, ks, vs), jax.jit(jax.grad(loss, (0, 1, 2)))(qs, ks, vs)
         permutes = collectives(compiled(attend, qs, ks, vs)).get("collective-permute", 0)
     assert permutes == (4 if trades else 0)  # q's halves there, out's back (the lse's are not used)
