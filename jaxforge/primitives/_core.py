@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 
 import jax
@@ -192,11 +193,27 @@ def register_lowering(
         if any(_explicitly_sharded(aval) for aval in ctx.avals_in + ctx.avals_out):
             shared = shared_operands(len(args), **params) if shared_operands else [False] * len(args)
             fn = _per_shard(fn, ctx.avals_in, ctx.avals_out, shared, shards)
-        elif shards:
-            fn = functools.partial(fn, shards=None)
+        else:
+            if platform is not None and (devices := getattr(ctx.module_context.axis_context, "num_devices", 1)) > 1:
+                _warn_whole_on_every_device(prim.name, platform, devices)
+            if shards:
+                fn = functools.partial(fn, shards=None)
         return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
 
     mlir.register_lowering(prim, lowering, platform=platform)
+
+
+def _warn_whole_on_every_device(name: str, platform: str, devices: int) -> None:
+    """A kernel lowering under ``jit`` over several devices with automatic axes: XLA's partitioner
+    cannot split its custom call. (A ``custom_partitioning`` bound here would, but jax 0.10 hands
+    the device assignment it needs only to the lowerings of primitives in a private registry.)"""
+    warnings.warn(
+        f"jaxforge: {name} under jax.jit over {devices} devices with automatic mesh axes runs its {platform} "
+        "kernel on the whole of its operands on every device (XLA's partitioner cannot split a custom "
+        "call): shard the operands on an explicit mesh (jax.make_mesh's default axis types), where it "
+        "runs per shard, or call it inside jf.shard",
+        stacklevel=2,
+    )
 
 
 def _full_spec(aval) -> tuple:

@@ -5,14 +5,17 @@ gathered — on 8 CPU devices."""
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Primitive
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxforge as jf
+from jaxforge.primitives import _core
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -257,6 +260,26 @@ def test_shards_of_causal_queries_trade_halves_for_equal_work(name):
     np.testing.assert_allclose(out, attend(q, k, v), rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_every_device(batch):
+    """A platform's (kernel) lowering under jit over several devices with automatic axes cannot be
+    split by XLA's partitioner: one warning names the primitive and what to do. Explicitly sharded,
+    on one device, or in the default lowering: none."""
+    prim = Primitive("kernel_probe")
+    prim.def_abstract_eval(lambda x: (x,))
+    prim.multiple_results = True
+    _core.register_lowering(prim, lambda x: (2 * x,), platform="cpu")
+    auto = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = np.ones((8, 3))
+    with pytest.warns(UserWarning, match=r"kernel_probe under jax.jit over 8 devices with automatic mesh axes .* explicit mesh"):
+        out = jax.jit(prim.bind, in_shardings=NamedSharding(auto, P("batch")))(x)[0]
+    np.testing.assert_array_equal(out, 2 * x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(prim.bind)(jax.device_put(x, batch))  # explicit: per shard
+        jax.jit(prim.bind)(x)  # one device
+        jax.jit(lambda a: jf.linalg.svd(a, compute_uv=False), in_shardings=NamedSharding(auto, P("batch")))(np.ones((8, 3, 2)))  # its default lowering
 
 
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):
