@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -84,7 +85,8 @@ def attention(
     <jaxforge.functional.masks.shifted>`); out and lse keep q's split. Where the mask lets later
     queries see more keys (causal), the shards first trade halves of their queries into
     :func:`jf.parallel.load_balance <jaxforge.functional.parallel.load_balance>`'s head–tail layout,
-    so each does the same work, and trade the results back. k and v split along their
+    so each does the same work, and trade the results back; q's batch or heads split beside its
+    sequence stay split (the mask and score_mod see global items and heads). k and v split along their
     sequence are gathered whole first (an all-gather, whose transpose sums their gradients back to
     the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
     <jaxforge.functional.parallel.ring_attention>` keeps them split instead.
@@ -101,28 +103,37 @@ def attention(
         ) from None
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
-    sq, skv, d = q.shape[-3], k.shape[-3], q.shape[-1]
     k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
     if axes := _sequence_split(q):
-        kw = dict(score_mod=score_mod, scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
-        out, lse = _over_query_shards(axes, q, k, v, mask, **kw)
-        return (out, lse) if return_lse else out
+        out, lse = _over_query_shards(axes, q, k, v, mask, score_mod, **kw)
+    else:
+        out, lse = _attend(q, k, v, mask, score_mod, **kw)
+    return (out, lse) if return_lse else out
 
+
+def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, where=None):
+    """``(out, lse)`` of checked, broadcast operands: one primitive call per piece of the mask.
+
+    ``where``: inside the shard_map of :func:`_over_query_shards`, ``(batch, offsets, heads,
+    head_offset)``: q's global batch shape, where its block starts along each batch dim, its
+    global number of heads and its first head; the mask and ``score_mod`` then see global batch
+    and head indices (:func:`_mods`)."""
+    batch, (sq, hq, d), skv = q.shape[:-3], q.shape[-3:], k.shape[-3]
     if scale is None:
         scale = 1 / math.sqrt(d) if d else 1.0
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
-    sinks = None if sinks is None else _sinks(sinks, (*batch, sq, q.shape[-2]))
+    sinks = None if sinks is None else _sinks(sinks, (*batch, sq, hq))
     implementation = _implementation(implementation)
     parts = []
     for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
-        mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=q.shape[-2])
+        mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=hq, where=where)
         parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, implementation=implementation))
     if sinks is not None:  # a part of value 0
         lse = parts[0][1]
         parts.append((None, jnp.zeros_like(lse) + sinks.astype(lse.dtype)))  # lse's shape and sharding
-    out, lse = parts[0] if len(parts) == 1 else _merged(parts)
-    return (out, lse) if return_lse else out
+    return tuple(parts[0]) if len(parts) == 1 else _merged(parts)
 
 
 def _sequence_split(x) -> tuple:
@@ -134,29 +145,41 @@ def _sequence_split(x) -> tuple:
     return axes if all(kinds[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
 
 
-def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
-    """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them in
-    which each shard attends its queries, from global position ``index * local``, to every key.
-    Where the mask gives later queries more keys (causal), the shards first trade halves into the
-    head–tail layout (:func:`_head_tail`), so each does the same work. The mask goes in as an
-    operand (a shard_map's code cannot close over arrays those axes split), whole along them."""
+def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
+    """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them and
+    over the axes that split q's batch dims and heads, in which each shard attends its queries,
+    from global position ``index * local``, to every key (k and v split like q's batch and heads,
+    whole along the sequence); the mask and ``score_mod`` read global batch and head indices
+    (``_attend``'s ``where``). Where the mask gives later queries more keys (causal), the shards
+    first trade halves into the head–tail layout (:func:`_head_tail`), so each does the same work.
+    The mask's arrays go in whole, as operands (a shard_map's code cannot close over arrays the
+    manual axes split; a score_mod's captured arrays must be replicated)."""
     mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
+    entries = tuple(jax.typeof(q).sharding.spec) + (None,) * (q.ndim - len(jax.typeof(q).sharding.spec))
     shards = math.prod(mesh.shape[a] for a in axes)
     local = q.shape[seq] // shards
-    split = [(axes if len(axes) > 1 else axes[0]) if d == seq else None for d in range(q.ndim)]
-    specs = {"q": P(*split), "k": P(), "v": P(), "mask": P(), "sinks": P(*split[:-1])}  # sinks as lse: (..., Sq, Hq)
+    lse_spec = P(*entries[:-1])
+    kv_spec = P(*entries[:seq], None, entries[seq + 1], None)  # q's batch and heads, whole along the sequence
+    k, v = (_core.resharded(x, mesh, kv_spec) for x in (k, v))
     operands = {"q": q, "k": k, "v": v}
+    specs = {"q": P(*entries), "k": kv_spec, "v": kv_spec, "mask": P(), "sinks": lse_spec}
     if mask is not None:
-        operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x), axes), as_mask(mask))
+        operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x)), as_mask(mask))
     if sinks is not None:
-        operands["sinks"] = jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1])
+        operands["sinks"] = _core.resharded(jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1]), mesh, lse_spec)
     balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards)
+    size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731
+
+    def where():  # the block of q this shard holds: where it starts along each batch dim and the heads
+        start = lambda e, n: lax.axis_index(_core.mesh_axes(e)) * (n // size(e)) if e else jnp.int32(0)  # noqa: E731
+        offsets = [start(e, n) for e, n in zip(entries[:seq], q.shape[:seq])]
+        return q.shape[:seq], offsets, q.shape[-2], start(entries[seq + 1], q.shape[-2])
 
     def attend(parts, start, length):  # parts["q"] (and ["sinks"]): `length` queries from global `start`
         mask = parts.get("mask")
         block = None if mask is None else shifted(mask, start, 0, q_len=length)
         at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
-        return attention(parts["q"], parts["k"], parts["v"], mask=block, score_mod=at, sinks=parts.get("sinks"), return_lse=True, **kw)
+        return _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=parts.get("sinks"), where=where(), **kw)
 
     def shard(operands):
         index = lax.axis_index(axes)
@@ -164,8 +187,9 @@ def _over_query_shards(axes, q, k, v, mask, *, score_mod, sinks, **kw):
             return attend(operands, index * local, local)
         return _head_tail(operands, index, axes, shards, seq, attend)
 
+    manual_axes = {a for e in entries for a in _core.mesh_axes(e)}
     in_specs = ({name: specs[name] for name in operands},)
-    sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], specs["sinks"]), axis_names=set(axes))
+    sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], lse_spec), axis_names=manual_axes)
     return sharded(operands)
 
 
@@ -242,25 +266,57 @@ def _sinks(sinks, lse_shape):
     return sinks
 
 
-def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None):
+def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None, where=None):
+    """The primitive's ``Mods`` and its consts. ``where``: :func:`_attend`'s, q a block of a larger
+    batch and heads: the mask's per-item arrays are bound to the whole batch and taken at the
+    block's items, and the functions are read at global ``b`` and ``h``."""
+    bound_batch, globally, local = batch, None, (lambda x: x)  # noqa: E731
+    if where is not None:
+        bound_batch, offsets, num_heads, head_offset = where
+        globally = lambda b, h: (_global_item(b, batch, bound_batch, offsets), h + head_offset)  # noqa: E731
+        items = _global_item(jnp.arange(math.prod(batch), dtype=jnp.int32), batch, bound_batch, offsets)
+        local = functools.partial(_items, items, math.prod(bound_batch))
     mask_fn, mask_consts, span, rows, cols = None, [], Mods().span, [], []
     if mask is not None:
         mask = as_mask(mask)
-        fn, rows, cols = mask.bind_positional(batch, sq, skv)
+        fn, rows, cols = mask.bind_positional(bound_batch, sq, skv)
+        rows, cols = [local(x) for x in rows], [local(x) for x in cols]
         values = [jax.ShapeDtypeStruct((), x.dtype) for x in (*rows, *cols)]
-        mask_fn, fn_consts = _core.trace_function(fn, _INT, _INT, _INT, _INT, *values)
+        at = fn if globally is None else (lambda b, h, *rest: fn(*globally(b, h), *rest))
+        mask_fn, fn_consts = _core.trace_function(at, _INT, _INT, _INT, _INT, *values)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
-        mask_consts = [*fn_consts, *rows, *cols, *mask.span_arrays(batch, sq, skv, num_heads)]  # Mods.num_mask_consts
+        span_arrays = [local(x) for x in mask.span_arrays(bound_batch, sq, skv, num_heads)]
+        mask_consts = [*fn_consts, *rows, *cols, *span_arrays]  # Mods.num_mask_consts
     score_fn, score_consts = None, []
     if score_mod is not None:
         if not callable(score_mod):
             raise TypeError(f"attention: `score_mod` must be a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
         score = jax.ShapeDtypeStruct((), score_dtype)
-        score_fn, score_consts = _core.trace_function(score_mod, score, _INT, _INT, _INT, _INT)
+        at = score_mod if globally is None else (lambda s, b, h, *rest: score_mod(s, *globally(b, h), *rest))
+        score_fn, score_consts = _core.trace_function(at, score, _INT, _INT, _INT, _INT)
         _check_output("score_mod", score_fn, None, "a floating-point")
     mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap, mask_rows=len(rows), mask_cols=len(cols))
     return mods, [*mask_consts, *score_consts]
+
+
+def _items(items, count: int, x):
+    """A mask's per-item array of the whole batch (``count`` items) at the block's ``items``."""
+    if x.shape[:1] != (count,):
+        raise ValueError(
+            f"attention: a mask's per-item array has shape {x.shape}; Mask.bind_positional and span_arrays "
+            f"give them as (prod(batch), ...) = ({count}, ...)"
+        )
+    return jnp.take(x, items, axis=0)
+
+
+def _global_item(b, local_batch, whole_batch, offsets):
+    """The flat index in ``whole_batch`` of item ``b`` (flat) of the block of ``local_batch`` items
+    from ``offsets``."""
+    if not local_batch:
+        return b
+    coords = jnp.unravel_index(b, local_batch)
+    return jnp.ravel_multi_index([c + o for c, o in zip(coords, offsets)], whole_batch, mode="clip").astype(b.dtype)
 
 
 def _check_output(name, fn, dtype, what):

@@ -698,7 +698,7 @@ def _document_ranges(q_seg, kv_seg) -> tuple:
             f"document: the leading dims of `segment_ids` {q_seg.shape} and `kv_segment_ids` "
             f"{kv_seg.shape} do not broadcast"
         ) from None
-    q_flat, kv_flat = (_replicated(jnp.broadcast_to(x, (*lead, x.shape[-1])).reshape(math.prod(lead), x.shape[-1])) for x in (q_seg, kv_seg))
+    q_flat, kv_flat = (_replicated(jnp.broadcast_to(x, (*lead, x.shape[-1]))).reshape(math.prod(lead), x.shape[-1]) for x in (q_seg, kv_seg))
     ranges = (*segment_ranges(q_flat, kv_flat), *segment_ranges(kv_flat, q_flat))
     return tuple(r.reshape(*lead, r.shape[-1]) for r in ranges)
 

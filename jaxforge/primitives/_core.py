@@ -221,14 +221,15 @@ def _full_spec(aval) -> tuple:
     return spec + (None,) * (aval.ndim - len(spec))
 
 
-def _mesh_axes(entry) -> tuple:
+def mesh_axes(entry) -> tuple:
+    """The mesh axes of one entry of a PartitionSpec (None, a name or a tuple of names)."""
     return () if entry is None else tuple(entry) if isinstance(entry, tuple) else (entry,)
 
 
 def _per_shard(fn, avals_in, avals_out, shared, pass_shards: bool):
     mesh = next(a.sharding.mesh for a in (*avals_in, *avals_out) if _explicitly_sharded(a))
     in_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_in, shared))
-    used = tuple(sorted({ax for spec in in_specs for entry in spec for ax in _mesh_axes(entry)}))
+    used = tuple(sorted({ax for spec in in_specs for entry in spec for ax in mesh_axes(entry)}))
     summed = [not _explicitly_sharded(a) for a in avals_out]
     out_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_out, summed))
     first = _full_spec(avals_in[0])
@@ -237,7 +238,7 @@ def _per_shard(fn, avals_in, avals_out, shared, pass_shards: bool):
         kwargs = {}
         if pass_shards:
             kwargs["shards"] = tuple(
-                (jax.lax.axis_index(_mesh_axes(e)), math.prod(mesh.shape[ax] for ax in _mesh_axes(e))) if e else (0, 1)
+                (jax.lax.axis_index(mesh_axes(e)), math.prod(mesh.shape[ax] for ax in mesh_axes(e))) if e else (0, 1)
                 for e in first
             )
         outs = fn(*args, **kwargs)
@@ -256,16 +257,23 @@ def _untyped(aval):
     return core.ShapedArray(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=aval.sharding)
 
 
+def resharded(x, mesh, spec: PartitionSpec):
+    """``x`` resharded to ``spec`` on ``mesh`` (explicit sharding); itself where it is so."""
+    if _full_spec(jax.typeof(x)) == tuple(spec) + (None,) * (x.ndim - len(spec)):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+
+
 def gathered(x, axes=None):
     """``x`` resharded whole along every dim that mesh ``axes`` (None: any axis) split under explicit
     sharding (an all-gather); ``x`` itself where none does."""
     sharding = jax.typeof(x).sharding
     dropped = lambda a: axes is None or a in axes  # noqa: E731
-    if not _explicitly_sharded(jax.typeof(x)) or not any(dropped(a) for e in sharding.spec for a in _mesh_axes(e)):
+    if not _explicitly_sharded(jax.typeof(x)) or not any(dropped(a) for e in sharding.spec for a in mesh_axes(e)):
         return x
 
     def kept(entry):
-        rest = tuple(a for a in _mesh_axes(entry) if not dropped(a))
+        rest = tuple(a for a in mesh_axes(entry) if not dropped(a))
         return rest[0] if len(rest) == 1 else rest or None
 
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*map(kept, sharding.spec))))

@@ -4,6 +4,7 @@ gathered — on 8 CPU devices."""
 
 from __future__ import annotations
 
+import math
 import re
 import warnings
 
@@ -260,6 +261,44 @@ def test_shards_of_causal_queries_trade_halves_for_equal_work(name):
     np.testing.assert_allclose(out, attend(q, k, v), rtol=1e-12, atol=1e-12)
     for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v)):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+
+
+BESIDE = {  # name: (the other axis, q's shape (batch..., seq, heads, dim), its spec, the ids' spec, the dim gathers must keep split)
+    "batch": ("data", (4, 32, 4, 8), P("data", "seq"), P("data", "seq"), 0),
+    "second of two batch dims": ("data", (3, 4, 32, 2, 8), P(None, "data", "seq"), P(None, "data", "seq"), 1),
+    "heads": ("model", (4, 32, 4, 8), P(None, "seq", "model"), P(None, "seq"), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(BESIDE))
+def test_a_sequence_split_beside_a_batch_or_heads_split_gathers_only_the_keys(name):
+    """q, k, v split along the sequence and along a batch dim (or the heads) on one explicit mesh:
+    the shard_map is manual over both, so no array is gathered along the batch (or heads) —
+    jax's partially manual shard_map gathers them at its boundary — while the mask's per-item
+    arrays (document ids, prefix lengths) and a score_mod reading ``b`` and ``h`` see global
+    items and heads. Values and gradients equal one device's."""
+    other, shape, spec, ids_spec, kept = BESIDE[name]
+    mesh = jax.make_mesh((2, 4), (other, "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(13)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for _ in range(3))
+    batch, heads = shape[:-3], shape[-2]
+    ids = jnp.asarray(np.sort(rng.integers(0, 4, (*batch, 32)), axis=-1))
+    prefix = jnp.asarray(rng.integers(0, 32, batch))
+    slopes = jnp.asarray(rng.standard_normal((math.prod(batch), heads)))  # ALiBi, one slope per (item, head)
+    mask = lambda ids, prefix: (jf.masks.document(ids) & jf.masks.causal()) | jf.masks.prefix_lm(prefix)
+    attend = lambda q, k, v, ids, prefix: jf.attention(q, k, v, mask=mask(ids, prefix), score_mod=lambda s, b, h, i, j: s - slopes[b, h] * (i - j) / 8)
+    loss = lambda *a: jnp.sum(jnp.sin(attend(*a)))
+    with jax.set_mesh(mesh):
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        args = (*(put(x, spec) for x in (q, k, v)), put(ids, ids_spec), put(prefix, P(*ids_spec[:-1])))
+        out, grads = jax.jit(attend)(*args), jax.jit(jax.grad(loss, (0, 1, 2)))(*args)
+        text = compiled(jax.grad(loss, (0, 1, 2)), *args)
+    np.testing.assert_allclose(out, attend(q, k, v, ids, prefix), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2))(q, k, v, ids, prefix)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+    assert out.sharding.spec == spec + (None,) * (len(shape) - len(spec))
+    gathered = re.findall(r"= f64\[([\d,]+)\][^\n]*\sall-gather(?:-start)?\(", text)  # the float arrays' gathers
+    assert gathered and all(int(s.split(",")[kept]) < shape[kept] for s in gathered), gathered
 
 
 def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_every_device(batch):
