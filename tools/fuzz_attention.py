@@ -15,8 +15,8 @@ definition (not from the library's ``mask_mod``). ``first-order`` compares out, 
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
-q split along its sequence (k and v too, or whole; the batch split or not; ALiBi on q_idx now and
-then), and compares out, lse and the gradient.
+q split along its sequence (k and v too, or whole; the batch or the heads split over "data" or
+neither; an ALiBi-like bias on q_idx, b and h now and then), and compares out, lse and the gradient.
 
     PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded] [--seconds 600] [--seed 0]
 
@@ -253,11 +253,12 @@ def _run_sharded_seed(seed: int) -> None:
     mask, visible = random_mask(rng, b, hq, sq, skv)
     visible = np.broadcast_to(visible, (b, hq, sq, skv))
     q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, d)))
-    score_mod = (lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j)) if rng.random() < 0.3 else None
+    score_mod = (lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j) - 0.05 * b * (i - j)) if rng.random() < 0.3 else None
     implementation = random_implementation(rng)
     implementation = "xla" if isinstance(implementation, str) or implementation.name != "xla" else implementation
     batch = "data" if rng.random() < 0.5 else None
-    specs = (P(batch, "seq"), *[P(batch, "seq" if rng.random() < 0.6 else None)] * 2)
+    heads = "data" if batch is None and hkv % 2 == 0 and rng.random() < 0.5 else None  # "data" splits the heads instead
+    specs = (P(batch, "seq", heads), *[P(batch, "seq" if rng.random() < 0.6 else None, heads)] * 2)
     ours = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=score_mod, return_lse=True, implementation=implementation)  # noqa: E731
     dense = lambda q, k, v: dense_jnp(q, k, v, visible, score_mod)  # noqa: E731
     weights = rng.standard_normal((b, sq, hq, d))

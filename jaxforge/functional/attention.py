@@ -160,6 +160,12 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     local = q.shape[seq] // shards
     lse_spec = P(*entries[:-1])
     kv_spec = P(*entries[:seq], None, entries[seq + 1], None)  # q's batch and heads, whole along the sequence
+    size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731
+    if k.shape[-2] % size(entries[seq + 1]):
+        raise ValueError(
+            f"attention: q's heads are split over {entries[seq + 1]} ({size(entries[seq + 1])} shards) beside its sequence, "
+            f"but k and v have {k.shape[-2]} heads, which do not split so; split q's heads by a divisor of {k.shape[-2]}"
+        )
     k, v = (_core.resharded(x, mesh, kv_spec) for x in (k, v))
     operands = {"q": q, "k": k, "v": v}
     specs = {"q": P(*entries), "k": kv_spec, "v": kv_spec, "mask": P(), "sinks": lse_spec}
@@ -168,7 +174,6 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     if sinks is not None:
         operands["sinks"] = _core.resharded(jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1]), mesh, lse_spec)
     balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards)
-    size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731
 
     def where():  # the block of q this shard holds: where it starts along each batch dim and the heads
         start = lambda e, n: lax.axis_index(_core.mesh_axes(e)) * (n // size(e)) if e else jnp.int32(0)  # noqa: E731

@@ -128,6 +128,11 @@ def test_core_dims_other_than_heads_and_sequences_stay_an_error():
     fix = r"reshard it first to P\(None, None, None, None\) \(jax.sharding.reshard\).*only the heads and the sequences"
     with pytest.raises(ValueError, match=r"attention: `q` is sharded along a core dim.*" + fix):
         jf.attention(q, q, q)
+    # q's heads split beside its sequence, k's and v's single head (MQA) cannot follow
+    mesh = jax.make_mesh((2, 4), ("model", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    q = jax.device_put(jnp.ones((2, 16, 2, 8)), NamedSharding(mesh, P(None, "seq", "model")))
+    with pytest.raises(ValueError, match=r"attention: q's heads are split over model \(2 shards\) beside its sequence, but k and v have 1 heads"):
+        jf.attention(q, jnp.ones((2, 16, 1, 8)), jnp.ones((2, 16, 1, 8)))
 
 
 @pytest.mark.parametrize("case", ["ring_window", "local_bias"])
