@@ -156,11 +156,11 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     manual axes split; a score_mod's captured arrays must be replicated)."""
     mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
     entries = tuple(jax.typeof(q).sharding.spec) + (None,) * (q.ndim - len(jax.typeof(q).sharding.spec))
-    shards = math.prod(mesh.shape[a] for a in axes)
+    size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731  shards along it
+    shards = size(entries[seq])
     local = q.shape[seq] // shards
     lse_spec = P(*entries[:-1])
     kv_spec = P(*entries[:seq], None, entries[seq + 1], None)  # q's batch and heads, whole along the sequence
-    size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731
     if k.shape[-2] % size(entries[seq + 1]):
         raise ValueError(
             f"attention: q's heads are split over {entries[seq + 1]} ({size(entries[seq + 1])} shards) beside its sequence, "
@@ -287,8 +287,7 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None,
         fn, rows, cols = mask.bind_positional(bound_batch, sq, skv)
         rows, cols = [local(x) for x in rows], [local(x) for x in cols]
         values = [jax.ShapeDtypeStruct((), x.dtype) for x in (*rows, *cols)]
-        at = fn if globally is None else (lambda b, h, *rest: fn(*globally(b, h), *rest))
-        mask_fn, fn_consts = _core.trace_function(at, _INT, _INT, _INT, _INT, *values)
+        mask_fn, fn_consts = _traced_at_global(fn, globally, 0, _INT, _INT, _INT, _INT, *values)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
         span_arrays = [local(x) for x in mask.span_arrays(bound_batch, sq, skv, num_heads)]
@@ -298,11 +297,24 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None,
         if not callable(score_mod):
             raise TypeError(f"attention: `score_mod` must be a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
         score = jax.ShapeDtypeStruct((), score_dtype)
-        at = score_mod if globally is None else (lambda s, b, h, *rest: score_mod(s, *globally(b, h), *rest))
-        score_fn, score_consts = _core.trace_function(at, score, _INT, _INT, _INT, _INT)
+        score_fn, score_consts = _traced_at_global(score_mod, globally, 1, score, _INT, _INT, _INT, _INT)
         _check_output("score_mod", score_fn, None, "a floating-point")
     mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap, mask_rows=len(rows), mask_cols=len(cols))
     return mods, [*mask_consts, *score_consts]
+
+
+def _traced_at_global(fn, globally, at: int, *avals):
+    """``_core.trace_function(fn, *avals)``, its batch and head indices (arguments ``at`` and
+    ``at + 1``) made global by ``globally`` where it reads them (only then: the offsets it closes
+    over become the function's constants, which some kernels cannot read)."""
+    traced = _core.trace_function(fn, *avals)
+    if globally is None or not (traced[0].reads(at) or traced[0].reads(at + 1)):
+        return traced
+
+    def read_globally(*args):
+        return fn(*args[:at], *globally(args[at], args[at + 1]), *args[at + 2 :])
+
+    return _core.trace_function(read_globally, *avals)
 
 
 def _items(items, count: int, x):

@@ -830,7 +830,7 @@ def block_mask(
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
         got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
         raise TypeError(f"block_mask: `mask_mod` must return a boolean scalar for scalar (b, h, q_idx, kv_idx) indices, got {got}")
-    reads_b, reads_h = (_reads_argument(fn.jaxpr, i) for i in (0, 1))
+    reads_b, reads_h = fn.reads(0), fn.reads(1)
     if reads_b and batch_shape is None:
         raise ValueError("block_mask: `mask_mod` reads its batch index b; pass batch_shape=, the leading dims of q")
     if reads_h and num_heads is None:
@@ -849,12 +849,6 @@ def block_mask(
     evaluated = functools.partial(_Evaluated, q_len=q_len, kv_len=kv_len, num_items=items_read, num_heads=heads_read)
     parts = tuple(evaluated(_Within(mask, lo, hi), ranges=r) for lo, hi, r in parts)
     return evaluated(mask, ranges=hull, parts=parts)
-
-
-def _reads_argument(jaxpr, index: int) -> bool:
-    """Whether ``jaxpr`` uses its argument ``index`` at all."""
-    arg = jaxpr.invars[index]
-    return any(v is arg for eqn in jaxpr.eqns for v in eqn.invars) or any(v is arg for v in jaxpr.outvars)
 
 
 # Pairs one step of the range pass takes: its column reductions run in cache (measured at 8192^2:

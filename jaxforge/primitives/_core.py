@@ -416,6 +416,11 @@ class StaticFunction:
         """The program: the traced arguments, then the constants, as invars; no constvars."""
         return self._jaxpr
 
+    def reads(self, index: int) -> bool:
+        """Whether the program uses its argument ``index`` at all."""
+        arg = self._jaxpr.invars[index]
+        return any(v is arg for eqn in self._jaxpr.eqns for v in eqn.invars) or any(v is arg for v in self._jaxpr.outvars)
+
     def __eq__(self, other):
         return isinstance(other, StaticFunction) and self._key == other._key
 

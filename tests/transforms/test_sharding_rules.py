@@ -304,6 +304,19 @@ def test_a_sequence_split_beside_a_batch_or_heads_split_gathers_only_the_keys(na
     assert out.sharding.spec == spec + (None,) * (len(shape) - len(spec))
     gathered = re.findall(r"= f64\[([\d,]+)\][^\n]*\sall-gather(?:-start)?\(", text)  # the float arrays' gathers
     assert gathered and all(int(s.split(",")[kept]) < shape[kept] for s in gathered), gathered
+    with jax.set_mesh(mesh):
+        (mods,) = {eqn.params["mods"] for eqn in equations(jax.make_jaxpr(attend)(*args).jaxpr) if eqn.primitive.name == "jaxforge_attention_fwd"}
+    assert mods.mask.num_consts == 0 and mods.score.num_consts > 0  # only a function reading b or h reads the shard's offsets
+
+
+def equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                yield from equations(inner)
 
 
 def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_every_device(batch):
