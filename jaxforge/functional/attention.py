@@ -173,7 +173,7 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
         operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x)), as_mask(mask))
     if sinks is not None:
         operands["sinks"] = _core.resharded(jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1]), mesh, lse_spec)
-    balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards)
+    balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards, q.shape[:seq], q.shape[-2])
 
     def where():  # the block of q this shard holds: where it starts along each batch dim and the heads
         start = lambda e, n: lax.axis_index(_core.mesh_axes(e)) * (n // size(e)) if e else jnp.int32(0)  # noqa: E731
@@ -218,20 +218,28 @@ def _head_tail(operands, index, axes, shards: int, seq: int, attend):
     return jnp.concatenate([out_a, out_b], axis=seq), jnp.concatenate([lse_a, lse_b], axis=seq)
 
 
-def _balances(mask, sq: int, skv: int, shards: int) -> bool:
-    """Whether trading q's halves into the head–tail layout pays: the keys the mask's static span
-    leaves each block of rows (data-dependent parts, such as document ids, count as every key)
-    give the busiest contiguous shard over 5/4 of the busiest head–tail device's (causal: about
-    ``2 - 1/shards`` times)."""
+def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int) -> bool:
+    """Whether trading q's halves into the head–tail layout pays: the keys the mask's span leaves
+    each block of rows give the busiest contiguous shard over 5/4 of the busiest head–tail
+    device's work (causal: about ``2 - 1/shards`` times). The span reads the mask's arrays where
+    they are known when tracing (a ``block_mask`` built outside ``jit``), summed over the items;
+    else its static part only (document ids under ``jit`` count as every key)."""
     half = sq // shards // 2
     if mask is None or shards < 2 or (sq // shards) % 2 or not half:
         return False
+    mask = as_mask(mask)
+    span = mask.span()
     edges = np.unique(np.linspace(0, half, 9).astype(int))  # 8 blocks of rows a chunk, the span's grain
     starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
     ends = starts + np.tile(np.diff(edges), 2 * shards)
+    known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
     with jax.ensure_compile_time_eval():
-        lo, hi = as_mask(mask).span().kv(jnp.asarray(starts), jnp.asarray(ends), skv)
-    keys = np.maximum(np.broadcast_to(np.asarray(hi) - np.asarray(lo), starts.shape), 0)
+        if known:  # per item, per block of rows
+            extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
+            keys = np.sum(np.maximum(np.asarray(jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads))), 0), axis=0)
+        else:
+            lo, hi = span.kv(jnp.asarray(starts), jnp.asarray(ends), skv)
+            keys = np.maximum(np.broadcast_to(np.asarray(hi) - np.asarray(lo), starts.shape), 0)
     chunks = ((ends - starts) * keys).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
     contiguous = chunks[0::2] + chunks[1::2]
     head_tail = chunks[:shards] + chunks[::-1][:shards]

@@ -240,6 +240,8 @@ TRADES = {  # name: (mask, q's length, mesh axes, q's spec, k's and v's spec, wh
     "causal, seq over two axes, heads split": (jf.masks.causal(), 32, ("h", "a", "b"), P(None, ("a", "b"), "h"), P(None, "a", "h"), True),
     "causal, seq over two axes out of the mesh's order": (jf.masks.causal(), 32, ("h", "a", "b"), P("h", ("b", "a")), P("h", "b"), True),
     "window": (jf.masks.causal() & jf.masks.sliding_window(5), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
+    "causal block_mask built outside jit": (jf.masks.block_mask(lambda b, h, i, j: i >= j, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
+    "bidirectional block_mask": (jf.masks.block_mask(lambda b, h, i, j: i // 8 == j // 8, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
     "causal, odd local length": (jf.masks.causal(), 36, ("data", "seq"), P("data", "seq"), P("data"), False),
 }
 
@@ -250,7 +252,8 @@ def test_shards_of_causal_queries_trade_halves_for_equal_work(name):
     queries into the head–tail layout (two collective-permutes each way, over the sequence's mesh
     axes in their order) so that each does the same work, and trade the results back. A sliding
     window leaves the work even (no trade), and so must an odd local length (36 over 4: no
-    halves). Values and gradients equal one device's."""
+    halves); a block_mask whose arrays are known when tracing is measured on them. Values and
+    gradients equal one device's."""
     mask, sq, axes, q_spec, kv_spec, trades = TRADES[name]
     mesh = jax.make_mesh((2, 4) if len(axes) == 2 else (2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Explicit,) * len(axes))
     rng = np.random.default_rng(12)
