@@ -233,14 +233,10 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
     ends = starts + np.tile(np.diff(edges), 2 * shards)
     known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
-    with jax.ensure_compile_time_eval():
-        if known:  # per item, per block of rows
-            extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
-            keys = np.sum(np.maximum(np.asarray(jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads))), 0), axis=0)
-        else:
-            lo, hi = span.kv(jnp.asarray(starts), jnp.asarray(ends), skv)
-            keys = np.maximum(np.broadcast_to(np.asarray(hi) - np.asarray(lo), starts.shape), 0)
-    chunks = ((ends - starts) * keys).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
+    with jax.ensure_compile_time_eval():  # the keys each block of rows may see, per item
+        extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
+        keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads)) if known else extent()[None]
+    chunks = ((ends - starts) * np.maximum(np.asarray(keys), 0).sum(axis=0)).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
     contiguous = chunks[0::2] + chunks[1::2]
     head_tail = chunks[:shards] + chunks[::-1][:shards]
     return bool(contiguous.max() * 4 > head_tail.max() * 5)
@@ -282,7 +278,9 @@ def _sinks(sinks, lse_shape):
 def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None, where=None):
     """The primitive's ``Mods`` and its consts. ``where``: :func:`_attend`'s, q a block of a larger
     batch and heads: the mask's per-item arrays are bound to the whole batch and taken at the
-    block's items, and the functions are read at global ``b`` and ``h``."""
+    block's items, and the functions are read at global ``b`` and ``h``. (Here, not through the
+    lowering's ``shards=`` as the per-shard rule does: inside a shard_map the lowering traces its
+    code where the manual axes are not bound, so it cannot read the shard's index.)"""
     bound_batch, globally, local = batch, None, (lambda x: x)  # noqa: E731
     if where is not None:
         bound_batch, offsets, num_heads, head_offset = where

@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxforge as jf
 from jaxforge.primitives import _core
+from jaxforge.primitives.attention.attention import attention_fwd_p
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -308,7 +309,7 @@ def test_a_sequence_split_beside_a_batch_or_heads_split_gathers_only_the_keys(na
     gathered = re.findall(r"= f64\[([\d,]+)\][^\n]*\sall-gather(?:-start)?\(", text)  # the float arrays' gathers
     assert gathered and all(int(s.split(",")[kept]) < shape[kept] for s in gathered), gathered
     with jax.set_mesh(mesh):
-        (mods,) = {eqn.params["mods"] for eqn in equations(jax.make_jaxpr(attend)(*args).jaxpr) if eqn.primitive.name == "jaxforge_attention_fwd"}
+        (mods,) = {eqn.params["mods"] for eqn in equations(jax.make_jaxpr(attend)(*args).jaxpr) if eqn.primitive is attention_fwd_p}
     assert mods.mask.num_consts == 0 and mods.score.num_consts > 0  # only a function reading b or h reads the shard's offsets
 
 
