@@ -16,7 +16,8 @@ gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relat
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole; the batch or the heads split over "data" or
-neither; an ALiBi-like bias on q_idx, b and h now and then), and compares out, lse and the gradient.
+neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
+jit), and compares out, lse and the gradient (the table's too).
 
     PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded] [--seconds 600] [--seed 0]
 
@@ -253,21 +254,28 @@ def _run_sharded_seed(seed: int) -> None:
     mask, visible = random_mask(rng, b, hq, sq, skv)
     visible = np.broadcast_to(visible, (b, hq, sq, skv))
     q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, d)))
-    score_mod = (lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j) - 0.05 * b * (i - j)) if rng.random() < 0.3 else None
+    table = jnp.asarray(rng.standard_normal((hq, sq + skv)))  # passed into jit: the shard_map takes it as an operand
+    score_mod = {
+        "none": lambda table: None,
+        "alibi": lambda table: lambda s, b, h, i, j: s - 0.3 * (h + 1) * jnp.abs(i - j) - 0.05 * b * (i - j),
+        "relative_bias": lambda table: lambda s, b, h, i, j: s + table[h, i - j + skv],
+    }[rng.choice(["none", "alibi", "relative_bias"], p=[0.6, 0.2, 0.2])]
     implementation = random_implementation(rng)
     implementation = "xla" if isinstance(implementation, str) or implementation.name != "xla" else implementation
     batch = "data" if rng.random() < 0.5 else None
     heads = "data" if batch is None and hkv % 2 == 0 and rng.random() < 0.5 else None  # "data" splits the heads instead
     specs = (P(batch, "seq", heads), *[P(batch, "seq" if rng.random() < 0.6 else None, heads)] * 2)
-    ours = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=score_mod, return_lse=True, implementation=implementation)  # noqa: E731
-    dense = lambda q, k, v: dense_jnp(q, k, v, visible, score_mod)  # noqa: E731
+    ours = lambda q, k, v, table: jf.attention(  # noqa: E731
+        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, implementation=implementation
+    )
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table))  # noqa: E731
     weights = rng.standard_normal((b, sq, hq, d))
     with jax.set_mesh(mesh):
-        split = [jax.device_put(x, spec) for x, spec in zip((q, k, v), specs)]
+        split = [jax.device_put(x, spec) for x, spec in zip((q, k, v, table), (*specs, P()))]
         out, lse = jax.jit(ours)(*split)
-        grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(*split)
-    _assert_attention_close((out, lse), dense(q, k, v))
-    for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2))(q, k, v)):
+        grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2, 3)))(*split)
+    _assert_attention_close((out, lse), dense(q, k, v, table))
+    for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2, 3))(q, k, v, table)):
         _assert_close(a, e, 1e-8)
 
 

@@ -152,8 +152,8 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     whole along the sequence); the mask and ``score_mod`` read global batch and head indices
     (``_attend``'s ``where``). Where the mask gives later queries more keys (causal), the shards
     first trade halves into the head–tail layout (:func:`_head_tail`), so each does the same work.
-    The mask's arrays go in whole, as operands (a shard_map's code cannot close over arrays the
-    manual axes split; a score_mod's captured arrays must be replicated)."""
+    The mask's arrays and those ``score_mod`` closes over go in whole, as operands (a shard_map's
+    code cannot close over arrays of an explicit mesh)."""
     mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
     entries = tuple(jax.typeof(q).sharding.spec) + (None,) * (q.ndim - len(jax.typeof(q).sharding.spec))
     size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731  shards along it
@@ -168,11 +168,15 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
         )
     k, v = (_core.resharded(x, mesh, kv_spec) for x in (k, v))
     operands = {"q": q, "k": k, "v": v}
-    specs = {"q": P(*entries), "k": kv_spec, "v": kv_spec, "mask": P(), "sinks": lse_spec}
+    specs = {"q": P(*entries), "k": kv_spec, "v": kv_spec, "mask": P(), "sinks": lse_spec, "score": P()}
     if mask is not None:
-        operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x)), as_mask(mask))
+        operands["mask"] = jax.tree.map(lambda x: _core.gathered(jnp.asarray(x)), as_mask(mask).hoisted())
     if sinks is not None:
         operands["sinks"] = _core.resharded(jnp.broadcast_to(_sinks(sinks, q.shape[:-1]), q.shape[:-1]), mesh, lse_spec)
+    if score_mod is not None:  # what it closes over goes in whole, as operands; it reads them at global indices
+        score_fn, consts = _traced_score_mod(score_mod, accumulation_dtype(q.dtype))
+        operands["score"] = [_core.gathered(jnp.asarray(c)) for c in consts]
+    manual_axes = {a for e in entries for a in _core.mesh_axes(e)}
     balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards, q.shape[:seq], q.shape[-2])
 
     def where():  # the block of q this shard holds: where it starts along each batch dim and the heads
@@ -183,7 +187,7 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     def attend(parts, start, length):  # parts["q"] (and ["sinks"]): `length` queries from global `start`
         mask = parts.get("mask")
         block = None if mask is None else shifted(mask, start, 0, q_len=length)
-        at = None if score_mod is None else (lambda s, b, h, i, j: score_mod(s, b, h, i + start, j))
+        at = None if score_mod is None else (lambda s, b, h, i, j: score_fn(s, b, h, i + start, j, *parts["score"])[0])
         return _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=parts.get("sinks"), where=where(), **kw)
 
     def shard(operands):
@@ -192,7 +196,6 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
             return attend(operands, index * local, local)
         return _head_tail(operands, index, axes, shards, seq, attend)
 
-    manual_axes = {a for e in entries for a in _core.mesh_axes(e)}
     in_specs = ({name: specs[name] for name in operands},)
     sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], lse_spec), axis_names=manual_axes)
     return sharded(operands)
@@ -293,34 +296,40 @@ def _mods(mask, score_mod, softcap, batch, sq, skv, score_dtype, num_heads=None,
         fn, rows, cols = mask.bind_positional(bound_batch, sq, skv)
         rows, cols = [local(x) for x in rows], [local(x) for x in cols]
         values = [jax.ShapeDtypeStruct((), x.dtype) for x in (*rows, *cols)]
-        mask_fn, fn_consts = _traced_at_global(fn, globally, 0, _INT, _INT, _INT, _INT, *values)
+        mask_fn, fn_consts = _traced_at_global("attention: `mask`", fn, globally, 0, _INT, _INT, _INT, _INT, *values)
         _check_output("mask", mask_fn, np.bool_, "a boolean")
         span = mask.span()
         span_arrays = [local(x) for x in mask.span_arrays(bound_batch, sq, skv, num_heads)]
         mask_consts = [*fn_consts, *rows, *cols, *span_arrays]  # Mods.num_mask_consts
     score_fn, score_consts = None, []
     if score_mod is not None:
-        if not callable(score_mod):
-            raise TypeError(f"attention: `score_mod` must be a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
-        score = jax.ShapeDtypeStruct((), score_dtype)
-        score_fn, score_consts = _traced_at_global(score_mod, globally, 1, score, _INT, _INT, _INT, _INT)
-        _check_output("score_mod", score_fn, None, "a floating-point")
+        score_fn, score_consts = _traced_score_mod(score_mod, score_dtype, globally)
     mods = Mods(mask=mask_fn, score=score_fn, span=span, softcap=softcap, mask_rows=len(rows), mask_cols=len(cols))
     return mods, [*mask_consts, *score_consts]
 
 
-def _traced_at_global(fn, globally, at: int, *avals):
+def _traced_score_mod(score_mod, score_dtype, globally=None):
+    """``score_mod`` checked and traced at scalars (:func:`_traced_at_global`)."""
+    if not callable(score_mod):
+        raise TypeError(f"attention: `score_mod` must be a callable score_mod(score, b, h, q_idx, kv_idx), got {type(score_mod).__name__}")
+    score = jax.ShapeDtypeStruct((), score_dtype)
+    traced = _traced_at_global("attention: `score_mod`", score_mod, globally, 1, score, _INT, _INT, _INT, _INT)
+    _check_output("score_mod", traced[0], None, "a floating-point")
+    return traced
+
+
+def _traced_at_global(name: str, fn, globally, at: int, *avals):
     """``_core.trace_function(fn, *avals)``, its batch and head indices (arguments ``at`` and
     ``at + 1``) made global by ``globally`` where it reads them (only then: the offsets it closes
     over become the function's constants, which some kernels cannot read)."""
-    traced = _core.trace_function(fn, *avals)
+    traced = _core.trace_function(fn, *avals, name=name)
     if globally is None or not (traced[0].reads(at) or traced[0].reads(at + 1)):
         return traced
 
     def read_globally(*args):
         return fn(*args[:at], *globally(args[at], args[at + 1]), *args[at + 2 :])
 
-    return _core.trace_function(read_globally, *avals)
+    return _core.trace_function(read_globally, *avals, name=name)
 
 
 def _items(items, count: int, x):

@@ -124,6 +124,12 @@ class Mask:
             b, h, q_idx, kv_idx, *(r[b, q_idx] for r in rows), *(c[b, kv_idx] for c in cols)
         )
 
+    def hoisted(self) -> Mask:
+        """This mask with the arrays its plain functions close over as leaves, so that it passes
+        whole into a shard_map as an operand (whose code cannot close over an explicit mesh's arrays)."""
+        plain = lambda x: isinstance(x, _FromFunction)  # noqa: E731
+        return jax.tree.map(lambda x: x.hoisted() if plain(x) else x, self, is_leaf=plain)
+
     def __call__(self, b, h, q_idx, kv_idx):
         """The mask at one index (vmap it for a picture); per-item data (segment ids, lengths) is
         read at item ``b`` of its own flattened leading dims."""
@@ -353,6 +359,21 @@ class _FromFunction(Mask):
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx)
+
+    def hoisted(self):
+        fn, consts = _core.trace_function(self.fn, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name="mask: `mask_mod`")
+        return _Hoisted(fn, tuple(consts))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Hoisted(Mask):
+    """A plain ``mask_mod`` traced, the arrays it closed over its leaves (:meth:`Mask.hoisted`)."""
+
+    fn: _core.StaticFunction
+    consts: tuple
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        return self.fn(b, h, q_idx, kv_idx, *self.consts)[0]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -825,7 +846,7 @@ def block_mask(
     mask = as_mask(mask_mod)
     q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
     pieces = _static_int("block_mask", "ranges", ranges, minimum=1)
-    fn, consts = _core.trace_function(mask.mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4)
+    fn, consts = _core.trace_function(mask.mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name="block_mask: `mask_mod`")
     outs = fn.out_avals
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
         got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)

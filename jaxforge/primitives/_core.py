@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import core
+from jax import core, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, Primitive
 from jax.interpreters import ad, batching, mlir
@@ -436,13 +436,22 @@ def literal_value(var):
     return jnp.asarray(var.val, var.aval.dtype) if isinstance(var, Literal) else None
 
 
-def trace_function(fn: Callable, *avals) -> tuple[StaticFunction, list]:
+def trace_function(fn: Callable, *avals, name: str = "function") -> tuple[StaticFunction, list]:
     """Traces ``fn`` at ``avals`` (``jax.ShapeDtypeStruct``s) and hoists what it closes over.
 
     Returns ``(static_fn, consts)`` with ``static_fn(*args, *consts) == fn(*args)``. Closed-over
-    tracers of enclosing transforms (a bias under ``grad``) become consts too.
+    tracers of enclosing transforms (a bias under ``grad``) become consts too. ``name`` (such as
+    "attention: `score_mod`") heads the error for what jax's sharding types refuse.
     """
-    closed = jax.make_jaxpr(fn)(*avals)
+    try:
+        closed = jax.make_jaxpr(fn)(*avals)
+    except Exception as e:  # jax exports no class for its sharding type errors
+        if type(e).__name__ != "ShardingTypeError":
+            raise
+        raise TypeError(
+            f"{name} reads an array split over explicit mesh axes at scalar indices, which jax's sharding types "
+            f"refuse ({e}); give it what it closes over replicated: jax.sharding.reshard(x, P())"
+        ) from e
     consts = list(closed.consts)
     # Re-traced with the constants as plain arguments: inside shard_map a closed-over value (a
     # shard's segment ids) varies over mesh axes, and tracing inserted casts of the indices to
@@ -460,8 +469,17 @@ def _is_varying_cast(eqn) -> bool:
     return name == "pvary" or (name == "pcast" and "varying" in str(eqn.params.get("to", "")).lower())
 
 
+def _of_one_type(values) -> list:
+    """``values`` cast to the union of their varying axes, as jnp would cast an equation's operands
+    inside a shard_map (a primitive bound directly there takes them of one type only)."""
+    axes = frozenset().union(*map(varying_axes, values))
+    return [lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying") if axes - varying_axes(x) else x for x in values]
+
+
 def _eval_without_varying_casts(jaxpr, consts, args) -> list:
-    """Evaluates ``jaxpr`` with its casts to varying (identities on values) dropped, inlining jit calls."""
+    """Evaluates ``jaxpr`` with its casts to varying (identities on values) dropped, inlining jit
+    calls; inside a shard_map each equation's operands are cast to one type instead (the casts
+    the jaxpr held were those of its own trace)."""
     env = dict(zip(jaxpr.constvars, consts)) | dict(zip(jaxpr.invars, args))
     read = lambda var: var.val if isinstance(var, Literal) else env[var]  # noqa: E731
     for eqn in jaxpr.eqns:
@@ -472,6 +490,7 @@ def _eval_without_varying_casts(jaxpr, consts, args) -> list:
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             outs = _eval_without_varying_casts(inner.jaxpr, inner.consts, ins)
         else:
+            ins = _of_one_type(ins)
             bound = eqn.primitive.get_bind_params(eqn.params)  # params, or (subfuns, params) before jax 0.10
             subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
             outs = eqn.primitive.bind(*subfuns, *ins, **params)

@@ -201,6 +201,35 @@ def test_queries_split_along_the_sequence_attend_every_key(name):
     np.testing.assert_allclose(d_out, jax.jvp(attend, (q, k, v), tangents)[1][0], rtol=1e-11, atol=1e-11)
 
 
+def test_arrays_a_score_mod_or_mask_mod_closes_over_go_into_the_sequence_split():
+    """A score_mod (a relative bias) and a plain mask_mod (segment ids) closing over arrays passed
+    into jit, q split along its sequence: the shard_map takes them whole as operands (its code
+    cannot close over an explicit mesh's arrays), the bias's gradient summed over the shards.
+    Values, gradients (the bias's too) and a jvp equal one device's; a bias split over the mesh,
+    which jax cannot index by scalars, is a clear error."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(14)
+    q, k, v = (jnp.asarray(rng.standard_normal((4, 32, 2, 8))) for _ in range(3))
+    bias, ids = jnp.asarray(rng.standard_normal((2, 63))), jnp.asarray(np.sort(rng.integers(0, 3, (4, 32)), axis=-1))
+    attend = lambda q, k, v, bias, ids: jf.attention(
+        q, k, v, mask=lambda b, h, i, j: (ids[b, i] == ids[b, j]) & (i >= j), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 31]
+    )
+    loss = lambda *a: jnp.sum(jnp.sin(attend(*a)))
+    tangents = (jnp.cos(q), jnp.cos(bias))
+    jvp = lambda q, k, v, bias, ids, dq, dbias: jax.jvp(lambda q, bias: attend(q, k, v, bias, ids), (q, bias), (dq, dbias))[1]
+    with jax.set_mesh(mesh):
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        args = (*(put(x, P("data", "seq")) for x in (q, k, v)), put(bias, P()), put(ids, P()))
+        out, grads = jax.jit(attend)(*args), jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*args)
+        d_out = jax.jit(jvp)(*args, *tangents)
+        with pytest.raises(TypeError, match=r"`score_mod` reads an array split over explicit mesh axes .*reshard"):
+            jax.jit(attend)(*args[:3], put(bias, P("data")), args[4])
+    np.testing.assert_allclose(out, attend(q, k, v, bias, ids), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias, ids)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(d_out, jvp(q, k, v, bias, ids, *tangents), rtol=1e-11, atol=1e-12)
+
+
 SEQUENCE_SPLITS = {  # name: a mask of per-position arrays, from segment ids (4, 32) or a table (4, 1, 32, 32)
     "document&causal": lambda ids, table: jf.masks.document(ids) & jf.masks.causal(),
     "array|window": lambda ids, table: jf.masks.from_array(table) | jf.masks.sliding_window(3),
