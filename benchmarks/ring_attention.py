@@ -4,8 +4,10 @@ causal ring (``causal=True``: half the pairs), the unmasked ring, ``all_gather_a
 gathered whole: Llama 3's context parallelism) and ``jf.attention`` with q, k and v split along the
 sequence on an explicit mesh (the same, partitioned by jf.attention) under the window, both again
 under the causal mask alone (all_gather_attention on contiguous chunks, where the last device
-does the most work; jf.attention trading halves of q into the head–tail layout), and one
-device's ``jf.attention`` under the window. For each: its median forward time over interleaved repeats
+does the most work; jf.attention trading halves of q into the head–tail layout), one
+device's ``jf.attention`` under the window, and a prompt of the last tokens over the whole sequence
+with k and v split on the explicit mesh (causal, bottom-right): jf.attention attending each device's
+keys and merging through the lse, against the same call with k and v gathered first. For each: its median forward time over interleaved repeats
 and its largest difference from one device's ``jf.attention`` under the same mask. The JSON has
 the bench's layout (``python -m jaxforge.bench``): the masked ring is the ``jaxforge`` record, the
 others anchors with ``ratio`` = their time / its.
@@ -32,8 +34,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxforge as jf
 
-SHAPE, WINDOW = (1, 8192, 4, 64), 512  # (batch, tokens, heads, head_dim)
-QUICK_SHAPE, QUICK_WINDOW = (1, 256, 2, 16), 32
+SHAPE, WINDOW, PROMPT = (1, 8192, 4, 64), 512, 512  # (batch, tokens, heads, head_dim)
+QUICK_SHAPE, QUICK_WINDOW, QUICK_PROMPT = (1, 256, 2, 16), 32, 16
 
 
 def main(argv=None) -> None:
@@ -43,7 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    shape, width = (QUICK_SHAPE, QUICK_WINDOW) if args.quick else (SHAPE, WINDOW)
+    shape, width, prompt = (QUICK_SHAPE, QUICK_WINDOW, QUICK_PROMPT) if args.quick else (SHAPE, WINDOW, PROMPT)
     mesh = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[: args.devices])
     q, k, v = (jnp.asarray(np.random.default_rng(i).standard_normal(shape), jnp.float32) for i in range(3))
     window = jf.masks.causal() & jf.masks.sliding_window(width)
@@ -52,9 +54,11 @@ def main(argv=None) -> None:
         inner = lambda q, k, v: attend(q, k, v, axis_name="sp", load_balanced=False, **kw)  # noqa: E731
         return jax.jit(jf.shard(inner, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
 
-    def gathered(mask):
-        explicit = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[: args.devices])
-        attend = jax.jit(lambda q, k, v: jf.attention(*(jax.sharding.reshard(x, P(None, "sp")) for x in (q, k, v)), mask=mask))
+    explicit = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[: args.devices])
+    last = jf.masks.causal(shape[1] - prompt)  # the prompt's queries: the last positions
+
+    def gathered(mask, specs=(P(None, "sp"),) * 3, queries=lambda q: q):
+        attend = jax.jit(lambda q, k, v: jf.attention(*(jax.sharding.reshard(x, s) for x, s in zip((queries(q), k, v), specs)), mask=mask))
 
         def call(q, k, v):
             with jax.set_mesh(explicit):
@@ -62,18 +66,21 @@ def main(argv=None) -> None:
 
         return call
 
-    one_device = lambda mask: jax.jit(lambda q, k, v: jf.attention(q, k, v, mask=mask))  # noqa: E731
-    variants = {  # name: (function, its mask)
-        "ring, causal & window": (ring(mask=window), window),
-        "ring, causal": (ring(causal=True), jf.masks.causal()),
-        "ring, no mask": (ring(), None),
-        "all-gather, causal & window": (ring(jf.parallel.all_gather_attention, mask=window), window),
-        "k, v gathered, causal & window": (gathered(window), window),
-        "all-gather, causal": (ring(jf.parallel.all_gather_attention, causal=True), jf.masks.causal()),
-        "k, v gathered, causal": (gathered(jf.masks.causal()), jf.masks.causal()),
-        "one device, causal & window": (one_device(window), window),
+    one_device = lambda mask, queries=lambda q: q: jax.jit(lambda q, k, v: jf.attention(queries(q), k, v, mask=mask))  # noqa: E731
+    tail = lambda q: q[:, -prompt:]  # noqa: E731
+    variants = {  # name: (function, one device's)
+        "ring, causal & window": (ring(mask=window), one_device(window)),
+        "ring, causal": (ring(causal=True), one_device(jf.masks.causal())),
+        "ring, no mask": (ring(), one_device(None)),
+        "all-gather, causal & window": (ring(jf.parallel.all_gather_attention, mask=window), one_device(window)),
+        "k, v gathered, causal & window": (gathered(window), one_device(window)),
+        "all-gather, causal": (ring(jf.parallel.all_gather_attention, causal=True), one_device(jf.masks.causal())),
+        "k, v gathered, causal": (gathered(jf.masks.causal()), one_device(jf.masks.causal())),
+        "one device, causal & window": (one_device(window), one_device(window)),
+        "prompt, k, v split": (gathered(last, (P(), P(None, "sp"), P(None, "sp")), tail), one_device(last, tail)),
+        "prompt, k, v gathered": (gathered(last, (P(),) * 3, tail), one_device(last, tail)),
     }
-    references = {name: one_device(mask)(q, k, v) for name, (_, mask) in variants.items()}
+    references = {name: reference(q, k, v) for name, (_, reference) in variants.items()}
     variants = {name: fn for name, (fn, _) in variants.items()}
     times = {name: [] for name in variants}
     for fn in variants.values():
@@ -99,7 +106,7 @@ def main(argv=None) -> None:
     devices = "" if args.devices == 4 else f"-{args.devices}dev"
     path = args.out / f"{datetime.date.today()}-{device.platform}-ring-attention{devices}{'-quick' if args.quick else ''}.json"
     run = dict(family="ring_attention", date=str(datetime.date.today()), device=device.platform, device_kind=device.device_kind,
-               backend=jax.default_backend(), jax_version=jax.__version__, devices=args.devices, window=width, dtype="float32",
+               backend=jax.default_backend(), jax_version=jax.__version__, devices=args.devices, window=width, prompt=prompt, dtype="float32",
                records=records)  # fmt: skip
     path.write_text(json.dumps(run, indent=1))
     print(f"wrote {path}")

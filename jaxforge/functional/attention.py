@@ -87,9 +87,12 @@ def attention(
     :func:`jf.parallel.load_balance <jaxforge.functional.parallel.load_balance>`'s head–tail layout,
     so each does the same work, and trade the results back; q's batch or heads split beside its
     sequence stay split (the mask and score_mod see global items and heads). k and v split along their
-    sequence are gathered whole first (an all-gather, whose transpose sums their gradients back to
-    the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
-    <jaxforge.functional.parallel.ring_attention>` keeps them split instead.
+    sequence beside q's are gathered whole first (an all-gather, whose transpose sums their
+    gradients back to the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
+    <jaxforge.functional.parallel.ring_attention>` keeps them split instead. Where only k's and v's
+    sequence is split (a decoding step over a sequence-split KV cache, a prompt over a long
+    context), each device attends every query to its own keys and the parts merge through their
+    log-sum-exps (one pmax and one psum of the rows): k and v never move.
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -103,10 +106,13 @@ def attention(
         ) from None
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
-    k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
+    q_axes = _sequence_split(q)
+    kv_axes = () if q_axes else _key_split(q, k, v)
+    if not kv_axes:
+        k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
     kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
-    if axes := _sequence_split(q):
-        out, lse = _over_query_shards(axes, q, k, v, mask, score_mod, **kw)
+    if q_axes or kv_axes:
+        out, lse = _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, **kw)
     else:
         out, lse = _attend(q, k, v, mask, score_mod, **kw)
     return (out, lse) if return_lse else out
@@ -115,7 +121,7 @@ def attention(
 def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, where=None):
     """``(out, lse)`` of checked, broadcast operands: one primitive call per piece of the mask.
 
-    ``where``: inside the shard_map of :func:`_over_query_shards`, ``(batch, offsets, heads,
+    ``where``: inside the shard_map of :func:`_over_sequence_shards`, ``(batch, offsets, heads,
     head_offset)``: q's global batch shape, where its block starts along each batch dim, its
     global number of heads and its first head; the mask and ``score_mod`` then see global batch
     and head indices (:func:`_mods`)."""
@@ -145,22 +151,32 @@ def _sequence_split(x) -> tuple:
     return axes if all(kinds[a] == jax.sharding.AxisType.Explicit for a in axes) else ()
 
 
-def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
-    """``(out, lse)`` with q's sequence split over mesh ``axes``: a shard_map manual over them and
-    over the axes that split q's batch dims and heads, in which each shard attends its queries,
-    from global position ``index * local``, to every key (k and v split like q's batch and heads,
-    whole along the sequence); the mask and ``score_mod`` read global batch and head indices
-    (``_attend``'s ``where``). Where the mask gives later queries more keys (causal), the shards
-    first trade halves into the head–tail layout (:func:`_head_tail`), so each does the same work.
-    The mask's arrays and those ``score_mod`` closes over go in whole, as operands (a shard_map's
-    code cannot close over arrays of an explicit mesh)."""
+def _key_split(q, k, v) -> tuple:
+    """The explicit mesh axes that split both k's and v's sequence, where q's sequence is whole
+    and its batch dims and heads use none of them; else ``()``."""
+    axes = _sequence_split(k)
+    used = {a for e in jax.typeof(q).sharding.spec for a in _core.mesh_axes(e)}
+    return axes if axes == _sequence_split(v) and not used & set(axes) else ()
+
+
+def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, **kw):
+    """``(out, lse)`` with q's sequence split over mesh ``q_axes``, or k's and v's over ``kv_axes``
+    (one of them): a shard_map manual over them and over the axes that split q's batch dims and
+    heads (k and v split like q's there). Split queries: each shard attends its queries, from
+    global position ``index * local``, to every key; where the mask gives later queries more keys
+    (causal), the shards first trade halves into the head–tail layout (:func:`_head_tail`), so
+    each does the same work. Split keys: each shard attends every query to its keys, from global
+    position ``index * local``, and the parts merge through their lse (:func:`_merged_over`). The
+    mask and ``score_mod`` read global positions, batch and head indices (``_attend``'s
+    ``where``); the mask's arrays and those ``score_mod`` closes over go in whole, as operands (a
+    shard_map's code cannot close over arrays of an explicit mesh)."""
     mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
     entries = tuple(jax.typeof(q).sharding.spec) + (None,) * (q.ndim - len(jax.typeof(q).sharding.spec))
     size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731  shards along it
-    shards = size(entries[seq])
-    local = q.shape[seq] // shards
+    shards, kv_shards = size(entries[seq]), size(kv_axes)
+    local, kv_local = q.shape[seq] // shards, k.shape[seq] // kv_shards
     lse_spec = P(*entries[:-1])
-    kv_spec = P(*entries[:seq], None, entries[seq + 1], None)  # q's batch and heads, whole along the sequence
+    kv_spec = P(*entries[:seq], kv_axes or None, entries[seq + 1], None)  # q's batch and heads, whole along the sequence or split over kv_axes
     if k.shape[-2] % size(entries[seq + 1]):
         raise ValueError(
             f"attention: q's heads are split over {entries[seq + 1]} ({size(entries[seq + 1])} shards) beside its sequence, "
@@ -176,7 +192,7 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
     if score_mod is not None:  # what it closes over goes in whole, as operands; it reads them at global indices
         score_fn, consts = _traced_score_mod(score_mod, accumulation_dtype(q.dtype))
         operands["score"] = [_core.gathered(jnp.asarray(c)) for c in consts]
-    manual_axes = {a for e in entries for a in _core.mesh_axes(e)}
+    manual_axes = {a for e in entries for a in _core.mesh_axes(e)} | set(kv_axes)
     balanced = _balances(operands.get("mask"), q.shape[seq], k.shape[seq], shards, q.shape[:seq], q.shape[-2])
 
     def where():  # the block of q this shard holds: where it starts along each batch dim and the heads
@@ -185,20 +201,41 @@ def _over_query_shards(axes, q, k, v, mask, score_mod, *, sinks, **kw):
         return q.shape[:seq], offsets, q.shape[-2], start(entries[seq + 1], q.shape[-2])
 
     def attend(parts, start, length):  # parts["q"] (and ["sinks"]): `length` queries from global `start`
+        kv_start = lax.axis_index(kv_axes) * kv_local if kv_axes else 0
         mask = parts.get("mask")
-        block = None if mask is None else shifted(mask, start, 0, q_len=length)
-        at = None if score_mod is None else (lambda s, b, h, i, j: score_fn(s, b, h, i + start, j, *parts["score"])[0])
-        return _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=parts.get("sinks"), where=where(), **kw)
+        block = None if mask is None else shifted(mask, start, kv_start, q_len=length, kv_len=kv_local if kv_axes else None)
+        at = None if score_mod is None else (lambda s, b, h, i, j: score_fn(s, b, h, i + start, j + kv_start, *parts["score"])[0])
+        sinks = parts.get("sinks")
+        out, lse = _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=None if kv_axes else sinks, where=where(), **kw)
+        if not kv_axes:
+            return out, lse
+        out, lse = _merged_over(kv_axes, out, lse)
+        return (out, lse) if sinks is None else _merged([(out, lse), (None, jnp.zeros_like(lse) + sinks.astype(lse.dtype))])
 
     def shard(operands):
-        index = lax.axis_index(axes)
+        index = lax.axis_index(q_axes) if q_axes else 0
         if not balanced:
             return attend(operands, index * local, local)
-        return _head_tail(operands, index, axes, shards, seq, attend)
+        return _head_tail(operands, index, q_axes, shards, seq, attend)
 
     in_specs = ({name: specs[name] for name in operands},)
     sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], lse_spec), axis_names=manual_axes)
     return sharded(operands)
+
+
+def _merged_over(axes, out, lse):
+    """:func:`_merged` of the parts of the devices along mesh ``axes`` (attentions of the same
+    queries over their keys): one pmax of the rows' lse (for range only: it cancels) and one psum of
+    the weighted outputs beside their weights."""
+    top = lax.pmax(lax.stop_gradient(lse), axes)
+    top = jnp.where(jnp.isfinite(top), top, 0)
+    weights = jnp.exp(lse - top)  # a part that sees nothing: 0
+    summed = lax.psum(jnp.concatenate([out.astype(weights.dtype) * weights[..., None], weights[..., None]], axis=-1), axes)
+    total = summed[..., -1]
+    seen = total > 0
+    safe = jnp.where(seen, total, 1)
+    merged = summed[..., :-1] / safe[..., None]
+    return merged.astype(out.dtype), jnp.where(seen, top + jnp.log(safe), -jnp.inf)
 
 
 def _head_tail(operands, index, axes, shards: int, seq: int, attend):

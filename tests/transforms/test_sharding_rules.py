@@ -265,6 +265,59 @@ def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name)
     np.testing.assert_allclose(d_out, jax.jvp(lambda *qkv: attend(mask, *qkv), (q, k, v), tangents)[1], rtol=1e-11, atol=1e-11)
 
 
+KEY_SPLITS = {  # name: (mask of per-item lengths (4,) and ids (the queries' (4, 5), the keys' (4, 32)), a score_mod over a table (4, 64), sinks, q's spec, k's and v's spec)
+    "decoding over caches": (lambda lengths, ids: jf.masks.causal(lengths - 5), None, None, P("data"), P("data", "seq")),
+    "documents, bias and sinks": (
+        lambda lengths, ids: jf.masks.document(*ids) & jf.masks.causal(27),
+        lambda table: lambda s, b, h, i, j: s + table[h, i - j + 32],
+        jnp.linspace(-1, 1, 4),
+        P("data"),
+        P(None, "seq"),
+    ),
+    "heads split, rows that see no key": (lambda lengths, ids: jf.masks.sliding_window(2) & jf.masks.causal(lengths - 8), None, None, P(None, None, "data"), P(None, "seq", "data")),
+}
+
+
+@pytest.mark.parametrize("name", list(KEY_SPLITS))
+def test_keys_split_along_the_sequence_attend_where_they_lie_and_merge(name):
+    """k and v split along their sequence, q's sequence whole (a decoding step over a sequence-split
+    KV cache, a short prompt over a long context): each device attends every query to its own keys,
+    the mask and score_mod at the keys' global positions, and the parts merge through their lse
+    (one pmax, one psum of the rows): k and v are never gathered, their gradients stay split.
+    Values, lse (-inf where a row sees no key on any device), gradients (the table's too) and a
+    jvp equal one device's."""
+    build, score_mod, sinks, q_spec, kv_spec = KEY_SPLITS[name]
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    rng = np.random.default_rng(15)
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((4, 5, 4, 8), (4, 32, 2, 8), (4, 32, 2, 6)))
+    lengths, kv_ids = jnp.asarray([32, 9, 20, 5]), jnp.asarray(np.sort(rng.integers(0, 4, (4, 32)), axis=-1))
+    ids = (kv_ids[:, 27:], kv_ids)  # the queries are the last 5 positions
+    table = jnp.asarray(rng.standard_normal((4, 64)))
+    attend = lambda q, k, v, table, lengths, ids: jf.attention(
+        q, k, v, mask=build(lengths, ids), score_mod=score_mod and score_mod(table), sinks=sinks, return_lse=True
+    )
+    loss = lambda *a: jnp.sum(jnp.sin(attend(*a)[0])) + jnp.sum(jnp.where(jnp.isfinite(l := attend(*a)[1]), l, 0))
+    jvp = lambda q, k, v, table, lengths, ids, *t: jax.jvp(lambda *x: attend(*x, lengths, ids)[0], (q, k, v, table), t)[1]
+    tangents = tuple(jnp.cos(x) for x in (q, k, v, table))
+    with jax.set_mesh(mesh):
+        put = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))
+        args = (put(q, q_spec), put(k, kv_spec), put(v, kv_spec), put(table, P()), put(lengths, P()), (put(ids[0], P()), put(ids[1], P(None, "seq"))))
+        (out, lse), grads = jax.jit(attend)(*args), jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*args)
+        d_out = jax.jit(jvp)(*args, *tangents)
+        text = compiled(jax.grad(loss, (0, 1, 2, 3)), *args)
+    want_out, want_lse = attend(q, k, v, table, lengths, ids)
+    assert np.isneginf(want_lse).any() == (name == "heads split, rows that see no key")
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_allclose(out, want_out, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.where(np.isneginf(want_lse), 0, lse), np.where(np.isneginf(want_lse), 0, want_lse), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2, 3))(q, k, v, table, lengths, ids)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+    np.testing.assert_allclose(d_out, jvp(q, k, v, table, lengths, ids, *tangents), rtol=1e-11, atol=1e-12)
+    assert out.sharding.spec == q_spec + (None,) * (4 - len(q_spec)) and grads[1].sharding.spec == kv_spec + (None,) * (4 - len(kv_spec))
+    gathered = re.findall(r"= f64\[([\d,]+)\][^\n]*\sall-gather(?:-start)?\(", text)  # float arrays' (k's gradient to its own batch split)
+    assert all(int(shape.split(",")[1]) < 32 for shape in gathered), gathered  # none whole along the sequence
+
+
 TRADES = {  # name: (mask, q's length, mesh axes, q's spec, k's and v's spec, whether the shards trade)
     "causal": (jf.masks.causal(), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
     "causal, seq over two axes, heads split": (jf.masks.causal(), 32, ("h", "a", "b"), P(None, ("a", "b"), "h"), P(None, "a", "h"), True),
