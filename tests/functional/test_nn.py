@@ -6,6 +6,7 @@ shape annotations of the signatures.
 
 import functools
 import inspect
+import re
 
 import jax
 import jax.numpy as jnp
@@ -345,6 +346,33 @@ def test_decoding_prompts_of_different_lengths_in_one_batch():
     np.testing.assert_array_equal(cache["length"], lengths + 4)
 
 
+def test_decoding_over_a_cache_split_along_its_sequence_on_an_explicit_mesh():
+    """A cache split over its batch ("data") and its sequence ("seq") of an explicit mesh: each
+    step writes its tokens into the shards that hold their positions and attends every device's
+    keys where they lie (jf.attention with only k and v split), so the cache is never gathered;
+    the prompt's and each step's logits and the cache equal one device's."""
+    mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    tokens = jnp.asarray(RNG.integers(0, 13, (2, 9)))
+    cache = nn.init_kv_cache(params["blocks"]["attention"], (2,), 16)
+    step = jax.jit(lambda params, tokens, cache: nn.transformer(params, tokens, cache=cache))
+    specs = {"k": P(None, "data", "seq"), "v": P(None, "data", "seq"), "length": P("data")}
+    with jax.set_mesh(mesh):
+        split = {name: jax.device_put(x, specs[name]) for name, x in cache.items()}
+        replicated = jax.device_put(params, P())
+    for i, j in ((0, 5), (5, 6), (6, 7), (7, 9)):  # a prompt, then steps
+        want, cache = step(params, tokens[:, i:j], cache)
+        with jax.set_mesh(mesh):
+            args = (replicated, jax.device_put(tokens[:, i:j], P("data")), split)
+            got, split = step(*args)
+            text = step.lower(*args).compile().as_text()
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12), split, cache)
+        gathered = re.findall(r"= f64\[([\d,]+)\][^\n]*\sall-gather(?:-start)?\(", text)  # the new tokens' keys and values only
+        assert gathered and all(int(shape.split(",")[-3]) == j - i for shape in gathered), gathered
+    assert split["k"].sharding.spec == P(None, "data", "seq", None, None)
+
+
 def test_a_cache_of_another_dtype_and_a_step_of_no_tokens():
     """A bfloat16 cache (init_kv_cache's dtype=) under float32 params stays bfloat16 and decodes as
     a float32 cache whose attention reads k and v rounded to bfloat16; a step of no tokens returns
@@ -365,8 +393,8 @@ def test_a_cache_of_another_dtype_and_a_step_of_no_tokens():
 
 
 def test_a_cache_that_overflows_gives_nan_for_that_item_only():
-    """A step whose tokens do not fit an item's cache (``length + seq > max_len``: the write is
-    clipped) gives that item NaN logits, at that step and after; the other items decode as
+    """A step whose tokens do not fit an item's cache (``length + seq > max_len``: those past its
+    end are not written) gives that item NaN logits, at that step and after; the other items decode as
     before. A step longer than the cache is refused at trace time."""
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
     cache = nn.init_kv_cache(params["blocks"]["attention"], (2,), 6)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import jax
@@ -118,7 +117,7 @@ def multi_head_attention(
         ``~jf.masks.causal(length - w)``). A batch of prompts of different lengths is prefilled
         padded, then ``length`` set to the true ones: the next steps overwrite the padding. An
         item whose tokens do not fit (``length + seq > max_len``) gets NaN outputs, at that step
-        and after: its write would be clipped.
+        and after: the tokens past the cache's end are not written.
 
     Returns:
       ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more.
@@ -148,13 +147,14 @@ def multi_head_attention(
     if cache is None:
         return out
     length = length + x.shape[-2]
-    overflows = length > max_len  # its write was clipped: the outputs are not this item's
+    overflows = length > max_len  # tokens past the end went unwritten: the outputs are not this item's
     return jnp.where(overflows[..., None, None], jnp.nan, out), {**cache, "length": length}
 
 
 def _written(cache, new, length):
-    """``cache (*batch, max_len, H, D)`` with ``new (*batch, seq, H, D)`` at each item's ``length``."""
-    batch = length.shape
-    write = lambda c, n, at: jax.lax.dynamic_update_slice_in_dim(c, n.astype(c.dtype), at, axis=0)  # noqa: E731
-    flat = jax.vmap(write)(*(x.reshape(math.prod(batch), *x.shape[len(batch) :]) for x in (cache, new, length)))
-    return flat.reshape(cache.shape)
+    """``cache (*batch, max_len, H, D)`` with ``new (*batch, seq, H, D)`` at each item's ``length``
+    (positions past ``max_len`` dropped). One scatter, placed as the cache is: under explicit
+    sharding a cache split along its sequence stays split (each device writes what falls in it)."""
+    items = [i[..., None] for i in jnp.indices(length.shape, sparse=True)]
+    positions = length[..., None] + jnp.arange(new.shape[-3])
+    return cache.at[(*items, positions)].set(new.astype(cache.dtype), mode="drop", out_sharding=jax.typeof(cache).sharding)
