@@ -15,7 +15,7 @@ definition (not from the library's ``mask_mod``). ``first-order`` compares out, 
 gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
-q split along its sequence (k and v too, or whole) or k and v alone (the batch or the heads split over "data" or
+q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
 neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
 jit), and compares out, lse and the gradient (the table's too).
 
@@ -265,6 +265,8 @@ def _run_sharded_seed(seed: int) -> None:
     batch = "data" if rng.random() < 0.5 else None
     heads = "data" if batch is None and hkv % 2 == 0 and rng.random() < 0.5 else None  # "data" splits the heads instead
     q_seq, kv_seq = ("seq", "seq" if rng.random() < 0.6 else None) if rng.random() < 0.7 else (None, "seq")  # the latter: keys split alone
+    if batch is None and heads is None and rng.random() < 0.3:  # keys over "data": beside q's split, or alone
+        kv_seq = "data"
     specs = (P(batch, q_seq, heads), *[P(batch, kv_seq, heads)] * 2)
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
         q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, implementation=implementation

@@ -87,12 +87,13 @@ def attention(
     :func:`jf.parallel.load_balance <jaxforge.functional.parallel.load_balance>`'s head–tail layout,
     so each does the same work, and trade the results back; q's batch or heads split beside its
     sequence stay split (the mask and score_mod see global items and heads). k and v split along their
-    sequence beside q's are gathered whole first (an all-gather, whose transpose sums their
-    gradients back to the shards: the context parallelism of Llama 3); :func:`jf.parallel.ring_attention
-    <jaxforge.functional.parallel.ring_attention>` keeps them split instead. Where only k's and v's
-    sequence is split (a decoding step over a sequence-split KV cache, a prompt over a long
-    context), each device attends every query to its own keys and the parts merge through their
-    log-sum-exps (one pmax and one psum of the rows): k and v never move.
+    sequence over the axes that split q's are gathered whole first (an all-gather, whose transpose
+    sums their gradients back to the shards: the context parallelism of Llama 3);
+    :func:`jf.parallel.ring_attention <jaxforge.functional.parallel.ring_attention>` keeps them
+    split instead. Split over axes that q does not use (q's sequence whole: a decoding step over a
+    sequence-split KV cache, a prompt over a long context; or split over others), they stay split:
+    each device attends its queries to its own keys and the parts merge through their log-sum-exps
+    (one pmax and one psum of the rows).
     """
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -107,7 +108,7 @@ def attention(
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
     q_axes = _sequence_split(q)
-    kv_axes = () if q_axes else _key_split(q, k, v)
+    kv_axes = _key_split(q, k, v)
     if not kv_axes:
         k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
     kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
@@ -152,20 +153,20 @@ def _sequence_split(x) -> tuple:
 
 
 def _key_split(q, k, v) -> tuple:
-    """The explicit mesh axes that split both k's and v's sequence, where q's sequence is whole
-    and its batch dims and heads use none of them; else ``()``."""
+    """The explicit mesh axes that split both k's and v's sequence, where q uses none of them
+    (along its sequence, batch dims or heads); else ``()``."""
     axes = _sequence_split(k)
     used = {a for e in jax.typeof(q).sharding.spec for a in _core.mesh_axes(e)}
     return axes if axes == _sequence_split(v) and not used & set(axes) else ()
 
 
 def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, **kw):
-    """``(out, lse)`` with q's sequence split over mesh ``q_axes``, or k's and v's over ``kv_axes``
-    (one of them): a shard_map manual over them and over the axes that split q's batch dims and
+    """``(out, lse)`` with q's sequence split over mesh ``q_axes`` and k's and v's over ``kv_axes``
+    (either or both): a shard_map manual over them and over the axes that split q's batch dims and
     heads (k and v split like q's there). Split queries: each shard attends its queries, from
     global position ``index * local``, to every key; where the mask gives later queries more keys
     (causal), the shards first trade halves into the head–tail layout (:func:`_head_tail`), so
-    each does the same work. Split keys: each shard attends every query to its keys, from global
+    each does the same work. Split keys: each shard attends its queries to its keys, from global
     position ``index * local``, and the parts merge through their lse (:func:`_merged_over`). The
     mask and ``score_mod`` read global positions, batch and head indices (``_attend``'s
     ``where``); the mask's arrays and those ``score_mod`` closes over go in whole, as operands (a

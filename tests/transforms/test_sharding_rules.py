@@ -265,33 +265,41 @@ def test_every_sequence_split_gathers_the_keys_and_slices_the_masks_arrays(name)
     np.testing.assert_allclose(d_out, jax.jvp(lambda *qkv: attend(mask, *qkv), (q, k, v), tangents)[1], rtol=1e-11, atol=1e-11)
 
 
-KEY_SPLITS = {  # name: (mask of per-item lengths (4,) and ids (the queries' (4, 5), the keys' (4, 32)), a score_mod over a table (4, 64), sinks, q's spec, k's and v's spec)
-    "decoding over caches": (lambda lengths, ids: jf.masks.causal(lengths - 5), None, None, P("data"), P("data", "seq")),
+KEY_SPLITS = {  # name: (mask of per-item lengths (4,) and ids (the queries' (4, 8), the keys' (4, 32)), a score_mod over a table (4, 64), sinks, q's spec, k's and v's spec)
+    "decoding over caches": (lambda lengths, ids: jf.masks.causal(lengths - 8), None, None, P("data"), P("data", "seq")),
     "documents, bias and sinks": (
-        lambda lengths, ids: jf.masks.document(*ids) & jf.masks.causal(27),
+        lambda lengths, ids: jf.masks.document(*ids) & jf.masks.causal(24),
         lambda table: lambda s, b, h, i, j: s + table[h, i - j + 32],
         jnp.linspace(-1, 1, 4),
         P("data"),
         P(None, "seq"),
     ),
-    "heads split, rows that see no key": (lambda lengths, ids: jf.masks.sliding_window(2) & jf.masks.causal(lengths - 8), None, None, P(None, None, "data"), P(None, "seq", "data")),
+    "heads split, rows that see no key": (lambda lengths, ids: jf.masks.sliding_window(2) & jf.masks.causal(lengths - 11), None, None, P(None, None, "data"), P(None, "seq", "data")),
+    "queries split too, over another axis": (
+        lambda lengths, ids: jf.masks.document(*ids) & jf.masks.causal(24),
+        lambda table: lambda s, b, h, i, j: s + table[h, i - j + 32],
+        None,
+        P(None, "seq"),
+        P(None, "data"),
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(KEY_SPLITS))
 def test_keys_split_along_the_sequence_attend_where_they_lie_and_merge(name):
-    """k and v split along their sequence, q's sequence whole (a decoding step over a sequence-split
-    KV cache, a short prompt over a long context): each device attends every query to its own keys,
-    the mask and score_mod at the keys' global positions, and the parts merge through their lse
-    (one pmax, one psum of the rows): k and v are never gathered, their gradients stay split.
+    """k and v split along their sequence over mesh axes q does not use, q's sequence whole (a
+    decoding step over a sequence-split KV cache, a short prompt over a long context) or split over
+    another axis: each device attends its queries to its own keys, the mask and score_mod at their
+    global positions, and the parts merge through their lse (one pmax, one psum of the rows): k
+    and v are never gathered, their gradients stay split.
     Values, lse (-inf where a row sees no key on any device), gradients (the table's too) and a
     jvp equal one device's."""
     build, score_mod, sinks, q_spec, kv_spec = KEY_SPLITS[name]
     mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     rng = np.random.default_rng(15)
-    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((4, 5, 4, 8), (4, 32, 2, 8), (4, 32, 2, 6)))
-    lengths, kv_ids = jnp.asarray([32, 9, 20, 5]), jnp.asarray(np.sort(rng.integers(0, 4, (4, 32)), axis=-1))
-    ids = (kv_ids[:, 27:], kv_ids)  # the queries are the last 5 positions
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((4, 8, 4, 8), (4, 32, 2, 8), (4, 32, 2, 6)))
+    lengths, kv_ids = jnp.asarray([32, 9, 20, 8]), jnp.asarray(np.sort(rng.integers(0, 4, (4, 32)), axis=-1))
+    ids = (kv_ids[:, 24:], kv_ids)  # the queries are the last 8 positions
     table = jnp.asarray(rng.standard_normal((4, 64)))
     attend = lambda q, k, v, table, lengths, ids: jf.attention(
         q, k, v, mask=build(lengths, ids), score_mod=score_mod and score_mod(table), sinks=sinks, return_lse=True
