@@ -57,7 +57,7 @@ def main(argv=None) -> None:
     explicit = jax.make_mesh((args.devices,), ("sp",), axis_types=(jax.sharding.AxisType.Explicit,), devices=jax.devices()[: args.devices])
     last = jf.masks.causal(shape[1] - prompt)  # the prompt's queries: the last positions
 
-    def gathered(mask, specs=(P(None, "sp"),) * 3, queries=lambda q: q):
+    def on_explicit_mesh(mask, specs=(P(None, "sp"),) * 3, queries=lambda q: q):
         attend = jax.jit(lambda q, k, v: jf.attention(*(jax.sharding.reshard(x, s) for x, s in zip((queries(q), k, v), specs)), mask=mask))
 
         def call(q, k, v):
@@ -73,12 +73,12 @@ def main(argv=None) -> None:
         "ring, causal": (ring(causal=True), one_device(jf.masks.causal())),
         "ring, no mask": (ring(), one_device(None)),
         "all-gather, causal & window": (ring(jf.parallel.all_gather_attention, mask=window), one_device(window)),
-        "k, v gathered, causal & window": (gathered(window), one_device(window)),
+        "k, v gathered, causal & window": (on_explicit_mesh(window), one_device(window)),
         "all-gather, causal": (ring(jf.parallel.all_gather_attention, causal=True), one_device(jf.masks.causal())),
-        "k, v gathered, causal": (gathered(jf.masks.causal()), one_device(jf.masks.causal())),
+        "k, v gathered, causal": (on_explicit_mesh(jf.masks.causal()), one_device(jf.masks.causal())),
         "one device, causal & window": (one_device(window), one_device(window)),
-        "prompt, k, v split": (gathered(last, (P(), P(None, "sp"), P(None, "sp")), tail), one_device(last, tail)),
-        "prompt, k, v gathered": (gathered(last, (P(),) * 3, tail), one_device(last, tail)),
+        "prompt, k, v split": (on_explicit_mesh(last, (P(), P(None, "sp"), P(None, "sp")), tail), one_device(last, tail)),
+        "prompt, k, v gathered": (on_explicit_mesh(last, (P(),) * 3, tail), one_device(last, tail)),
     }
     references = {name: reference(q, k, v) for name, (_, reference) in variants.items()}
     variants = {name: fn for name, (fn, _) in variants.items()}

@@ -211,7 +211,7 @@ def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, *
         if not kv_axes:
             return out, lse
         out, lse = _merged_over(kv_axes, out, lse)
-        return (out, lse) if sinks is None else _merged([(out, lse), (None, jnp.zeros_like(lse) + sinks.astype(lse.dtype))])
+        return (out, lse) if sinks is None else merge_attention(out, lse, None, sinks.astype(lse.dtype))
 
     def shard(operands):
         index = lax.axis_index(q_axes) if q_axes else 0

@@ -361,8 +361,13 @@ class _FromFunction(Mask):
         return self.fn(b, h, q_idx, kv_idx)
 
     def hoisted(self):
-        fn, consts = _core.trace_function(self.fn, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name="mask: `mask_mod`")
+        fn, consts = _traced_mask_mod(self.fn, "mask: `mask_mod`")
         return _Hoisted(fn, tuple(consts))
+
+
+def _traced_mask_mod(mask_mod, name: str):
+    """``_core.trace_function`` of a ``mask_mod`` at scalar int32 ``(b, h, q_idx, kv_idx)``."""
+    return _core.trace_function(mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name=name)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -846,7 +851,7 @@ def block_mask(
     mask = as_mask(mask_mod)
     q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
     pieces = _static_int("block_mask", "ranges", ranges, minimum=1)
-    fn, consts = _core.trace_function(mask.mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name="block_mask: `mask_mod`")
+    fn, consts = _traced_mask_mod(mask.mask_mod, "block_mask: `mask_mod`")
     outs = fn.out_avals
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
         got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)

@@ -472,8 +472,9 @@ def _is_varying_cast(eqn) -> bool:
 def _of_one_type(values) -> list:
     """``values`` cast to the union of their varying axes, as jnp would cast an equation's operands
     inside a shard_map (a primitive bound directly there takes them of one type only)."""
-    axes = frozenset().union(*map(varying_axes, values))
-    return [lax.pcast(x, tuple(sorted(axes - varying_axes(x))), to="varying") if axes - varying_axes(x) else x for x in values]
+    types = [varying_axes(x) for x in values]
+    axes = frozenset().union(*types)
+    return [lax.pcast(x, tuple(sorted(axes - t)), to="varying") if axes - t else x for x, t in zip(values, types)]
 
 
 def _eval_without_varying_casts(jaxpr, consts, args) -> list:
