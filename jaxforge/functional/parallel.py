@@ -12,7 +12,8 @@ invariant/varying typing of ``jax.shard_map``) produce the gradient communicatio
   round the ring (``shift``) and the partial results merge through their log-sum-exp. With
   ``causal=True`` and :func:`load_balance`'s head–tail layout every device does the same work;
   ``mask=`` takes any mask, each block of it shifted to where its queries and keys lie
-  (``jf.masks.shifted``) so blocks it hides cost nothing.
+  (``jf.masks.shifted``) so blocks it hides cost nothing; ``score_mod=`` (ALiBi, a relative bias)
+  reads the global positions.
 * :func:`all_gather_attention`: the same layouts, k and v gathered whole on every device instead.
 """
 
@@ -22,7 +23,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.functional import collectives, masks
-from jaxforge.functional.attention import attention, merge_attention
+from jaxforge.functional.attention import _traced_score_mod, attention, merge_attention
+from jaxforge.primitives import _core
+from jaxforge.primitives.attention.attention import accumulation_dtype
 
 __all__ = [
     "all_gather_attention",
@@ -68,7 +71,18 @@ def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
 
 
 def ring_attention(
-    q, k, v, *, axis_name, causal: bool = False, mask=None, load_balanced: bool = True, scale=None, sinks=None
+    q,
+    k,
+    v,
+    *,
+    axis_name,
+    causal: bool = False,
+    mask=None,
+    score_mod=None,
+    softcap=None,
+    load_balanced: bool = True,
+    scale=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
@@ -87,24 +101,32 @@ def ring_attention(
     to their positions (:func:`jf.masks.shifted <jaxforge.functional.masks.shifted>`), and a pair of
     chunks it hides visits no tile. Its arrays (a document's segment ids, ``from_array``'s table)
     are the whole sequence's, in its global order, on every device.
+
+    ``score_mod`` and ``softcap``: as ``jf.attention``'s, ``score_mod`` at the global positions of
+    its query and key (in the layout ``load_balanced`` names, as a mask's) and at this device's
+    batch and head indices; the arrays it closes over (a relative-bias table) get their gradients
+    summed over the devices.
     """
-    kw = dict(scale=scale, return_lse=True)
+    kw = dict(scale=scale, softcap=softcap, return_lse=True)
+    score_mod = _varying_score_mod(score_mod, q, axis_name)
     if mask is None:
-        _check_layout("ring_attention", q, causal, load_balanced)
-        out, lse = _ring(q, k, v, axis_name, causal, load_balanced, kw)
+        _check_layout("ring_attention", q, causal or score_mod is not None, load_balanced)
+        out, lse = _ring(q, k, v, axis_name, causal, load_balanced, score_mod, kw)
     else:
-        out, lse = _ring_masked(q, k, v, _joined("ring_attention", q, mask, causal, load_balanced), axis_name, load_balanced, kw)
+        mask = _joined("ring_attention", q, mask, causal, load_balanced)
+        out, lse = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
     return _with_sinks(out, lse, sinks)
 
 
-def _check_layout(fn: str, q, masked: bool, load_balanced: bool) -> None:
-    if masked and load_balanced and q.shape[-3] % 2:
-        raise ValueError(f"{fn}: a load-balanced mask needs an even local length, got q {q.shape}")
+def _check_layout(fn: str, q, positioned: bool, load_balanced: bool) -> None:
+    if positioned and load_balanced and q.shape[-3] % 2:
+        raise ValueError(f"{fn}: a load-balanced mask or score_mod needs an even local length, got q {q.shape}")
 
 
-def _joined(fn: str, q, mask, causal: bool, load_balanced: bool):
-    """``mask`` with ``causal=True`` joined by ``&`` (None: neither), its layout checked."""
-    _check_layout(fn, q, causal or mask is not None, load_balanced)
+def _joined(fn: str, q, mask, causal: bool, load_balanced: bool, positioned: bool = False):
+    """``mask`` with ``causal=True`` joined by ``&`` (None: neither), its layout checked (so too
+    where ``positioned``: a score_mod reads positions)."""
+    _check_layout(fn, q, causal or mask is not None or positioned, load_balanced)
     if mask is None:
         return masks.causal() if causal else None
     return masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
@@ -117,21 +139,26 @@ def _with_sinks(out, lse, sinks):
     return merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))[0]
 
 
-def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, kw):
+def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
     """:func:`ring_attention`'s ``(out, lse)``, unmasked or causal: whole blocks, or halves of them."""
-    n, me, half = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3] // 2
+    n, me, local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3]
+    half = local // 2
 
     def step_attention(src, k, v):
+        def attend(q, k, v, q_start=0, kv_start=0, mask=None):  # local rows and keys from these
+            positions = (_global_position(device, n, local, load_balanced, start) for device, start in ((me, q_start), (src, kv_start)))
+            return attention(q, k, v, mask=mask, score_mod=_at_positions(score_mod, *positions), **kw)
+
         if not causal:
-            return attention(q, k, v, **kw)
-        diagonal = lambda: attention(q, k, v, mask=masks.causal(), **kw)
+            return attend(q, k, v)
+        diagonal = lambda: attend(q, k, v, mask=masks.causal())
         if load_balanced:
             # src < me: the visiting head chunk precedes both local chunks, its tail follows them.
             # src > me: only the local tail chunk sees the visitor, all of it.
-            earlier = lambda: attention(q, k[..., :half, :, :], v[..., :half, :, :], **kw)
-            later = lambda: _rows_after(half, attention(q[..., half:, :, :], k, v, **kw))
+            earlier = lambda: attend(q, k[..., :half, :, :], v[..., :half, :, :])
+            later = lambda: _rows_after(half, attend(q[..., half:, :, :], k, v, q_start=half))
         else:
-            earlier = lambda: attention(q, k, v, **kw)
+            earlier = lambda: attend(q, k, v)
             later = lambda: _nothing_visible(q, v)
         return lax.switch(jnp.sign(src - me) + 1, [earlier, diagonal, later])
 
@@ -142,9 +169,44 @@ def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, kw):
     return out, lse
 
 
-def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
+def _varying_score_mod(score_mod, q, axis_name):
+    """``score_mod`` with the arrays it closes over cast, once, to vary over ``axis_name``: the
+    transpose of that cast, the all-reduce of their gradients, then runs once, after every step,
+    not in each call (some of which sit in branches that devices take differently, where an
+    all-reduce would wait for ever on the devices that took another)."""
+    if score_mod is None:
+        return None
+    fn, consts = _traced_score_mod(score_mod, accumulation_dtype(q.dtype))
+    typed = _core.varying_axes(lax.axis_index(axis_name))  # none under vmap(axis_name=...)
+    consts = [lax.pcast(c, missing, to="varying") if (missing := tuple(sorted(typed - _core.varying_axes(c)))) else c for c in consts]
+    return lambda *args: fn(*args, *consts)[0]
+
+
+def _global_position(device, n: int, local: int, load_balanced: bool, start: int = 0):
+    """Where local index ``start + i`` of ``device``'s chunk of ``local`` lies in the sequence:
+    contiguous chunks, or :func:`load_balance`'s head and tail."""
+    if not load_balanced:
+        return lambda i: device * local + start + i
+    c = local // 2
+    return lambda i: jnp.where(start + i < c, device * c, (2 * n - 2 - device) * c) + start + i
+
+
+def _from(offset):
+    """The positions of a contiguous chunk from ``offset``."""
+    return lambda i: offset + i
+
+
+def _at_positions(score_mod, q_position, kv_position):
+    """``score_mod`` at the global positions ``q_position(q_idx)``, ``kv_position(kv_idx)`` (None: None)."""
+    if score_mod is None:
+        return None
+    return lambda score, b, h, q_idx, kv_idx: score_mod(score, b, h, q_position(q_idx), kv_position(kv_idx))
+
+
+def _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced: bool, kw):
     """:func:`ring_attention`'s ``(out, lse)`` under ``mask``: every local chunk of queries attends
-    every chunk of keys that visits, the mask shifted to their global positions; merged by lse."""
+    every chunk of keys that visits, the mask (and ``score_mod``) shifted to their global
+    positions; merged by lse."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     queries = _local_chunks(q, me, n, load_balanced)
     results = [None] * len(queries)
@@ -156,7 +218,8 @@ def _ring_masked(q, k, v, mask, axis_name, load_balanced: bool, kw):
         for i, (q_chunk, q_offset) in enumerate(queries):
             for (k_chunk, kv_offset), (v_chunk, _) in visiting:
                 block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
-                part = attention(q_chunk, k_chunk, v_chunk, mask=block, **kw)
+                at = _at_positions(score_mod, _from(q_offset), _from(kv_offset))
+                part = attention(q_chunk, k_chunk, v_chunk, mask=block, score_mod=at, **kw)
                 results[i] = part if results[i] is None else merge_attention(*results[i], *part)
     outs, lses = zip(*results)
     return jnp.concatenate(outs, axis=-3), jnp.concatenate(lses, axis=-2)
@@ -173,7 +236,18 @@ def _local_chunks(x, device, n: int, load_balanced: bool) -> list:
 
 
 def all_gather_attention(
-    q, k, v, *, axis_name, causal: bool = False, mask=None, load_balanced: bool = True, scale=None, sinks=None
+    q,
+    k,
+    v,
+    *,
+    axis_name,
+    causal: bool = False,
+    mask=None,
+    score_mod=None,
+    softcap=None,
+    load_balanced: bool = True,
+    scale=None,
+    sinks=None,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``) by
     gathering every key and value: the context parallelism of Llama 3, beside :func:`ring_attention`.
@@ -183,20 +257,30 @@ def all_gather_attention(
     mask gives every device the same work). One all-gather of k and one of v (whose transposes sum
     their gradients back to the shards) bring the whole sequence to every device, which attends
     its queries to it under ``mask`` (with ``causal=True``, joined by ``&``) shifted to their
-    positions: one call per local chunk, the tiles the mask hides skipped. Against the ring: memory
-    for every key per device, but no step waits on the next permute, and a mask of arrays slices
-    them once. Small k and v (GQA, MQA) make the gather cheap.
+    positions, ``score_mod`` (and ``softcap``, as ``jf.attention``'s) at their global positions:
+    one call per local chunk, the tiles the mask hides skipped. Against the ring: memory for every key per device, but no step waits on
+    the next permute, and a mask of arrays slices them once. Small k and v (GQA, MQA) make the
+    gather cheap.
     """
-    mask = _joined("all_gather_attention", q, mask, causal, load_balanced)
+    mask = _joined("all_gather_attention", q, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))
-    if mask is None:  # the keys' order does not matter
-        parts = [attention(q, k, v, scale=scale, return_lse=True)]
+    kw = dict(scale=scale, softcap=softcap, return_lse=True)
+    score_mod = _varying_score_mod(score_mod, q, axis_name)
+    if mask is None and score_mod is None:  # the keys' order does not matter
+        parts = [attention(q, k, v, **kw)]
     else:
         if load_balanced:  # the gathered chunks into their global order
             k, v = unbalance(k, n), unbalance(v, n)
         parts = [
-            attention(chunk, k, v, mask=masks.shifted(mask, start, 0, q_len=chunk.shape[-3]), scale=scale, return_lse=True)
+            attention(
+                chunk,
+                k,
+                v,
+                mask=None if mask is None else masks.shifted(mask, start, 0, q_len=chunk.shape[-3]),
+                score_mod=_at_positions(score_mod, _from(start), _from(0)),
+                **kw,
+            )
             for chunk, start in _local_chunks(q, me, n, load_balanced)
         ]
     out, lse = (jnp.concatenate(xs, axis=axis) for xs, axis in zip(zip(*parts), (-3, -2)))

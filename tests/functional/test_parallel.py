@@ -147,6 +147,67 @@ def test_ring_attention_under_a_mask_value_and_grad(name):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
 
 
+SCORED = {  # name: (attend, devices, causal, load balanced, mask over the global positions, softcap)
+    "ring_causal_balanced": (par.ring_attention, 4, True, True, None, 3.0),  # the three calls of a step, head and tail positions
+    "ring_balanced": (par.ring_attention, 2, False, True, None, None),  # one call a step, positions still head–tail
+    "ring_contiguous_causal": (par.ring_attention, 4, True, False, None, None),
+    "ring_window": (par.ring_attention, 2, True, True, jf.masks.sliding_window(9), 2.0),  # chunk pairs, each shifted
+    "gathered_balanced": (par.all_gather_attention, 2, False, True, None, 3.0),
+    "gathered_document": (par.all_gather_attention, 2, False, False, RING_MASKS["document"][2], None),
+}
+
+
+def relative_bias(table, length):
+    """A learned bias per head and query–key distance (T5's, unbucketed), and ALiBi's slope."""
+    return lambda s, b, h, i, j: s + table[h, i - j + length - 1] - 0.25 * (h + 1) * jnp.abs(i - j)
+
+
+@pytest.mark.parametrize("name", sorted(SCORED))
+def test_context_parallel_attention_with_a_score_mod_reads_global_positions(name):
+    """Values and the gradients of q, k, v and of the bias table (summed over the devices) equal
+    one device's attention of the whole sequence."""
+    attend, n, causal, balanced, mask, softcap = SCORED[name]
+    q, k, v, table = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6), (4, 63))
+
+    def inner(q, k, v, table):
+        score_mod = relative_bias(table, 32)
+        return attend(q, k, v, axis_name="ctx", causal=causal, mask=mask, score_mod=score_mod, softcap=softcap, load_balanced=balanced)
+
+    seq = P(None, "ctx")
+    sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=(seq, seq, seq, P()), out_specs=seq)
+    if balanced:
+        f = lambda q, k, v, t: par.unbalance(sharded(*(par.load_balance(x, n) for x in (q, k, v)), t), n)
+    else:
+        f = sharded
+    whole = jf.masks.causal() if causal else None
+    whole = mask if whole is None else whole if mask is None else jf.masks.as_mask(mask) & whole
+    ref = lambda q, k, v, t: jf.attention(q, k, v, mask=whole, score_mod=relative_bias(t, 32), softcap=softcap)
+    np.testing.assert_allclose(jax.jit(f)(q, k, v, table), ref(q, k, v, table), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    got, want = jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))(q, k, v, table), jax.grad(loss(ref), (0, 1, 2, 3))(q, k, v, table)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
+def test_a_score_mods_table_gets_its_gradient_in_one_all_reduce_after_the_ring():
+    """Not one in each step's branch: devices take different branches of a causal step, and an
+    all-reduce in one of them would wait on the devices that took another."""
+    q, table = rng_arrays((1, 32, 2, 4), (2, 63))
+    inner = lambda q, t: par.ring_attention(q, q, q, axis_name="ctx", causal=True, score_mod=relative_bias(t, 32))
+    f = jf.shard(inner, mesh=mesh(2, "ctx"), in_specs=(P(None, "ctx"), P()), out_specs=P(None, "ctx"))
+    grad = collectives(jax.grad(lambda q, t: jnp.sum(f(q, t)), (0, 1)), q, table)
+    assert grad["all-reduce"] == 1 and grad["all-gather"] == grad["reduce-scatter"] == 0
+
+
+@pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
+def test_a_load_balanced_layout_needs_an_even_local_length(attend):
+    q = jnp.zeros((1, 6, 2, 4))
+    inner = lambda q: attend(q, q, q, axis_name="ctx", score_mod=lambda s, b, h, i, j: s * (i >= j))
+    sharded = jf.shard(inner, mesh=mesh(2, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    with pytest.raises(ValueError, match=rf"{attend.__name__}: a load-balanced mask or score_mod needs an even local length, got q \(1, 3, 2, 4\)"):
+        sharded(q)
+
+
 def test_ring_attention_joins_sinks_once():
     q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
     sinks = jnp.asarray([0.5, -1.0, 2.0, -jnp.inf])  # the last head has none
