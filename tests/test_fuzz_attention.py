@@ -12,7 +12,7 @@ def fuzz():
     return importlib.import_module("tools.fuzz_attention")  # tools/ is no package: a namespace one from the root
 
 
-@pytest.mark.parametrize("mode", ["first-order", "second-order", "sharded"])
+@pytest.mark.parametrize("mode", ["first-order", "second-order", "sharded", "context-parallel"])
 def test_a_seed_of_each_mode_passes(fuzz, mode):
     assert fuzz.main(["--mode", mode, "--seed", "2", "--count", "1"]) == 0
 

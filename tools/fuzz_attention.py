@@ -17,9 +17,12 @@ a per-head scale) and compares the gradient in the table too and a Hessian-vecto
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
 neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
-jit), and compares out, lse and the gradient (the table's too).
+jit), and compares out, lse and the gradient (the table's too). ``context-parallel`` runs
+``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4 devices,
+in contiguous chunks or the head–tail layout, under such a mask or none, causal or not, now and
+then with a score mod, softcap and sinks, and compares out and the gradient (the table's too).
 
-    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded] [--seconds 600] [--seed 0]
+    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded|context-parallel] [--seconds 600] [--seed 0]
 
 prints each failing seed with its error, and last the count of seeds run and failed (exit 1 if any
 failed). A seed reruns alone with ``--seed S --count 1``.
@@ -282,14 +285,58 @@ def _run_sharded_seed(seed: int) -> None:
         _assert_close(a, e, 1e-8)
 
 
+def _run_context_parallel_seed(seed: int) -> None:
+    """``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4
+    CPU devices (contiguous chunks or the head–tail layout), under a random mask or none, causal
+    or not, now and then a score_mod (the relative-bias table an operand of the shard), softcap
+    and sinks, against the dense attention on one device: out and the gradients."""
+    rng = np.random.default_rng(seed)
+    n, balanced = int(rng.choice([2, 4])), bool(rng.random() < 0.6)
+    attend = jf.parallel.ring_attention if rng.random() < 0.6 else jf.parallel.all_gather_attention
+    b, hkv, s = int(rng.integers(1, 3)), int(rng.integers(1, 3)), n * 2 * int(rng.integers(1, 6))
+    hq, d, dv = hkv * int(rng.integers(1, 3)), int(rng.choice([4, 8])), int(rng.choice([3, 8]))
+    mask, visible = random_mask(rng, b, hq, s, s) if rng.random() < 0.7 else (None, np.ones((1, 1, s, s), bool))
+    causal = bool(rng.random() < 0.5)
+    visible = np.broadcast_to(visible & (np.arange(s)[None, :] <= np.arange(s)[:, None]) if causal else visible, (b, hq, s, s))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, s, hq, d), (b, s, hkv, d), (b, s, hkv, dv)))
+    table = jnp.asarray(rng.standard_normal((hq, 2 * s)))
+    score_mod = {
+        "none": lambda table: None,
+        "alibi": lambda table: lambda x, b, h, i, j: x - 0.3 * (h + 1) * jnp.abs(i - j),
+        "relative_bias": lambda table: lambda x, b, h, i, j: x + table[h, i - j + s],
+    }[rng.choice(["none", "alibi", "relative_bias"])]
+    softcap = float(rng.choice([2.0, 5.0])) if rng.random() < 0.3 else None
+    sinks = jnp.asarray(rng.standard_normal(hq)) if rng.random() < 0.3 else None
+
+    def local(q, k, v, table):
+        kw = dict(causal=causal, mask=mask, score_mod=score_mod(table), softcap=softcap, sinks=sinks, load_balanced=balanced)
+        return attend(q, k, v, axis_name="ctx", **kw)
+
+    mesh = jax.make_mesh((n,), ("ctx",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+    sharded = jf.shard(local, mesh=mesh, in_specs=(*[P(None, "ctx")] * 3, P()), out_specs=P(None, "ctx"))
+    layout = (lambda x: jf.parallel.load_balance(x, n)) if balanced else (lambda x: x)  # noqa: E731
+    restore = (lambda x: jf.parallel.unbalance(x, n)) if balanced else (lambda x: x)  # noqa: E731
+    ours = lambda q, k, v, table: restore(sharded(layout(q), layout(k), layout(v), table))  # noqa: E731
+
+    def dense(q, k, v, table):
+        out, lse = dense_jnp(q, k, v, visible, score_mod(table), softcap=softcap)
+        return out if sinks is None else jf.parallel.merge_attention(out, lse, None, sinks)[0]
+
+    args, weights = (q, k, v, table), rng.standard_normal((b, s, hq, dv))
+    _assert_close(jax.jit(ours)(*args), dense(*args), 1e-9)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)) * weights)  # noqa: E731
+    for a, e in zip(jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(*args), jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*args)):
+        _assert_close(a, e, 1e-8)
+
+
 def main(argv=None) -> int:
     parser = fuzz_loop.parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["first-order", "second-order", "sharded"], default="first-order")
+    parser.add_argument("--mode", choices=["first-order", "second-order", "sharded", "context-parallel"], default="first-order")
     args = parser.parse_args(argv)
-    if args.mode == "sharded" and len(jax.devices()) < 8:
-        print(f"sharded: needs 8 devices, {len(jax.devices())} here (on a CPU, run this script: it asks for 8)")
+    if args.mode in ("sharded", "context-parallel") and len(jax.devices()) < 8:
+        print(f"{args.mode}: needs 8 devices, {len(jax.devices())} here (on a CPU, run this script: it asks for 8)")
         return 1
-    seeds = (lambda seed: run_seed(seed, args.mode)) if args.mode != "sharded" else _run_sharded_seed
+    seeds = {"sharded": _run_sharded_seed, "context-parallel": _run_context_parallel_seed}.get(args.mode, lambda seed: run_seed(seed, args.mode))
     return fuzz_loop.run(seeds, args, label=f"{args.mode}: ")
 
 
