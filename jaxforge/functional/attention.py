@@ -13,7 +13,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from jaxforge.functional.collectives import permute
-from jaxforge.functional.masks import Mask, as_mask, shifted
+from jaxforge.functional.masks import Mask, as_mask, sampled_keys, shifted
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
     IMPLEMENTATION_NAMES,
@@ -264,7 +264,9 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     each block of rows give the busiest contiguous shard over 5/4 of the busiest head–tail
     device's work (causal: about ``2 - 1/shards`` times). The span reads the mask's arrays where
     they are known when tracing (a ``block_mask`` built outside ``jit``), summed over the items;
-    else its static part only (document ids under ``jit`` count as every key)."""
+    where they are not but the mask's function reads no such array (a ``block_mask`` of a function
+    of the positions, built under ``jit``), the keys are counted on the function at a row of each
+    block; else the span's static part counts (document ids under ``jit`` count as every key)."""
     half = sq // shards // 2
     if mask is None or shards < 2 or (sq // shards) % 2 or not half:
         return False
@@ -274,9 +276,10 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
     ends = starts + np.tile(np.diff(edges), 2 * shards)
     known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
+    sampled = None if known or not span.num_arrays else sampled_keys(mask, (starts + ends) // 2, skv, batch, num_heads)
     with jax.ensure_compile_time_eval():  # the keys each block of rows may see, per item
         extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
-        keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads)) if known else extent()[None]
+        keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads)) if known else extent()[None] if sampled is None else sampled
     chunks = ((ends - starts) * np.maximum(np.asarray(keys), 0).sum(axis=0)).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
     contiguous = chunks[0::2] + chunks[1::2]
     head_tail = chunks[:shards] + chunks[::-1][:shards]

@@ -951,6 +951,19 @@ def _joined_range(column_range, seen_by, row, rows: int) -> tuple:
     return lo, hi, sure_hi
 
 
+def sampled_keys(mask: Mask, rows, kv_len: int, batch_shape: tuple, num_heads: int, budget: int = 1 << 24):
+    """``(items, len(rows))``: how many keys each item may see (at any head) at each of ``rows``,
+    counted on the mask's function while tracing; None where the function reads arrays known only
+    at run time, or the count would take over ``budget`` evaluations."""
+    fn, consts = _traced_mask_mod(mask.mask_mod, "mask: `mask_mod`")
+    items, heads = (math.prod(batch_shape) if fn.reads(0) else 1), (num_heads if fn.reads(1) else 1)
+    if any(isinstance(c, jax.core.Tracer) for c in consts) or items * heads * len(rows) * kv_len > budget:
+        return None
+    with jax.ensure_compile_time_eval():
+        visible = _grid(lambda *idx: fn(*idx, *consts)[0])(_index(items), _index(heads), jnp.asarray(rows, jnp.int32), _index(kv_len))
+        return np.asarray(visible.any(axis=1).sum(axis=-1))
+
+
 def _grid(visible):
     """``visible(b, h, row, col)`` of scalars, mapped over 1-d ``b, h, row, col``: ``(b, h, row, col)``."""
     for axis in (3, 2, 1, 0):

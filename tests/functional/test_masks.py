@@ -204,6 +204,27 @@ def test_a_block_mask_built_under_jit_from_traced_values_equals_the_eager_one():
         np.testing.assert_array_equal(traced_range, eager_range)
 
 
+def test_keys_sampled_on_a_masks_function_while_tracing():
+    """What jf.attention's sequence split weighs its trade on when a block_mask's arrays are
+    traced: the keys any head sees at the rows, counted on the function; nothing where the
+    function reads traced arrays or the count would pass its budget."""
+    rows = np.array([0, 5, 9])
+    diagonal = lambda b, h, i, j: (j <= i) & (j >= i - 2 * h)  # a window per head: head 1 the widest
+    counts = {}
+
+    @jax.jit
+    def under_jit(ids):
+        evaluated = jf.masks.block_mask(diagonal, 10, 10, num_heads=2)
+        counts["function"] = jf.masks.sampled_keys(evaluated, rows, 10, (3,), 2)
+        counts["document"] = jf.masks.sampled_keys(jf.masks.document(ids), rows, 10, (3,), 2)
+        counts["over budget"] = jf.masks.sampled_keys(evaluated, rows, 10, (3,), 2, budget=59)
+        return ids
+
+    under_jit(jnp.zeros((3, 10), jnp.int32))
+    np.testing.assert_array_equal(counts["function"], [[1, 3, 3]])  # b unread: one item
+    assert counts["document"] is None and counts["over budget"] is None
+
+
 @pytest.mark.parametrize("name", sorted(MASKS))
 def test_a_mask_passes_into_jit_as_an_argument(name):
     """A mask is a pytree of its runtime arrays: given to ``jit`` as an argument (its arrays

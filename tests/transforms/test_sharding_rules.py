@@ -4,6 +4,7 @@ gathered — on 8 CPU devices."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import warnings
@@ -332,7 +333,9 @@ TRADES = {  # name: (mask, q's length, mesh axes, q's spec, k's and v's spec, wh
     "causal, seq over two axes out of the mesh's order": (jf.masks.causal(), 32, ("h", "a", "b"), P("h", ("b", "a")), P("h", "b"), True),
     "window": (jf.masks.causal() & jf.masks.sliding_window(5), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
     "causal block_mask built outside jit": (jf.masks.block_mask(lambda b, h, i, j: i >= j, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
-    "bidirectional block_mask": (jf.masks.block_mask(lambda b, h, i, j: i // 8 == j // 8, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
+    # built in the call (under jit): its arrays unknown when tracing, its function counted instead
+    "causal block_mask built under jit": (functools.partial(jf.masks.block_mask, lambda b, h, i, j: i >= j, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
+    "bidirectional block_mask built under jit": (functools.partial(jf.masks.block_mask, lambda b, h, i, j: i // 8 == j // 8, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
     "causal, odd local length": (jf.masks.causal(), 36, ("data", "seq"), P("data", "seq"), P("data"), False),
 }
 
@@ -343,13 +346,14 @@ def test_shards_of_causal_queries_trade_halves_for_equal_work(name):
     queries into the head–tail layout (two collective-permutes each way, over the sequence's mesh
     axes in their order) so that each does the same work, and trade the results back. A sliding
     window leaves the work even (no trade), and so must an odd local length (36 over 4: no
-    halves); a block_mask whose arrays are known when tracing is measured on them. Values and
-    gradients equal one device's."""
+    halves); a block_mask whose arrays are known when tracing is measured on them, one built in
+    the call on its function. Values and gradients equal one device's."""
     mask, sq, axes, q_spec, kv_spec, trades = TRADES[name]
+    built = mask if isinstance(mask, jf.masks.Mask) else None
     mesh = jax.make_mesh((2, 4) if len(axes) == 2 else (2, 2, 2), axes, axis_types=(jax.sharding.AxisType.Explicit,) * len(axes))
     rng = np.random.default_rng(12)
     q, k, v = (jnp.asarray(rng.standard_normal((2, sq, 2, 8))) for _ in range(3))
-    attend = lambda q, k, v: jf.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s - 0.1 * (h + 1) * (i - j))
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=built or mask(), score_mod=lambda s, b, h, i, j: s - 0.1 * (h + 1) * (i - j))
     loss = lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
     with jax.set_mesh(mesh):
         qs = jax.device_put(q, NamedSharding(mesh, q_spec))
