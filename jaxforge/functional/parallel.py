@@ -83,6 +83,7 @@ def ring_attention(
     load_balanced: bool = True,
     scale=None,
     sinks=None,
+    return_lse: bool = False,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
@@ -93,8 +94,9 @@ def ring_attention(
     ``causal=True`` needs the global order of the chunks: with ``load_balanced`` (default) the
     sequence must be in :func:`load_balance`'s head–tail layout (device ``r`` holds chunks ``r``
     and ``2n-1-r`` of ``2n``), and every step costs each device half a block; otherwise device
-    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks``: as
-    :func:`jf.attention <jaxforge.attention>`'s, joined once after the ring.
+    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks`` and
+    ``return_lse``: as :func:`jf.attention <jaxforge.attention>`'s (the sinks joined once after the
+    ring, the lse of the local queries, the sinks' included).
 
     ``mask``: any mask over the global positions (with ``causal=True``, joined to it by ``&``), in
     either layout: each step attends each local chunk to each visiting one under the mask shifted
@@ -115,7 +117,7 @@ def ring_attention(
     else:
         mask = _joined("ring_attention", q, mask, causal, load_balanced)
         out, lse = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
-    return _with_sinks(out, lse, sinks)
+    return _finished(out, lse, sinks, return_lse)
 
 
 def _check_layout(fn: str, q, positioned: bool, load_balanced: bool) -> None:
@@ -132,11 +134,12 @@ def _joined(fn: str, q, mask, causal: bool, load_balanced: bool, positioned: boo
     return masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
 
 
-def _with_sinks(out, lse, sinks):
-    """``out`` with the attention sinks joined once, through its lse (None: as it is)."""
-    if sinks is None:
-        return out
-    return merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))[0]
+def _finished(out, lse, sinks, return_lse: bool):
+    """``out`` (and with ``return_lse`` its lse) with the attention sinks joined once, through the
+    lse (None: as they are)."""
+    if sinks is not None:
+        out, lse = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
+    return (out, lse) if return_lse else out
 
 
 def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
@@ -248,6 +251,7 @@ def all_gather_attention(
     load_balanced: bool = True,
     scale=None,
     sinks=None,
+    return_lse: bool = False,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``) by
     gathering every key and value: the context parallelism of Llama 3, beside :func:`ring_attention`.
@@ -260,7 +264,7 @@ def all_gather_attention(
     positions, ``score_mod`` (and ``softcap``, as ``jf.attention``'s) at their global positions:
     one call per local chunk, the tiles the mask hides skipped. Against the ring: memory for every key per device, but no step waits on
     the next permute, and a mask of arrays slices them once. Small k and v (GQA, MQA) make the
-    gather cheap.
+    gather cheap. ``sinks`` and ``return_lse``: as ring_attention's.
     """
     mask = _joined("all_gather_attention", q, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -284,7 +288,7 @@ def all_gather_attention(
             for chunk, start in _local_chunks(q, me, n, load_balanced)
         ]
     out, lse = (jnp.concatenate(xs, axis=axis) for xs, axis in zip(zip(*parts), (-3, -2)))
-    return _with_sinks(out, lse, sinks)
+    return _finished(out, lse, sinks, return_lse)
 
 
 def _rows_after(half, result):

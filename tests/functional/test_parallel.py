@@ -216,6 +216,23 @@ def test_ring_attention_joins_sinks_once():
     np.testing.assert_allclose(got[..., 3, :], jf.attention(q, k, v, mask=jf.masks.causal())[..., 3, :], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
+def test_the_lse_of_the_local_queries_sinks_included(attend):
+    """``return_lse``: each device's rows' log-sum-exp, as one device's jf.attention gives it for
+    the whole sequence; gradients through out and lse alike."""
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, -jnp.inf])
+    inner = lambda q, k, v: attend(q, k, v, axis_name="ctx", causal=True, sinks=sinks, return_lse=True)
+    sharded = jf.shard(inner, mesh=mesh(4, "ctx"), in_specs=P(None, "ctx"), out_specs=(P(None, "ctx"), P(None, "ctx")))
+    f = lambda q, k, v: jax.tree.map(lambda x: par.unbalance(x, 4, axis=1), sharded(*(par.load_balance(x, 4) for x in (q, k, v))))
+    ref = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), sinks=sinks, return_lse=True)
+    for g, w in zip(jax.jit(f)(q, k, v), ref(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: (lambda out, lse: jnp.sum(out**2) + jnp.sum(jnp.sin(lse)))(*f(*a)))
+    for g, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
 def test_ring_attention_check_grads():
     # First order: second derivatives of attention run its dense reference rules (tested there).
     q, k, v = rng_arrays((1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4))
