@@ -287,23 +287,25 @@ def _run_sharded_seed(seed: int) -> None:
 
 def _run_context_parallel_seed(seed: int) -> None:
     """``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4
-    CPU devices (contiguous chunks or the head–tail layout), under a random mask or none, causal
+    CPU devices (contiguous chunks or the head–tail layout; now and then chunks of keys of another
+    length than the queries'), under a random mask or none, causal
     or not, now and then a score_mod (the relative-bias table an operand of the shard), softcap
     and sinks, against the dense attention on one device: out and the gradients."""
     rng = np.random.default_rng(seed)
     n, balanced = int(rng.choice([2, 4])), bool(rng.random() < 0.6)
     attend = jf.parallel.ring_attention if rng.random() < 0.6 else jf.parallel.all_gather_attention
     b, hkv, s = int(rng.integers(1, 3)), int(rng.integers(1, 3)), n * 2 * int(rng.integers(1, 6))
+    skv = s if rng.random() < 0.7 else n * 2 * int(rng.integers(1, 6))  # chunks of keys of another length
     hq, d, dv = hkv * int(rng.integers(1, 3)), int(rng.choice([4, 8])), int(rng.choice([3, 8]))
-    mask, visible = random_mask(rng, b, hq, s, s) if rng.random() < 0.7 else (None, np.ones((1, 1, s, s), bool))
+    mask, visible = random_mask(rng, b, hq, s, skv) if rng.random() < 0.7 else (None, np.ones((1, 1, s, skv), bool))
     causal = bool(rng.random() < 0.5)
-    visible = np.broadcast_to(visible & (np.arange(s)[None, :] <= np.arange(s)[:, None]) if causal else visible, (b, hq, s, s))
-    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, s, hq, d), (b, s, hkv, d), (b, s, hkv, dv)))
-    table = jnp.asarray(rng.standard_normal((hq, 2 * s)))
+    visible = np.broadcast_to(visible & (np.arange(skv)[None, :] <= np.arange(s)[:, None]) if causal else visible, (b, hq, s, skv))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, s, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
+    table = jnp.asarray(rng.standard_normal((hq, s + skv)))
     score_mod = {
         "none": lambda table: None,
         "alibi": lambda table: lambda x, b, h, i, j: x - 0.3 * (h + 1) * jnp.abs(i - j),
-        "relative_bias": lambda table: lambda x, b, h, i, j: x + table[h, i - j + s],
+        "relative_bias": lambda table: lambda x, b, h, i, j: x + table[h, i - j + skv],
     }[rng.choice(["none", "alibi", "relative_bias"])]
     softcap = float(rng.choice([2.0, 5.0])) if rng.random() < 0.3 else None
     sinks = jnp.asarray(rng.standard_normal(hq)) if rng.random() < 0.3 else None

@@ -87,9 +87,10 @@ def ring_attention(
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
-    ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)``. Key/value chunks go
-    round the ring in ``n`` steps (``n - 1`` collective-permutes); each step attends the local
-    queries to the visiting chunk with ``jf.attention`` and merges by log-sum-exp.
+    ``q``, ``k``, ``v`` are this device's chunks, ``(..., S_local, H, D)`` (k's and v's may be of
+    another length than q's: a chunk of each sequence, at its own global positions). Key/value
+    chunks go round the ring in ``n`` steps (``n - 1`` collective-permutes); each step attends the
+    local queries to the visiting chunk with ``jf.attention`` and merges by log-sum-exp.
 
     ``causal=True`` needs the global order of the chunks: with ``load_balanced`` (default) the
     sequence must be in :func:`load_balance`'s head–tail layout (device ``r`` holds chunks ``r``
@@ -111,24 +112,27 @@ def ring_attention(
     """
     kw = dict(scale=scale, softcap=softcap, return_lse=True)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
-    if mask is None:
-        _check_layout("ring_attention", q, causal or score_mod is not None, load_balanced)
+    if mask is None and (not causal or q.shape[-3] == k.shape[-3]):
+        _check_layout("ring_attention", q, k, causal or score_mod is not None, load_balanced)
         out, lse = _ring(q, k, v, axis_name, causal, load_balanced, score_mod, kw)
-    else:
-        mask = _joined("ring_attention", q, mask, causal, load_balanced)
+    else:  # a mask, or causal over chunks of unequal lengths: each pair of chunks under its block of it
+        mask = _joined("ring_attention", q, k, mask, causal, load_balanced)
         out, lse = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
     return _finished(out, lse, sinks, return_lse)
 
 
-def _check_layout(fn: str, q, positioned: bool, load_balanced: bool) -> None:
-    if positioned and load_balanced and q.shape[-3] % 2:
-        raise ValueError(f"{fn}: a load-balanced mask or score_mod needs an even local length, got q {q.shape}")
+def _check_layout(fn: str, q, k, positioned: bool, load_balanced: bool) -> None:
+    if positioned and load_balanced and (q.shape[-3] % 2 or k.shape[-3] % 2):
+        raise ValueError(
+            f"{fn}: a load-balanced mask or score_mod needs even local lengths (a head and a tail chunk each), "
+            f"got q {q.shape} and k {k.shape}"
+        )
 
 
-def _joined(fn: str, q, mask, causal: bool, load_balanced: bool, positioned: bool = False):
-    """``mask`` with ``causal=True`` joined by ``&`` (None: neither), its layout checked (so too
+def _joined(fn: str, q, k, mask, causal: bool, load_balanced: bool, positioned: bool = False):
+    """``mask`` with ``causal=True`` joined by ``&`` (None: neither), the layout checked (so too
     where ``positioned``: a score_mod reads positions)."""
-    _check_layout(fn, q, causal or mask is not None or positioned, load_balanced)
+    _check_layout(fn, q, k, causal or mask is not None or positioned, load_balanced)
     if mask is None:
         return masks.causal() if causal else None
     return masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
@@ -143,13 +147,15 @@ def _finished(out, lse, sinks, return_lse: bool):
 
 
 def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
-    """:func:`ring_attention`'s ``(out, lse)``, unmasked or causal: whole blocks, or halves of them."""
-    n, me, local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3]
+    """:func:`ring_attention`'s ``(out, lse)``, unmasked or causal (q's and k's chunks of one length):
+    whole blocks, or halves of them."""
+    n, me, local, kv_local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3], k.shape[-3]
     half = local // 2
 
     def step_attention(src, k, v):
         def attend(q, k, v, q_start=0, kv_start=0, mask=None):  # local rows and keys from these
-            positions = (_global_position(device, n, local, load_balanced, start) for device, start in ((me, q_start), (src, kv_start)))
+            chunks = ((me, local, q_start), (src, kv_local, kv_start))
+            positions = (_global_position(device, n, length, load_balanced, start) for device, length, start in chunks)
             return attention(q, k, v, mask=mask, score_mod=_at_positions(score_mod, *positions), **kw)
 
         if not causal:
@@ -266,7 +272,7 @@ def all_gather_attention(
     the next permute, and a mask of arrays slices them once. Small k and v (GQA, MQA) make the
     gather cheap. ``sinks`` and ``return_lse``: as ring_attention's.
     """
-    mask = _joined("all_gather_attention", q, mask, causal, load_balanced, score_mod is not None)
+    mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))
     kw = dict(scale=scale, softcap=softcap, return_lse=True)

@@ -199,12 +199,40 @@ def test_a_score_mods_table_gets_its_gradient_in_one_all_reduce_after_the_ring()
     assert grad["all-reduce"] == 1 and grad["all-gather"] == grad["reduce-scatter"] == 0
 
 
+UNEQUAL = {  # name: (attend, causal, load balanced, with a score_mod)
+    "ring_causal": (par.ring_attention, True, False, False),
+    "ring_causal_bias_balanced": (par.ring_attention, True, True, True),
+    "ring_bias_balanced": (par.ring_attention, False, True, True),  # the unmasked ring: keys at their own chunks' positions
+    "gathered_causal_bias_balanced": (par.all_gather_attention, True, True, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNEQUAL))
+def test_chunks_of_queries_and_keys_of_unequal_lengths(name):
+    """16 queries against 32 keys over 2 devices: a device's 8 queries meet chunks of 16 keys, each
+    at its own global positions (a causal ring was top-left aligned on the local chunks)."""
+    attend, causal, balanced, biased = UNEQUAL[name]
+    q, k, v, table = rng_arrays((2, 16, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6), (4, 48))
+    score_mod = (lambda t: relative_bias(t, 32)) if biased else (lambda t: None)
+    inner = lambda q, k, v, t: attend(q, k, v, axis_name="ctx", causal=causal, score_mod=score_mod(t), load_balanced=balanced)
+    seq = P(None, "ctx")
+    sharded = jf.shard(inner, mesh=mesh(2, "ctx"), in_specs=(seq, seq, seq, P()), out_specs=seq)
+    layout, restore = (lambda x: par.load_balance(x, 2), lambda x: par.unbalance(x, 2)) if balanced else (lambda x: x, lambda x: x)
+    f = lambda q, k, v, t: restore(sharded(layout(q), layout(k), layout(v), t))
+    ref = lambda q, k, v, t: jf.attention(q, k, v, mask=jf.masks.causal() if causal else None, score_mod=score_mod(t))
+    np.testing.assert_allclose(jax.jit(f)(q, k, v, table), ref(q, k, v, table), rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
+    got, want = jax.jit(jax.grad(loss(f), (0, 1, 2, 3)))(q, k, v, table), jax.grad(loss(ref), (0, 1, 2, 3))(q, k, v, table)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
 @pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
 def test_a_load_balanced_layout_needs_an_even_local_length(attend):
     q = jnp.zeros((1, 6, 2, 4))
     inner = lambda q: attend(q, q, q, axis_name="ctx", score_mod=lambda s, b, h, i, j: s * (i >= j))
     sharded = jf.shard(inner, mesh=mesh(2, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
-    with pytest.raises(ValueError, match=rf"{attend.__name__}: a load-balanced mask or score_mod needs an even local length, got q \(1, 3, 2, 4\)"):
+    with pytest.raises(ValueError, match=rf"{attend.__name__}: a load-balanced mask or score_mod needs even local lengths .* got q \(1, 3, 2, 4\) and k \(1, 3, 2, 4\)"):
         sharded(q)
 
 
