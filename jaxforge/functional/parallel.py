@@ -268,9 +268,10 @@ def all_gather_attention(
     their gradients back to the shards) bring the whole sequence to every device, which attends
     its queries to it under ``mask`` (with ``causal=True``, joined by ``&``) shifted to their
     positions, ``score_mod`` (and ``softcap``, as ``jf.attention``'s) at their global positions:
-    one call per local chunk, the tiles the mask hides skipped. Against the ring: memory for every key per device, but no step waits on
-    the next permute, and a mask of arrays slices them once. Small k and v (GQA, MQA) make the
-    gather cheap. ``sinks`` and ``return_lse``: as ring_attention's.
+    one call per local chunk, the tiles the mask hides skipped. Against the ring: memory for every
+    key per device, but no step waits on the next permute, and a mask of arrays slices them once.
+    Small k and v (GQA, MQA) make the gather cheap. ``sinks`` and ``return_lse``: as
+    ring_attention's.
     """
     mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
