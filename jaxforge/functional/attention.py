@@ -276,10 +276,13 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     starts = (np.arange(2 * shards)[:, None] * half + edges[None, :-1]).ravel()
     ends = starts + np.tile(np.diff(edges), 2 * shards)
     known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
-    sampled = None if known or not span.num_arrays else sampled_keys(mask, (starts + ends) // 2, skv, batch, num_heads)
+    keys = None if known or not span.num_arrays else sampled_keys(mask, (starts + ends) // 2, skv, batch, num_heads)
     with jax.ensure_compile_time_eval():  # the keys each block of rows may see, per item
         extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
-        keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads)) if known else extent()[None] if sampled is None else sampled
+        if known:
+            keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads))
+        elif keys is None:
+            keys = extent()[None]
     chunks = ((ends - starts) * np.maximum(np.asarray(keys), 0).sum(axis=0)).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
     contiguous = chunks[0::2] + chunks[1::2]
     head_tail = chunks[:shards] + chunks[::-1][:shards]

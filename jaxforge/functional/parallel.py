@@ -187,7 +187,7 @@ def _varying_score_mod(score_mod, q, axis_name):
         return None
     fn, consts = _traced_score_mod(score_mod, accumulation_dtype(q.dtype))
     typed = _core.varying_axes(lax.axis_index(axis_name))  # none under vmap(axis_name=...)
-    consts = [lax.pcast(c, missing, to="varying") if (missing := tuple(sorted(typed - _core.varying_axes(c)))) else c for c in consts]
+    consts = [_core.varying_over(c, typed) for c in consts]
     return lambda *args: fn(*args, *consts)[0]
 
 
@@ -195,7 +195,7 @@ def _global_position(device, n: int, local: int, load_balanced: bool, start: int
     """Where local index ``start + i`` of ``device``'s chunk of ``local`` lies in the sequence:
     contiguous chunks, or :func:`load_balance`'s head and tail."""
     if not load_balanced:
-        return lambda i: device * local + start + i
+        return _from(device * local + start)
     c = local // 2
     return lambda i: jnp.where(start + i < c, device * c, (2 * n - 2 - device) * c) + start + i
 

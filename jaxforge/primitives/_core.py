@@ -64,14 +64,7 @@ class _Primitive(Primitive):
     """
 
     def bind(self, *args, **params):
-        axes = [varying_axes(a) for a in args]
-        union = frozenset().union(*axes)
-        if union:
-            args = [
-                jax.lax.pcast(a, tuple(sorted(union - have)), to="varying") if union - have else a
-                for a, have in zip(args, axes)
-            ]
-        return super().bind(*args, **params)
+        return super().bind(*of_one_type(args), **params)
 
 
 def varying_axes(x) -> frozenset:
@@ -469,12 +462,17 @@ def _is_varying_cast(eqn) -> bool:
     return name == "pvary" or (name == "pcast" and "varying" in str(eqn.params.get("to", "")).lower())
 
 
-def _of_one_type(values) -> list:
+def varying_over(x, axes):
+    """``x`` cast to vary over the shard_map ``axes`` it does not vary over yet (itself if none)."""
+    missing = tuple(sorted(frozenset(axes) - varying_axes(x)))
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def of_one_type(values) -> list:
     """``values`` cast to the union of their varying axes, as jnp would cast an equation's operands
     inside a shard_map (a primitive bound directly there takes them of one type only)."""
-    types = [varying_axes(x) for x in values]
-    axes = frozenset().union(*types)
-    return [lax.pcast(x, tuple(sorted(axes - t)), to="varying") if axes - t else x for x, t in zip(values, types)]
+    axes = frozenset().union(*(varying_axes(x) for x in values))
+    return [varying_over(x, axes) for x in values]
 
 
 def _eval_without_varying_casts(jaxpr, consts, args) -> list:
@@ -491,7 +489,7 @@ def _eval_without_varying_casts(jaxpr, consts, args) -> list:
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
             outs = _eval_without_varying_casts(inner.jaxpr, inner.consts, ins)
         else:
-            ins = _of_one_type(ins)
+            ins = of_one_type(ins)
             bound = eqn.primitive.get_bind_params(eqn.params)  # params, or (subfuns, params) before jax 0.10
             subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
             outs = eqn.primitive.bind(*subfuns, *ins, **params)
