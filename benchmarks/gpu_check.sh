@@ -3,10 +3,12 @@
 # builds the kernels, runs the `gpu` tests, runs the linalg and attention benchmarks; logs and
 # JSON go to $OUT (at most 8 files, what the device tool brings back). Prints short tables last.
 #
-#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention pending tune profile fuzz
+#   benchmarks/gpu_check.sh [PHASE...]   PHASE: build tests linalg attention pending maxscores tune
+#                                        profile fuzz
 #                                        (default: the first four; pending benches only the rows
 #                                        pending_kernels.py needs of the attention kernels still
-#                                        off, tune is the Triton tile sweep, profile Nsight Compute
+#                                        off, maxscores what return_max_scores costs against
+#                                        FlexAttention's, tune is the Triton tile sweep, profile Nsight Compute
 #                                        on the linalg kernels, fuzz runs tools/fuzz_linalg.py for
 #                                        FUZZ_S seconds (60): random shapes through the kernels as
 #                                        dispatched, against numpy)
@@ -122,6 +124,12 @@ if wants pending; then
   timeout "$limit" python3 -m jaxforge.bench attention --shapes long_d128_causal --modes jvp-grad \
     --budget 0,$((limit - 40)) --tag pending-jvp-grad --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[pending-jvp-grad]=${PIPESTATUS[0]}
+fi
+
+if wants maxscores; then
+  echo "== attention max scores (benchmarks/max_scores.py)"
+  timeout "$(cap 120)" python3 benchmarks/max_scores.py --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt"
+  rc[maxscores]=${PIPESTATUS[0]}
 fi
 
 if wants tune; then

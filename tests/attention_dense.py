@@ -16,10 +16,11 @@ def grid(b, hq, sq, skv):
     return np.meshgrid(np.arange(b), np.arange(hq), np.arange(sq), np.arange(skv), indexing="ij")
 
 
-def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
+def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None, max_scores=False):
     """Attention in jax.numpy, differentiable; ``visible`` is a boolean (B, Hq, Sq, Skv)
     array and ``score_fn`` is applied to the whole score array with the index arrays of ``grid``.
-    q, k, v share their leading dims."""
+    q, k, v share their leading dims. ``(out, lse)``, with ``max_scores`` also each row's largest
+    score (jnp.max's derivative)."""
     batch = q.shape[:-3]
     q, k, v = (x.reshape(math.prod(batch), *x.shape[-3:]) for x in (q, k, v))
     bsz, sq, hq, d = q.shape
@@ -34,6 +35,7 @@ def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
     visible = np.ones(s.shape, bool) if visible is None else np.asarray(visible)
     row = visible.any(-1, keepdims=True)
     s = jnp.where(visible, s, -jnp.inf)
+    top = s.max(-1, initial=-jnp.inf)
     s = jnp.where(row, s, 0.0)  # a fully masked row: keep its (discarded) softmax finite
     mx = jax.lax.stop_gradient(s.max(-1, keepdims=True, initial=-jnp.inf))
     e = jnp.exp(s - mx)
@@ -41,7 +43,8 @@ def dense_jnp(q, k, v, visible=None, score_fn=None, scale=None, softcap=None):
     out = jnp.where(row, jnp.einsum("bhqk,bkhd->bhqd", e / t, vr, precision="highest"), 0.0)
     out = jnp.swapaxes(out, 1, 2)
     lse = jnp.where(row, mx + jnp.log(t), -jnp.inf)[..., 0]
-    return out.reshape(*batch, sq, hq, dv), jnp.swapaxes(lse, 1, 2).reshape(*batch, sq, hq)
+    rows = lambda x: jnp.swapaxes(x, 1, 2).reshape(*batch, sq, hq)  # noqa: E731
+    return (out.reshape(*batch, sq, hq, dv), rows(lse), *[rows(top)] * max_scores)
 
 
 def visible_ranges(visible) -> tuple:

@@ -52,6 +52,9 @@ CASES = {
     ),
     "attention grad": (jax.grad(loss(attend(_CAUSAL)), argnums=(0, 1)), spec(b, L, H, D), spec(b, M, 2, D)),
     "attention jvp": (lambda q, k: jax.jvp(attend(), (q, k), (q, k)), spec(2, L, H, D), spec(2, M, 2, D)),
+    "attention max scores jvp": (
+        lambda q, k: jax.jvp(attend(_CAUSAL, return_max_scores=True), (q, k), (q, k)), spec(b, L, H, D), spec(b, M, 2, D)
+    ),
     "attention hvp": (
         lambda q, k: jax.jvp(jax.grad(loss(attend(_CAUSAL))), (q, k), (q, k)),
         spec(2, L, H, D),

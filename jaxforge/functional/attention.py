@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxforge.functional.collectives import permute
+from jaxforge.functional.collectives import all_reduce, permute
 from jaxforge.functional.masks import Mask, as_mask, sampled_keys, shifted
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import (
@@ -40,6 +40,7 @@ def attention(
     scale: float | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    return_max_scores: bool = False,
     sinks=None,
     implementation: str | Implementation | None = None,
 ):
@@ -65,6 +66,12 @@ def attention(
       softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
+      return_max_scores: also return each row's largest score, ``(..., Sq, Hq)`` in the lse's
+        dtype: the maximum over the keys it sees of the logits entering the softmax (after
+        ``scale``, ``softcap`` and ``score_mod``; sinks are not keys), ``-inf`` for a fully masked
+        row. What QK-clip (MuonClip) bounds, per head: ``max_scores.max(axis=(0, 1))`` for one batch
+        dim. The forward's online softmax keeps it anyway, so it costs a row of writes (and the
+        first key attaining it, through which it is differentiable: its derivative is that score's).
       sinks: attention sinks (gpt-oss): one logit per query head, ``(Hq,)`` or any float array that
         broadcasts to the lse's ``(..., Sq, Hq)``, joining each row's softmax as a key of value 0:
         :math:`\sum_j e^{s_j} v_j / (e^{\text{sink}} + \sum_j e^{s_j})`; the lse includes it.
@@ -74,7 +81,8 @@ def attention(
         (Hopper), or an :class:`Implementation` with tile sizes.
 
     Returns:
-      ``out`` of shape ``(..., Sq, Hq, Dv)``, or ``(out, lse)``.
+      ``out`` of shape ``(..., Sq, Hq, Dv)``, or a tuple of ``out``, then ``lse`` and
+      ``max_scores`` where asked for.
 
     Differentiable in every mode (jvp, grad, vmap, and their compositions): forward-mode runs a
     fused tangent kernel, reverse-mode the FlashAttention backward.
@@ -95,6 +103,9 @@ def attention(
     each device attends its queries to its own keys and the parts merge through their log-sum-exps
     (one pmax and one psum of the rows).
     """
+    for name, flag in (("return_lse", return_lse), ("return_max_scores", return_max_scores)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"attention: `{name}` must be a bool, got {type(flag).__name__} {flag!r}")
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 3:
@@ -111,16 +122,18 @@ def attention(
     kv_axes = _key_split(q, k, v)
     if not kv_axes:
         k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
-    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation)
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation, max_scores=bool(return_max_scores))
     if q_axes or kv_axes:
-        out, lse = _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, **kw)
+        out, lse, top = _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, **kw)
     else:
-        out, lse = _attend(q, k, v, mask, score_mod, **kw)
-    return (out, lse) if return_lse else out
+        out, lse, top = _attend(q, k, v, mask, score_mod, **kw)
+    asked = [lse] * bool(return_lse) + [top] * bool(return_max_scores)
+    return (out, *asked) if asked else out
 
 
-def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, where=None):
-    """``(out, lse)`` of checked, broadcast operands: one primitive call per piece of the mask.
+def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, max_scores=False, where=None):
+    """``(out, lse, max_scores)`` of checked, broadcast operands (``max_scores`` None unless asked
+    for): one primitive call per piece of the mask.
 
     ``where``: inside the shard_map of :func:`_over_sequence_shards`, ``(batch, offsets, heads,
     head_offset)``: q's global batch shape, where its block starts along each batch dim, its
@@ -136,11 +149,13 @@ def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, 
     parts = []
     for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
         mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=hq, where=where)
-        parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, implementation=implementation))
+        parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, max_scores=max_scores, implementation=implementation))
+    top = functools.reduce(jnp.maximum, [part[2] for part in parts]) if max_scores else None  # pieces: disjoint keys
+    parts = [tuple(part[:2]) for part in parts]
     if sinks is not None:  # a part of value 0
         lse = parts[0][1]
         parts.append((None, jnp.zeros_like(lse) + sinks.astype(lse.dtype)))  # lse's shape and sharding
-    return tuple(parts[0]) if len(parts) == 1 else _merged(parts)
+    return (*(parts[0] if len(parts) == 1 else _merged(parts)), top)
 
 
 def _sequence_split(x) -> tuple:
@@ -207,11 +222,12 @@ def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, *
         block = None if mask is None else shifted(mask, start, kv_start, q_len=length, kv_len=kv_local if kv_axes else None)
         at = None if score_mod is None else (lambda s, b, h, i, j: score_fn(s, b, h, i + start, j + kv_start, *parts["score"])[0])
         sinks = parts.get("sinks")
-        out, lse = _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=None if kv_axes else sinks, where=where(), **kw)
+        out, lse, top = _attend(parts["q"], parts["k"], parts["v"], block, at, sinks=None if kv_axes else sinks, where=where(), **kw)
         if not kv_axes:
-            return out, lse
+            return out, lse, top
         out, lse = _merged_over(kv_axes, out, lse)
-        return (out, lse) if sinks is None else merge_attention(out, lse, None, sinks.astype(lse.dtype))
+        top = None if top is None else all_reduce(top, kv_axes, op="max")
+        return (*((out, lse) if sinks is None else merge_attention(out, lse, None, sinks.astype(lse.dtype))), top)
 
     def shard(operands):
         index = lax.axis_index(q_axes) if q_axes else 0
@@ -220,7 +236,7 @@ def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, *
         return _head_tail(operands, index, q_axes, shards, seq, attend)
 
     in_specs = ({name: specs[name] for name in operands},)
-    sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], lse_spec), axis_names=manual_axes)
+    sharded = jax.shard_map(shard, mesh=mesh, in_specs=in_specs, out_specs=(specs["q"], lse_spec, lse_spec), axis_names=manual_axes)
     return sharded(operands)
 
 
@@ -253,10 +269,8 @@ def _head_tail(operands, index, axes, shards: int, seq: int, attend):
         back = [(j, i) for i, j in there]
         moved = {name: permute(lax.slice_in_dim(operands[name], parity * half, (parity + 1) * half, axis=seq), axes, there) for name in rows}
         chunk = jnp.where(index % 2 == parity, index, 2 * shards - 1 - index)  # which of its two arrived
-        out, lse = attend({**operands, **moved}, chunk * half, half)
-        parts.append((permute(out, axes, back), permute(lse, axes, back)))
-    (out_a, lse_a), (out_b, lse_b) = parts
-    return jnp.concatenate([out_a, out_b], axis=seq), jnp.concatenate([lse_a, lse_b], axis=seq)
+        parts.append(jax.tree.map(lambda x: permute(x, axes, back), attend({**operands, **moved}, chunk * half, half)))
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b], axis=seq), *parts)
 
 
 def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int) -> bool:

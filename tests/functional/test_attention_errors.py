@@ -148,6 +148,13 @@ def test_combining_a_mask_with_a_non_mask():
         1 | masks.causal()
 
 
+@pytest.mark.parametrize("name", ["return_lse", "return_max_scores"])
+@pytest.mark.parametrize("flag", ["yes", None, 1])
+def test_return_flags_must_be_bools(name, flag):
+    with pytest.raises(TypeError, match=rf"attention: `{name}` must be a bool, got {type(flag).__name__} {re.escape(repr(flag))}"):
+        jf.attention(*qkv(), **{name: flag})
+
+
 def test_score_mod_not_callable():
     with pytest.raises(TypeError, match=r"attention: `score_mod` must be a callable score_mod\(score, b, h, q_idx, kv_idx\), got str"):
         jf.attention(*qkv(), score_mod="alibi")
@@ -379,7 +386,7 @@ def test_errors_under_vmap_name_the_argument():
 
 def test_direct_bind_checks_too():
     q, k, v = qkv()
-    params = dict(mods=Mods(), scale=0.5, implementation=Implementation())
+    params = dict(mods=Mods(), scale=0.5, max_scores=False, implementation=Implementation())
     with pytest.raises(TypeError, match=r"attention: `k` has dtype int32"):
         attention_fwd_p.bind(q, k.astype(jnp.int32), v, **params)
     with pytest.raises(ValueError, match=r"attention: q, k, v must share their batch dims"):

@@ -11,7 +11,9 @@ head ``h // (Hq / Hkv)``), with :math:`m_{ij}` the mask and :math:`f` softcap th
 
 A fully masked row has :math:`o_i = 0`, :math:`\text{lse}_i = -\infty` and zero derivatives.
 
-* ``attention_fwd_p(q, k, v, *mask_consts, *score_consts) -> (out, lse)``.
+* ``attention_fwd_p(q, k, v, *mask_consts, *score_consts) -> (out, lse)``; with ``max_scores=True``
+  also each row's largest score :math:`\max_j s_{ij}` and the first key attaining it (its
+  derivative is that key's :math:`ds_{ij}`, computed at that key alone: O(S·D)).
 * ``attention_tangent_p(q, k, v, out, lse, *consts, dq, dk, dv, *dscore_consts) -> (dout, dlse)``,
   linear in the tangents (the JVP of fwd). With :math:`ds_{ij} = f'\,\text{scale}(dq_i\cdot k_j +
   q_i\cdot dk_j) + \partial_c f\, dc`:
@@ -180,8 +182,9 @@ def _split(operands, mods: Mods):
 # The spec: dense attention in jax.numpy.
 
 
-def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementation=None):
-    """Dense attention (the spec): ``(out, lse)``. Memory O(Sq·Skv) per batch item and head."""
+def attention_reference(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool = False, implementation=None):
+    """Dense attention (the spec): ``(out, lse)``, with ``max_scores`` also each row's largest score
+    and the first key attaining it. Memory O(Sq·Skv) per batch item and head."""
     del implementation
     *batch, sq, hq, _ = q.shape
     acc = accumulation_dtype(q.dtype)
@@ -199,8 +202,12 @@ def attention_reference(q, k, v, *consts, mods: Mods, scale: float, implementati
     out = jnp.einsum("bhqk,bkhd->bqhd", e / total, vf.astype(acc), precision="highest")
     lse = jnp.where(visible, row_max + jnp.log(total), -jnp.inf)[..., 0]  # (b, h, q)
     out = out.astype(q.dtype).reshape(*batch, sq, hq, v.shape[-1])
-    lse = jnp.swapaxes(lse, -1, -2).reshape(*batch, sq, hq)
-    return out, lse
+    rows = lambda x: jnp.swapaxes(x, -1, -2).reshape(*batch, sq, hq)  # noqa: E731  (b, h, q) -> (*batch, q, h)
+    if not max_scores:
+        return out, rows(lse)
+    top = jnp.max(s, axis=-1, initial=-jnp.inf)
+    first = jnp.argmax(s, axis=-1).astype(jnp.int32) if s.shape[-1] else jnp.zeros(top.shape, jnp.int32)
+    return out, rows(lse), rows(top), rows(first)
 
 
 def _dense_heads(q, k, v):
@@ -372,16 +379,11 @@ def _output_avals(fn, q, k, v, outputs):
     return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, q.ndim - 3, outputs, split=heads, hint=hint)
 
 
-def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, implementation):
+def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation):
     check_operands("attention", q, k, v)
     *batch, sq, hq, _ = q.shape
-    return _output_avals(
-        "attention",
-        q,
-        k,
-        v,
-        [((*batch, sq, hq, v.shape[-1]), q.dtype, -2), ((*batch, sq, hq), lse_dtype(q.dtype), -1)],
-    )
+    rows = [((*batch, sq, hq), lse_dtype(q.dtype), -1)] + [((*batch, sq, hq), lse_dtype(q.dtype), -1), ((*batch, sq, hq), np.int32, -1)] * max_scores
+    return _output_avals("attention", q, k, v, [((*batch, sq, hq, v.shape[-1]), q.dtype, -2), *rows])
 
 
 def _tangent_abstract_eval(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
@@ -435,17 +437,42 @@ def shared_operands(leading: int, trailing_split: int):
 # Derivative rules.
 
 
-def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, implementation):
+def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, max_scores: bool, implementation):
     params = dict(mods=mods, scale=scale, implementation=implementation)
     q, k, v, *consts = primals
-    out, lse = attention_fwd_p.bind(*primals, **params)
+    out, lse, *top = attention_fwd_p.bind(*primals, max_scores=max_scores, **params)
     out, lse = _core.named_residuals((out, lse), RESIDUAL_NAMES)
     _, score_c = _split(consts, mods)
     _, dscore = _split(tangents[3:], mods)
     dscore = [_core.instantiate_zeros(t) for t, c in zip(dscore, score_c) if jnp.issubdtype(c.dtype, jnp.inexact)]
     dq, dk, dv = (_core.instantiate_zeros(t) for t in tangents[:3])
     dout, dlse = attention_tangent_p.bind(q, k, v, out, lse, *consts, dq, dk, dv, *dscore, **params)
-    return (out, lse), (dout, dlse)
+    if not max_scores:
+        return (out, lse), (dout, dlse)
+    top, first = top
+    dtop = _max_score_tangent(q, k, consts, top, first, dq, dk, dscore, mods=mods, scale=scale)
+    return (out, lse, top, first), (dout, dlse, dtop, _core.zero_tangent(first))
+
+
+def _max_score_tangent(q, k, consts, top, first, dq, dk, dscore, *, mods: Mods, scale: float):
+    """The tangent of each row's largest score: ``ds_{i, first_i}``, the score's tangent at the first
+    key attaining it (one key a row: O(S·D), linear in ``dq``, ``dk`` and the float score consts'
+    tangents); 0 where the row sees no key."""
+    *batch, sq, hq, _ = q.shape
+    if 0 in (k.shape[-3], *top.shape):  # no key, or no row (symbolic dims compare, never bool())
+        return jnp.zeros_like(top)
+    _, score_c = _split(consts, mods)
+    bsz, group = math.prod(batch), hq // k.shape[-2]
+    flat = lambda x: x.reshape(bsz, *x.shape[len(batch) :])  # noqa: E731
+    b, i, h = (jax.lax.broadcasted_iota(jnp.int32, (bsz, sq, hq), axis) for axis in range(3))
+    j = flat(first)
+    at_first = lambda x: flat(x)[b, j, h // group]  # noqa: E731  (B, Sq, Hq, D): each row's key
+    dot = lambda a, c: jnp.einsum("bqhd,bqhd->bqh", a, c, precision="highest", preferred_element_type=accumulation_dtype(q.dtype))  # noqa: E731
+    raw = dot(flat(q), at_first(k)) * scale
+    draw = (dot(flat(dq), at_first(k)) + dot(flat(q), at_first(dk))) * scale
+    modify = lambda raw, floats: mods.modify(raw, b, h, i, j, with_floats(score_c, floats))  # noqa: E731
+    _, ds = jax.jvp(modify, (raw, float_consts(score_c)), (draw, list(dscore)))
+    return jnp.where(jnp.isfinite(flat(top)), ds, 0).astype(top.dtype).reshape(top.shape)
 
 
 def _tangent_transpose(cts, q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation):
@@ -689,7 +716,7 @@ attention_fwd_p = _core.define_primitive(
     jvp=_fwd_jvp,
     reference=attention_reference,
     example_args=_example_args,
-    example_params=dict(mods=Mods(), scale=0.5, implementation=Implementation()),
+    example_params=dict(mods=Mods(), scale=0.5, max_scores=False, implementation=Implementation()),
     batch=_batch_rule(3, 0),
     **_COMMON,
 )

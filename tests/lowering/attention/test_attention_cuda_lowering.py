@@ -205,3 +205,27 @@ def test_a_gradient_through_a_jvp_runs_the_tangent_bwd_kernels_by_name_or_once_v
     names = set(re.findall(r'name = "(jaxforge_attention_\w+)"', exported.mlir_module()))
     assert ({"jaxforge_attention_tangent_bwd_rows", "jaxforge_attention_tangent_bwd_cols"} <= names) == kernels
     assert "jaxforge_attention_bwd_dkv" in names  # the transpose in dq, dk, dv: the backward's kernels
+
+
+@pytest.mark.parametrize(
+    "implementation", [None, jf.functional.attention.Implementation("pallas_triton", pack_gqa=True, kv_splits=2)], ids=["default", "packed_split"]
+)
+def test_max_scores_stay_in_the_triton_forward(implementation):
+    """``return_max_scores``: the forward kernel writes each row's maximum and the first key at it
+    (split-KV's splits merged after the call), its derivative a gather beside the tangent and
+    backward kernels: the same four kernels, lowered to Triton IR."""
+
+    def f(q, k, v, seg):
+        att = lambda q, k, v: jf.attention(  # noqa: E731
+            q, k, v, mask=jf.masks.causal() & jf.masks.document(seg), return_max_scores=True, implementation=implementation
+        )
+        _, tangent = jax.jvp(att, (q, k, v), (q, k, v))
+        loss = lambda *a: jnp.sum(att(*a)[0].astype(jnp.float32)) + jnp.sum(jnp.where(jnp.isfinite(t := att(*a)[1]), t, 0))  # noqa: E731
+        return tangent, jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q = jax.ShapeDtypeStruct((B, S, HQ, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, S, HKV, D), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, seg).mlir_module()
+    assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == KERNELS

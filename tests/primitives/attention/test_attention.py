@@ -70,8 +70,9 @@ def allowed(mask_fn, b, hq, sq, skv):
     return np.vectorize(mask_fn, otypes=[bool])(*grid(b, hq, sq, skv))
 
 
-def dense(q, k, v, mask_fn=None, score_fn=None, scale=None, softcap=None):
-    """``(out, lse)`` in float64 numpy; leading dims broadcast and are flattened into ``b``."""
+def dense(q, k, v, mask_fn=None, score_fn=None, scale=None, softcap=None, max_scores=False):
+    """``(out, lse)`` in float64 numpy, with ``max_scores`` also each row's largest score (``-inf``
+    where it sees none); leading dims broadcast and are flattened into ``b``."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     q, k, v = (np.broadcast_to(x, batch + x.shape[-3:]).reshape(math.prod(batch), *x.shape[-3:]) for x in (q, k, v))
@@ -85,13 +86,14 @@ def dense(q, k, v, mask_fn=None, score_fn=None, scale=None, softcap=None):
     if score_fn is not None:
         s = np.vectorize(score_fn, otypes=[np.float64])(s, *grid(bsz, hq, sq, skv))
     s = np.where(allowed(mask_fn, bsz, hq, sq, skv), s, -np.inf)
-    mx = s.max(-1, keepdims=True)
-    mx = np.where(np.isfinite(mx), mx, 0)
+    top = s.max(-1, keepdims=True, initial=-np.inf)
+    mx = np.where(np.isfinite(top), top, 0)
     e = np.exp(s - mx)
     t = e.sum(-1, keepdims=True)
     out = np.einsum("bhqk,bkhd->bqhd", e / np.where(t > 0, t, 1), vr)
-    lse = np.where(t > 0, mx + np.log(np.where(t > 0, t, 1)), -np.inf)[..., 0]  # (b, h, q)
-    return out.reshape(*batch, sq, hq, dv), np.swapaxes(lse, 1, 2).reshape(*batch, sq, hq)
+    lse = np.where(t > 0, mx + np.log(np.where(t > 0, t, 1)), -np.inf)  # (b, h, q, 1)
+    rows = lambda x: np.swapaxes(x[..., 0], 1, 2).reshape(*batch, sq, hq)  # noqa: E731
+    return (out.reshape(*batch, sq, hq, dv), rows(lse), *[rows(top)] * max_scores)
 
 
 def reference(q, k, v, *, mask=None, score_mod=None, scale=None, softcap=None):

@@ -114,6 +114,8 @@ def _dispatch(prim, platform: str | None):
         name = name or "xla"
         if _is_empty(*args[:2]):
             return _empty_results(prim, args, mods, params)
+        if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
+            params = {key: value for key, value in params.items() if key != "max_scores"}  # False: _mosaic_why_not
         extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
@@ -151,6 +153,8 @@ def _mosaic_why_not(prim, mods, args, params) -> str | None:
     first = 3 if prim is attention_fwd_p else 5
     mask_consts = args[first : first + mods.num_mask_consts]
     if prim is attention_fwd_p:
+        if params["max_scores"]:
+            return "it does not return the rows' largest scores (max_scores)"
         return pallas_mosaic_gpu.mosaic_can_run(mods, q, v, mask_consts)
     if prim is attention_bwd_p:
         return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, params["const_grads"], mask_consts)
@@ -195,7 +199,8 @@ def _empty_results(prim, args, mods, params):
     q, k, v = args[:3]
     if prim is attention_fwd_p:
         lse = jnp.full(q.shape[:-1], -jnp.inf, lse_dtype(q.dtype))
-        return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse
+        top = (lse, jnp.zeros(lse.shape, jnp.int32)) if params["max_scores"] else ()
+        return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse, *top
     if prim is attention_tangent_p:
         out, lse = args[3:5]
         return jnp.zeros_like(out), jnp.zeros_like(lse)

@@ -232,7 +232,9 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: b
     return [*mask_c[:n_fn], *blocks], specs, tiles
 
 
-def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
+def attention_fwd_pallas(
+    q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation: Implementation, interpret: bool, batch_ids, head_offset
+):
     geo, compiler = _geometry("fwd", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack
@@ -244,17 +246,22 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
     score_c, n_m = consts[n_mask:], len(mask_ops)
     split = _Split.of(geo, bsz * hq, implementation)
 
+    n_rows = 3 if max_scores else 1  # lse, and the rows' largest scores and their first keys
+
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
-        *in_refs, out_ref, lse_ref = refs
+        in_refs, (out_ref, *row_refs) = refs[: -1 - n_rows], refs[-1 - n_rows :]
         mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        out, lse = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range)
+        out, *rows = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range, max_scores=max_scores)
         out_ref[...] = out.astype(out_ref.dtype)
-        lse_ref[...] = lse
+        for ref, row in zip(row_refs, rows):
+            ref[...] = row
 
     out_specs, out_shapes = split.outputs(bsz, hq, dv, q.dtype, geo.acc_dtype)
-    out, lse = _call(
+    if max_scores:
+        out_specs, out_shapes = out_specs + out_specs[1:] * 2, out_shapes + [out_shapes[1], jax.ShapeDtypeStruct(out_shapes[1].shape, jnp.int32)]
+    out, lse, *top = _call(
         kernel,
         interpret,
         (bsz, hq, geo.num_q_tiles * split.count),
@@ -267,8 +274,9 @@ def attention_fwd_pallas(q, k, v, *consts, mods: Mods, scale: float, implementat
         "jaxforge_attention_fwd",
         compiler,
     )
+    top = _top_of_splits(*top) if max_scores else ()
     out, lse = _merge_splits(out, lse)
-    return _queries_back(geo, batch, out.astype(q.dtype), v.shape[-1]), _queries_back(geo, batch, lse)
+    return _queries_back(geo, batch, out.astype(q.dtype), v.shape[-1]), *(_queries_back(geo, batch, x) for x in (lse, *top))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,6 +326,13 @@ def _merge_splits(out, lse):
         return out[:, 0], lse[:, 0]
     weights, lse = merge_weights(lse, axis=1)
     return jnp.sum(out * jnp.swapaxes(weights, -1, -2)[..., None], axis=1), lse  # (B, s, H, S) -> (B, s, S, H, 1)
+
+
+def _top_of_splits(top, first):
+    """Split-KV's rows' largest scores and first keys attaining them, ``(B, splits, H, S)`` each, as
+    ``(B, H, S)``: the first split holding the maximum (splits hold keys in order)."""
+    winner = jnp.argmax(top, axis=1, keepdims=True)
+    return jnp.max(top, axis=1), jnp.take_along_axis(first, winner, axis=1)[:, 0]
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
