@@ -292,6 +292,41 @@ def test_transformer_with_attention_sinks_trains_them():
     assert abs(float(loss(without, TOKENS, SEGMENTS_10)) - float(value)) > 1e-6  # the sinks change the model
 
 
+def test_each_blocks_largest_logits_and_qk_clip_bounding_them():
+    """return_max_scores: each block's largest logit per query head against a dense attention's
+    (same logits either way); qk_clip scales each head's logits by min(1, τ / S_h), so the clipped
+    model's maxima are min(S_h, τ): GQA heads sharing a key head included (CONFIG: 2 a group)."""
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **dict(CONFIG, depth=3))
+    params = jax.tree.map(lambda w: 4 * w, params)  # logits of several units
+    mask = jf.masks.causal() & jf.masks.document(SEGMENTS_10)
+    visible = document_causal(np.asarray(SEGMENTS_10))
+
+    def dense_with_maxima(q, k, v, mask, return_max_scores):
+        s = jnp.einsum("...qhd,...khd->...qhk", q, jnp.repeat(k, q.shape[-2] // k.shape[-2], axis=-2)) / np.sqrt(q.shape[-1])
+        return dense_attention(q, k, v, visible), jnp.max(jnp.where(visible[:, :, None, :], s, -jnp.inf), axis=-1)
+
+    logits, top = nn.transformer(params, TOKENS, mask=mask, return_max_scores=True)
+    want_logits, want_top = nn.transformer(params, TOKENS, attention_fn=dense_with_maxima, return_max_scores=True)
+    assert top.shape == (3, CONFIG["num_heads"])
+    np.testing.assert_allclose(logits, nn.transformer(params, TOKENS, mask=mask), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(logits, want_logits, rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(top, want_top, rtol=1e-10, atol=1e-10)
+    # one layer: its maxima are exactly min(S_h, τ) after the clip, a clipped head beside an unclipped one
+    layer = jax.tree.map(lambda w: w[0], params["blocks"]["attention"])
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 10, CONFIG["features"])))
+    _, layer_top = nn.multi_head_attention(layer, x, mask=mask, return_max_scores=True)
+    threshold = float(layer_top[0] + layer_top[1]) / 2  # between the two heads of key head 0
+    clipped = jax.jit(nn.qk_clip, static_argnums=2)(layer, layer_top, threshold)
+    np.testing.assert_allclose(nn.multi_head_attention(clipped, x, mask=mask, return_max_scores=True)[1], np.minimum(layer_top, threshold), rtol=1e-10)
+    assert (np.asarray(layer_top[:2]) > threshold).sum() == 1  # one head of the group clipped, one not
+    with pytest.raises(ValueError, match=r"qk_clip: `max_scores` must end in the 4 query heads of `params`, got shape \(3, 2\)"):
+        nn.qk_clip(params["blocks"]["attention"], top[:, :2], threshold)
+    with pytest.raises(ValueError, match=r"qk_clip: `threshold` must be positive, got 0.0"):
+        nn.qk_clip(params["blocks"]["attention"], top, 0.0)
+    with pytest.raises(ValueError, match=r"qk_clip: `alpha` must be in \[0, 1\], got 2.0"):
+        nn.qk_clip(params["blocks"]["attention"], top, 1.0, alpha=2.0)
+
+
 def test_transformer_check_grads():
     params = nn.init_transformer(KEY, dtype=jnp.float64, **dict(CONFIG, depth=1))
     check_grads(jax.jit(lambda p: loss(p, TOKENS[:1], SEGMENTS_10[:1])), (params,), order=1, modes=("fwd", "rev"))

@@ -7,6 +7,7 @@ Signatures carry shapes (jaxtyping); the test suite checks them at run time with
 from jaxforge.functional.nn.attention import init_kv_cache as init_kv_cache
 from jaxforge.functional.nn.attention import init_multi_head_attention as init_multi_head_attention
 from jaxforge.functional.nn.attention import multi_head_attention as multi_head_attention
+from jaxforge.functional.nn.attention import qk_clip as qk_clip
 from jaxforge.functional.nn.attention import rotary_embedding as rotary_embedding
 from jaxforge.functional.nn.layers import embedding as embedding
 from jaxforge.functional.nn.layers import init_embedding as init_embedding
@@ -45,6 +46,7 @@ __all__ = [
     "lstm",
     "mlp",
     "multi_head_attention",
+    "qk_clip",
     "rms_norm",
     "rotary_embedding",
     "transformer",

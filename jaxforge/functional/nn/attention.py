@@ -96,6 +96,7 @@ def multi_head_attention(
     rotary_base: float | None = 10000.0,
     attention_fn: Callable = attention,
     cache: Params | None = None,
+    return_max_scores: bool = False,
 ):
     r"""Self-attention :math:`\sum_h \operatorname{attn}(R x W^q_h, R x W^k_{g(h)}, x W^v_{g(h)})\, W^o_h`.
 
@@ -118,9 +119,13 @@ def multi_head_attention(
         padded, then ``length`` set to the true ones: the next steps overwrite the padding. An
         item whose tokens do not fit (``length + seq > max_len``) gets NaN outputs, at that step
         and after: the tokens past the cache's end are not written.
+      return_max_scores: also each query head's largest attention logit over the batch and the
+        rows, ``(Hq,)`` (``attention_fn`` called with ``return_max_scores=True``): what
+        :func:`qk_clip` bounds. Inside a shard_map, this device's rows': all-reduce it (max).
 
     Returns:
-      ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more.
+      ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more;
+      with ``return_max_scores``, the logits' maxima after them.
     """
     x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
@@ -142,13 +147,46 @@ def multi_head_attention(
         cache = {name: _written(cache[name], new, length) for name, new in (("k", k), ("v", v))}
         k, v = (cache[name].astype(q.dtype) for name in "kv")  # a cache may store another dtype (init_kv_cache)
         mask = masks.causal(length) if mask is None else masks.causal(length) & mask
-    out = attention_fn(q, k, v, mask=mask, **({"sinks": params["sinks"]} if "sinks" in params else {}))
+    kw = ({"sinks": params["sinks"]} if "sinks" in params else {}) | ({"return_max_scores": True} if return_max_scores else {})
+    out = attention_fn(q, k, v, mask=mask, **kw)
+    extra = []
+    if return_max_scores:
+        out, top = out
+        extra.append(jnp.max(top, axis=tuple(range(top.ndim - 1)), initial=-jnp.inf))  # over the batch and rows
     out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
-    if cache is None:
-        return out
-    length = length + x.shape[-2]
-    overflows = length > max_len  # tokens past the end went unwritten: the outputs are not this item's
-    return jnp.where(overflows[..., None, None], jnp.nan, out), {**cache, "length": length}
+    if cache is not None:
+        length = length + x.shape[-2]
+        overflows = length > max_len  # tokens past the end went unwritten: the outputs are not this item's
+        out, extra = jnp.where(overflows[..., None, None], jnp.nan, out), [{**cache, "length": length}, *extra]
+    return (out, *extra) if extra else out
+
+
+def qk_clip(params: Params, max_scores: Float[ArrayLike, "*#layers heads"], threshold: float, *, alpha: float = 0.5) -> Params:
+    r"""QK-clip (Kimi K2's MuonClip): each head's logits scaled by :math:`\gamma_h = \min(1,
+    \tau / S_h)`, :math:`S_h` its largest logit (``max_scores``, from ``return_max_scores``),
+    through its projections: :math:`W^k_g \mathrel{*}= \kappa_g = (\min_{h \in g} \gamma_h)^{1 -
+    \alpha}` for key/value head :math:`g` (shared by its GQA group), :math:`W^q_h \mathrel{*}=
+    \gamma_h / \kappa_g`; so :math:`q_h \cdot k_g` scales by exactly :math:`\gamma_h` (rotary
+    embedding included) and a head under the threshold keeps its logits.
+
+    ``params``: :func:`init_multi_head_attention`'s (leading dims, e.g. a transformer's blocks
+    stacked over depth, matching those of ``max_scores``); returns them with ``q`` and ``k``
+    rescaled. Applied after each optimiser step, as MuonClip does; not differentiated.
+    """
+    if not threshold > 0:
+        raise ValueError(f"qk_clip: `threshold` must be positive, got {threshold!r}")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"qk_clip: `alpha` must be in [0, 1], got {alpha!r}")
+    *layers, _, hq, _ = params["q"].shape
+    hkv = params["k"].shape[-2]
+    top = jnp.asarray(max_scores)
+    if top.shape[-1:] != (hq,):
+        raise ValueError(f"qk_clip: `max_scores` must end in the {hq} query heads of `params`, got shape {top.shape}")
+    gamma = jnp.where(top > threshold, threshold / jnp.where(top > threshold, top, 1), 1.0)  # (*layers, Hq)
+    kappa = jnp.min(gamma.reshape(*gamma.shape[:-1], hkv, hq // hkv), axis=-1) ** (1 - alpha)  # (*layers, Hkv)
+    q_scale = gamma / jnp.repeat(kappa, hq // hkv, axis=-1)
+    scaled = lambda w, scale: (w * jnp.broadcast_to(scale, (*layers, scale.shape[-1]))[..., None, :, None]).astype(w.dtype)  # noqa: E731
+    return {**params, "q": scaled(params["q"], q_scale), "k": scaled(params["k"], kappa)}
 
 
 def _written(cache, new, length):

@@ -75,6 +75,7 @@ def transformer(
     attention_fn: Callable = attention,
     cache: NestedParams | None = None,
     remat: bool | Callable = False,
+    return_max_scores: bool = False,
 ):
     r"""Next-token logits of a pre-norm decoder: for each block,
     :math:`x \mathrel{+}= \text{attn}(\text{rms}(x))`, :math:`x \mathrel{+}= \text{mlp}(\text{rms}(x))`.
@@ -94,9 +95,12 @@ def transformer(
         every block's). True: save nothing else; or a ``jax.checkpoint`` policy, e.g.
         ``jf.remat.save_attention()``, which keeps each block's attention output and lse so that
         the backward recomputes the projections and MLP but not the attention.
+      return_max_scores: also each block's largest attention logit per query head, ``(depth,
+        Hq)``: MuonClip's statistic, for :func:`qk_clip` on ``params["blocks"]["attention"]``.
 
     Returns:
-      ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``.
+      ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``; with ``return_max_scores``,
+      the logits' maxima after them.
 
     The blocks run as one ``lax.scan`` over depth, so compile time does not grow with depth.
     """
@@ -106,32 +110,35 @@ def transformer(
     x = embedding(params["embedding"], tokens)
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     length = None if cache is None else cache["length"]
-    x, kv = _blocks(params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat)
+    x, (kv, top) = _blocks(
+        params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat, max_scores=return_max_scores
+    )
     logits = linear(params["head"], rms_norm(params["norm"], x))
-    if cache is None:
-        return logits
-    return logits, {**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}
+    extra = [] if cache is None else [{**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}]
+    extra += [top] if return_max_scores else []
+    return (logits, *extra) if extra else logits
 
 
 # Jitted (masks are pytrees): an eager call compiles once per shape, where a scan over a fresh
 # closure would trace and compile at every call.
-@functools.partial(jax.jit, static_argnames=("attention_fn", "remat"))
-def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat):
+@functools.partial(jax.jit, static_argnames=("attention_fn", "remat", "max_scores"))
+def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat, max_scores):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
-    without one, else {"k", "v"} stacked over blocks, all at ``length``); ``remat`` as there."""
+    without one, else {"k", "v"} stacked over blocks, all at ``length``); ``remat`` as there.
+    Returns ``x`` and, stacked over blocks, ``(cache, max_scores)`` (None where not asked for)."""
 
     def block(x, layer):
         p, kv = layer
         layer_cache = None if kv is None else {**kv, "length": length}
-        attended = multi_head_attention(
+        results = multi_head_attention(
             p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn,
-            cache=layer_cache,
+            cache=layer_cache, return_max_scores=max_scores,
         )  # fmt: skip
+        attended, *extra = results if kv is not None or max_scores else (results,)
         if kv is not None:
-            attended, layer_cache = attended
-            layer_cache = {"k": layer_cache["k"], "v": layer_cache["v"]}
+            layer_cache = {"k": extra[0]["k"], "v": extra[0]["v"]}
         x = x + attended
-        return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), layer_cache
+        return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), (layer_cache, extra[-1] if max_scores else None)
 
     if remat:
         block = jax.checkpoint(block, policy=None if remat is True else remat)
