@@ -84,6 +84,7 @@ def ring_attention(
     scale=None,
     sinks=None,
     return_lse: bool = False,
+    return_max_scores: bool = False,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``).
 
@@ -95,9 +96,10 @@ def ring_attention(
     ``causal=True`` needs the global order of the chunks: with ``load_balanced`` (default) the
     sequence must be in :func:`load_balance`'s head–tail layout (device ``r`` holds chunks ``r``
     and ``2n-1-r`` of ``2n``), and every step costs each device half a block; otherwise device
-    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks`` and
-    ``return_lse``: as :func:`jf.attention <jaxforge.attention>`'s (the sinks joined once after the
-    ring, the lse of the local queries, the sinks' included).
+    ``r`` holds chunk ``r`` and devices idle on blocks above the diagonal. ``sinks``,
+    ``return_lse`` and ``return_max_scores``: as :func:`jf.attention <jaxforge.attention>`'s (the
+    sinks joined once after the ring; the lse, the sinks' included, and the largest scores of the
+    local queries).
 
     ``mask``: any mask over the global positions (with ``causal=True``, joined to it by ``&``), in
     either layout: each step attends each local chunk to each visiting one under the mask shifted
@@ -110,15 +112,15 @@ def ring_attention(
     batch and head indices; the arrays it closes over (a relative-bias table) get their gradients
     summed over the devices.
     """
-    kw = dict(scale=scale, softcap=softcap, return_lse=True)
+    kw = dict(scale=scale, softcap=softcap, return_lse=True, return_max_scores=return_max_scores)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
     if mask is None and (not causal or q.shape[-3] == k.shape[-3]):
         _check_layout("ring_attention", q, k, causal or score_mod is not None, load_balanced)
-        out, lse = _ring(q, k, v, axis_name, causal, load_balanced, score_mod, kw)
+        result = _ring(q, k, v, axis_name, causal, load_balanced, score_mod, kw)
     else:  # a mask, or causal over chunks of unequal lengths: each pair of chunks under its block of it
         mask = _joined("ring_attention", q, k, mask, causal, load_balanced)
-        out, lse = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
-    return _finished(out, lse, sinks, return_lse)
+        result = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
+    return _finished(result, sinks, return_lse)
 
 
 def _check_layout(fn: str, q, k, positioned: bool, load_balanced: bool) -> None:
@@ -138,16 +140,23 @@ def _joined(fn: str, q, k, mask, causal: bool, load_balanced: bool, positioned: 
     return masks.as_mask(mask) & masks.causal() if causal else masks.as_mask(mask)
 
 
-def _finished(out, lse, sinks, return_lse: bool):
-    """``out`` (and with ``return_lse`` its lse) with the attention sinks joined once, through the
-    lse (None: as they are)."""
+def _finished(result, sinks, return_lse: bool):
+    """``out`` of a partial result ``(out, lse[, max_scores])`` with the attention sinks joined once,
+    through the lse (None: as they are), then the lse where asked for and the maxima where there."""
+    out, lse, *top = result
     if sinks is not None:
         out, lse = merge_attention(out, lse, None, jnp.asarray(sinks).astype(lse.dtype))
-    return (out, lse) if return_lse else out
+    asked = [lse] * return_lse + top
+    return (out, *asked) if asked else out
+
+
+def _merged(a, b):
+    """Two partial results ``(out, lse[, max_scores])`` of the same queries over disjoint keys."""
+    return (*merge_attention(*a[:2], *b[:2]), *(jnp.maximum(x, y) for x, y in zip(a[2:], b[2:])))
 
 
 def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
-    """:func:`ring_attention`'s ``(out, lse)``, unmasked or causal (q's and k's chunks of one length):
+    """:func:`ring_attention`'s partial result ``(out, lse[, max_scores])``, unmasked or causal (q's and k's chunks of one length):
     whole blocks, or halves of them."""
     n, me, local, kv_local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3], k.shape[-3]
     half = local // 2
@@ -168,14 +177,14 @@ def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
             later = lambda: _rows_after(half, attend(q[..., half:, :, :], k, v, q_start=half))
         else:
             earlier = lambda: attend(q, k, v)
-            later = lambda: _nothing_visible(q, v)
+            later = lambda: _nothing_visible(q, v, kw["return_max_scores"])
         return lax.switch(jnp.sign(src - me) + 1, [earlier, diagonal, later])
 
-    out, lse = step_attention(me, k, v)
+    result = step_attention(me, k, v)
     for step in range(1, n):
         k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
-        out, lse = merge_attention(out, lse, *step_attention((me - step) % n, k, v))
-    return out, lse
+        result = _merged(result, step_attention((me - step) % n, k, v))
+    return result
 
 
 def _varying_score_mod(score_mod, q, axis_name):
@@ -213,7 +222,7 @@ def _at_positions(score_mod, q_position, kv_position):
 
 
 def _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced: bool, kw):
-    """:func:`ring_attention`'s ``(out, lse)`` under ``mask``: every local chunk of queries attends
+    """:func:`ring_attention`'s partial result under ``mask``: every local chunk of queries attends
     every chunk of keys that visits, the mask (and ``score_mod``) shifted to their global
     positions; merged by lse."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -229,9 +238,13 @@ def _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced: bool, kw):
                 block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
                 at = _at_positions(score_mod, _from(q_offset), _from(kv_offset))
                 part = attention(q_chunk, k_chunk, v_chunk, mask=block, score_mod=at, **kw)
-                results[i] = part if results[i] is None else merge_attention(*results[i], *part)
-    outs, lses = zip(*results)
-    return jnp.concatenate(outs, axis=-3), jnp.concatenate(lses, axis=-2)
+                results[i] = part if results[i] is None else _merged(results[i], part)
+    return _rows_joined(results)
+
+
+def _rows_joined(parts):
+    """Partial results of consecutive chunks of queries as one: concatenated along the rows."""
+    return tuple(jnp.concatenate(xs, axis=-3 if not i else -2) for i, xs in enumerate(zip(*parts)))
 
 
 def _local_chunks(x, device, n: int, load_balanced: bool) -> list:
@@ -258,6 +271,7 @@ def all_gather_attention(
     scale=None,
     sinks=None,
     return_lse: bool = False,
+    return_max_scores: bool = False,
 ):
     """Attention over a sequence sharded along ``axis_name`` (inside ``jf.shard``/``shard_map``) by
     gathering every key and value: the context parallelism of Llama 3, beside :func:`ring_attention`.
@@ -270,13 +284,13 @@ def all_gather_attention(
     positions, ``score_mod`` (and ``softcap``, as ``jf.attention``'s) at their global positions:
     one call per local chunk, the tiles the mask hides skipped. Against the ring: memory for every
     key per device, but no step waits on the next permute, and a mask of arrays slices them once.
-    Small k and v (GQA, MQA) make the gather cheap. ``sinks`` and ``return_lse``: as
-    ring_attention's.
+    Small k and v (GQA, MQA) make the gather cheap. ``sinks``, ``return_lse`` and
+    ``return_max_scores``: as ring_attention's.
     """
     mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))
-    kw = dict(scale=scale, softcap=softcap, return_lse=True)
+    kw = dict(scale=scale, softcap=softcap, return_lse=True, return_max_scores=return_max_scores)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
     if mask is None and score_mod is None:  # the keys' order does not matter
         parts = [attention(q, k, v, **kw)]
@@ -294,23 +308,22 @@ def all_gather_attention(
             )
             for chunk, start in _local_chunks(q, me, n, load_balanced)
         ]
-    out, lse = (jnp.concatenate(xs, axis=axis) for xs, axis in zip(zip(*parts), (-3, -2)))
-    return _finished(out, lse, sinks, return_lse)
+    return _finished(_rows_joined(parts), sinks, return_lse)
 
 
 def _rows_after(half, result):
-    """Pads an attention of the last rows back to all rows: the first ``half`` see nothing."""
-    out, lse = result
+    """Pads a partial result of the last rows back to all rows: the first ``half`` see nothing."""
+    out, *rows = result
     pad = [(0, 0)] * (out.ndim - 3) + [(half, 0), (0, 0), (0, 0)]
-    lse_pad = pad[:-1]
-    return jnp.pad(out, pad), jnp.pad(lse, lse_pad, constant_values=-jnp.inf)
+    return jnp.pad(out, pad), *(jnp.pad(x, pad[:-1], constant_values=-jnp.inf) for x in rows)
 
 
-def _nothing_visible(q, v):
-    """No key visible: out 0, lse -inf (built from q so it varies over the same devices)."""
+def _nothing_visible(q, v, max_scores: bool):
+    """No key visible: out 0, lse (and the maxima) -inf (built from q so it varies over the same devices)."""
     lse_dtype = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
     out = lax.full_like(q, 0, shape=(*q.shape[:-1], v.shape[-1]))
-    return out, lax.full_like(q, -jnp.inf, dtype=lse_dtype, shape=q.shape[:-1])
+    nothing = lax.full_like(q, -jnp.inf, dtype=lse_dtype, shape=q.shape[:-1])
+    return out, nothing, *[nothing] * max_scores
 
 
 def load_balance(x, num_shards: int, *, axis: int = -3):

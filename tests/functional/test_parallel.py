@@ -261,6 +261,41 @@ def test_the_lse_of_the_local_queries_sinks_included(attend):
         np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
 
 
+MAXIMA = {  # name: (attend, devices, causal, load balanced, mask over the global positions)
+    "ring causal balanced": (par.ring_attention, 4, True, True, None),  # the causal ring's branches
+    "ring causal contiguous": (par.ring_attention, 2, True, False, None),  # its `later`: nothing visible
+    "ring window": (par.ring_attention, 2, True, True, jf.masks.sliding_window(5)),  # the masked ring
+    "ring unmasked": (par.ring_attention, 2, False, False, None),
+    "gather window": (par.all_gather_attention, 4, True, True, jf.masks.sliding_window(5)),
+    "gather unmasked": (par.all_gather_attention, 2, False, False, None),
+}
+
+
+@pytest.mark.parametrize("name", list(MAXIMA))
+def test_the_largest_scores_of_the_local_queries(name):
+    """``return_max_scores`` (with ``return_lse``): each device's rows' largest scores as one
+    device's jf.attention gives them, the steps' and chunks' merged by their maximum; the gradient
+    of a loss of the maxima (and of out and lse) equals one device's."""
+    attend, n, causal, balanced, mask = MAXIMA[name]
+    q, k, v = rng_arrays((2, 32, 4, 8), (2, 32, 2, 8), (2, 32, 2, 6))
+    inner = lambda q, k, v: attend(  # noqa: E731
+        q, k, v, axis_name="ctx", causal=causal, mask=mask, load_balanced=balanced, return_lse=True, return_max_scores=True
+    )
+    sharded = jf.shard(inner, mesh=mesh(n, "ctx"), in_specs=P(None, "ctx"), out_specs=(P(None, "ctx"),) * 3)
+    if balanced:
+        f = lambda q, k, v: jax.tree.map(lambda x: par.unbalance(x, n, axis=1), sharded(*(par.load_balance(x, n) for x in (q, k, v))))  # noqa: E731
+    else:
+        f = sharded
+    whole = None if mask is None and not causal else jf.masks.causal() if mask is None else jf.masks.as_mask(mask) & jf.masks.causal()
+    ref = lambda q, k, v: jf.attention(q, k, v, mask=whole, return_lse=True, return_max_scores=True)  # noqa: E731
+    got, want = jax.jit(f)(q, k, v), ref(q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12)
+    loss = lambda f: (lambda *a: (lambda out, lse, top: jnp.sum(out**2) + jnp.sum(jnp.sin(lse)) + jnp.sum(top**2))(*f(*a)))  # noqa: E731
+    for g, w in zip(jax.jit(jax.grad(loss(f), (0, 1, 2)))(q, k, v), jax.grad(loss(ref), (0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-11)
+
+
 def test_ring_attention_check_grads():
     # First order: second derivatives of attention run its dense reference rules (tested there).
     q, k, v = rng_arrays((1, 8, 2, 4), (1, 8, 2, 4), (1, 8, 2, 4))
