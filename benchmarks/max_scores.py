@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import time
 from pathlib import Path
@@ -59,10 +60,11 @@ def reference_max_scores(q, k, causal: bool):
     return jnp.stack([jnp.concatenate(r, axis=1) for r in rows])
 
 
-def jax_variants(mask):
-    attend = lambda q, k, v, **kw: jf.attention(q, k, v, mask=mask, **kw)  # noqa: E731
+def jax_variants(mask, gpu: bool):
+    """jf.attention's calls (on a GPU also the Triton kernels by name, ``jaxforge-triton``: the
+    default runs the forward in XLA's tiles until config.TRITON_MAX_SCORES_VALIDATED)."""
 
-    def step(with_max):  # a loss of the output; each head's largest logit (over batch and rows) as aux
+    def step(attend, with_max):  # a loss of the output; each head's largest logit (over batch and rows) as aux
         def loss(q, k, v):
             if not with_max:
                 return jnp.sum(attend(q, k, v).astype(jnp.float32) ** 2), None
@@ -71,12 +73,16 @@ def jax_variants(mask):
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
 
-    return {
-        ("fwd", "jaxforge"): lambda q, k, v: attend(q, k, v, return_max_scores=True),
-        ("fwd", "jaxforge-no-max"): lambda q, k, v: (attend(q, k, v),),
-        ("fwd+bwd", "jaxforge"): step(True),
-        ("fwd+bwd", "jaxforge-no-max"): step(False),
-    }
+    implementations = {"jaxforge": None} | ({"jaxforge-triton": "pallas_triton"} if gpu else {})
+    variants = {}
+    for name, implementation in implementations.items():
+        attend = functools.partial(jf.attention, mask=mask, implementation=implementation)
+        variants[("fwd", name)] = functools.partial(attend, return_max_scores=True)
+        variants[("fwd+bwd", name)] = step(attend, True)
+    attend = functools.partial(jf.attention, mask=mask)
+    variants[("fwd", "jaxforge-no-max")] = lambda q, k, v: (attend(q, k, v),)
+    variants[("fwd+bwd", "jaxforge-no-max")] = step(attend, False)
+    return variants
 
 
 def torch_variants(mask_name, dims):
@@ -134,7 +140,7 @@ def main(argv=None) -> None:
     for name, (dims, mask_name) in cases.items():
         q, k, v = _inputs(dims, dtype)
         want = reference_max_scores(q, k, mask_name == "causal")
-        calls = {key: (jax.jit(fn), (q, k, v)) for key, fn in jax_variants(_mask(mask_name)).items()}
+        calls = {key: (jax.jit(fn), (q, k, v)) for key, fn in jax_variants(_mask(mask_name), gpu).items()}
         tensors = None
         for key, fn in torch_variants(mask_name, dims).items():
             tensors = tensors or tuple(_to_torch(x) for x in (q, k, v))

@@ -61,6 +61,15 @@ PENDING = (
             for mode in ("fwd", "fwd+bwd", "jvp")  # the forward, tangent and dq kernels split
         ),
     ),
+    Pending(  # return_max_scores: "jaxforge" runs the forward in XLA's tiles until then
+        "jaxforge.lowering.attention.attention.config:TRITON_MAX_SCORES_VALIDATED",
+        (ATTENTION + "test_attention_gpu.py::test_max_scores_in_the_triton_forward",),
+        tuple(
+            Row("attention_max_scores", shape, "jaxforge-triton", "jaxforge", mode)
+            for shape in ("long_d128_causal", "gqa_8to1")
+            for mode in ("fwd", "fwd+bwd")
+        ),
+    ),
     Pending(  # a gradient through a jvp: "jaxforge" runs XLA's tiles for it until then; by name, every
         # kernel is Triton's (on a Hopper the default's first-order ones are Mosaic's, faster still)
         "jaxforge.lowering.attention.attention.config:TRITON_TANGENT_BWD_VALIDATED",

@@ -12,9 +12,10 @@ def fuzz():
     return importlib.import_module("tools.fuzz_attention")  # tools/ is no package: a namespace one from the root
 
 
-@pytest.mark.parametrize("mode", ["first-order", "second-order", "sharded", "context-parallel"])
-def test_a_seed_of_each_mode_passes(fuzz, mode):
-    assert fuzz.main(["--mode", mode, "--seed", "2", "--count", "1"]) == 0
+# first-order's and context-parallel's seeds ask for the rows' largest scores too
+@pytest.mark.parametrize("mode,seed", [("first-order", 3), ("second-order", 2), ("sharded", 2), ("context-parallel", 7)])
+def test_a_seed_of_each_mode_passes(fuzz, mode, seed):
+    assert fuzz.main(["--mode", mode, "--seed", str(seed), "--count", "1"]) == 0
 
 
 def test_a_wrong_reference_mask_fails(fuzz, monkeypatch, capsys):

@@ -12,7 +12,8 @@ far from them) and boolean arrays as jax.nn takes them (some dims broadcast), so
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the range pass taking
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
-gradient and the jvp; ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
+gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
+the loss and the jvp); ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
@@ -20,7 +21,8 @@ neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias t
 jit), and compares out, lse and the gradient (the table's too). ``context-parallel`` runs
 ``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4 devices,
 in contiguous chunks or the head–tail layout, under such a mask or none, causal or not, now and
-then with a score mod, softcap and sinks, and compares out and the gradient (the table's too).
+then with a score mod, softcap and sinks, and compares out and the gradient (the table's too;
+half the seeds with the rows' largest scores, in the loss too).
 
     PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded|context-parallel] [--seconds 600] [--seed 0]
 
@@ -171,10 +173,14 @@ def random_implementation(rng):
     return Implementation("pallas_triton", block_q=8, block_kv=16)
 
 
+def _finite(x):
+    return jnp.where(jnp.isfinite(x), x, 0)
+
+
 def _loss(attend, weights):
     def loss(*args):
-        out, lse = attend(*args)
-        return jnp.sum(jnp.sin(out) * weights) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0) ** 2)
+        out, lse, *top = attend(*args)  # and the rows' largest scores where asked for
+        return jnp.sum(jnp.sin(out) * weights) + jnp.sum(_finite(lse) ** 2) + sum(jnp.sum(jnp.cos(_finite(t))) for t in top)
 
     return loss
 
@@ -187,13 +193,14 @@ def _assert_close(actual, expected, tol, rows=None):
 
 
 def _assert_attention_close(ours, dense):
-    """``(out, lse)`` against the dense attention's; lse is -inf exactly on the rows that see no
-    key. Returns those that see one."""
-    (out, lse), (out_d, lse_d) = ours, dense
+    """``(out, lse[, max_scores])`` against the dense attention's; lse (and the maxima) are -inf
+    exactly on the rows that see no key. Returns those that see one."""
+    (out, *row_values), (out_d, lse_d, *_) = ours, dense
     rows = np.isfinite(np.asarray(lse_d))
     _assert_close(out, out_d, 1e-9)
-    np.testing.assert_array_equal(np.isneginf(lse), ~rows)
-    _assert_close(lse, lse_d, 1e-9, rows)
+    for x, x_d in zip(row_values, dense[1:]):
+        np.testing.assert_array_equal(np.isneginf(x), ~rows)
+        _assert_close(x, x_d, 1e-9, rows)
     return rows
 
 
@@ -225,10 +232,11 @@ def _run_seed(seed: int, mode: str) -> None:
             "relative_bias": lambda table: lambda s, b, h, i, j: s + table[h, i - j + skv],
             "head_scale": lambda table: lambda s, b, h, i, j: s * (1 + 0.1 * table[h, 0]),
         }[rng.choice(["alibi", "relative_bias", "head_scale"])]
+    max_scores = mode == "first-order" and bool(np.random.default_rng([seed, 2]).random() < 0.5)  # apart: seeds keep their draws
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
-        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, implementation=implementation
+        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, return_max_scores=max_scores, implementation=implementation
     )
-    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table))  # noqa: E731
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), max_scores=max_scores)  # noqa: E731
     args = (q, k, v, table)
     rows = _assert_attention_close(ours(*args), dense(*args))
     weights = rng.standard_normal((b, sq, hq, dv))  # like out
@@ -238,9 +246,10 @@ def _run_seed(seed: int, mode: str) -> None:
         _assert_close(a, e, 1e-8)
     tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in args)
     if mode == "first-order":
-        (t_out, t_lse), (t_out_d, t_lse_d) = (jax.jvp(f, args, tangents)[1] for f in (ours, dense))
+        (t_out, *t_rows), (t_out_d, *t_rows_d) = (jax.jvp(f, args, tangents)[1] for f in (ours, dense))
         _assert_close(t_out, t_out_d, 1e-8)
-        _assert_close(t_lse, t_lse_d, 1e-8, rows)
+        for t, t_d in zip(t_rows, t_rows_d):  # lse's and the maxima's
+            _assert_close(t, t_d, 1e-8, rows)
     else:
         hvps = [jax.jvp(jax.grad(_loss(f, weights), argnums=argnums), args, tangents)[1] for f in (ours, dense)]
         for a, e in zip(*hvps):
@@ -310,23 +319,31 @@ def _run_context_parallel_seed(seed: int) -> None:
     softcap = float(rng.choice([2.0, 5.0])) if rng.random() < 0.3 else None
     sinks = jnp.asarray(rng.standard_normal(hq)) if rng.random() < 0.3 else None
 
+    max_scores = bool(np.random.default_rng([seed, 2]).random() < 0.5)  # the rows' largest scores too (apart: seeds keep their draws)
+
     def local(q, k, v, table):
         kw = dict(causal=causal, mask=mask, score_mod=score_mod(table), softcap=softcap, sinks=sinks, load_balanced=balanced)
-        return attend(q, k, v, axis_name="ctx", **kw)
+        out = attend(q, k, v, axis_name="ctx", return_max_scores=max_scores, **kw)
+        return out if max_scores else (out,)
 
     mesh = jax.make_mesh((n,), ("ctx",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
     sharded = jf.shard(local, mesh=mesh, in_specs=(*[P(None, "ctx")] * 3, P()), out_specs=P(None, "ctx"))
     layout = (lambda x: jf.parallel.load_balance(x, n)) if balanced else (lambda x: x)  # noqa: E731
-    restore = (lambda x: jf.parallel.unbalance(x, n)) if balanced else (lambda x: x)  # noqa: E731
-    ours = lambda q, k, v, table: restore(sharded(layout(q), layout(k), layout(v), table))  # noqa: E731
+    restore = (lambda x: jf.parallel.unbalance(x, n, axis=1)) if balanced else (lambda x: x)  # noqa: E731
+    ours = lambda q, k, v, table: tuple(map(restore, sharded(layout(q), layout(k), layout(v), table)))  # noqa: E731
 
     def dense(q, k, v, table):
-        out, lse = dense_jnp(q, k, v, visible, score_mod(table), softcap=softcap)
-        return out if sinks is None else jf.parallel.merge_attention(out, lse, None, sinks)[0]
+        out, lse, *top = dense_jnp(q, k, v, visible, score_mod(table), softcap=softcap, max_scores=max_scores)
+        return (out if sinks is None else jf.parallel.merge_attention(out, lse, None, sinks)[0], *top)
 
     args, weights = (q, k, v, table), rng.standard_normal((b, s, hq, dv))
-    _assert_close(jax.jit(ours)(*args), dense(*args), 1e-9)
-    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)) * weights)  # noqa: E731
+    got, want = jax.jit(ours)(*args), dense(*args)
+    _assert_close(got[0], want[0], 1e-9)
+    if max_scores:  # -inf exactly on the rows that see no key
+        rows = np.isfinite(np.asarray(want[1]))
+        np.testing.assert_array_equal(np.isneginf(got[1]), ~rows)
+        _assert_close(got[1], want[1], 1e-9, rows)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)[0]) * weights) + sum(jnp.sum(jnp.cos(_finite(t))) for t in f(*a)[1:])  # noqa: E731
     for a, e in zip(jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(*args), jax.grad(loss(dense), argnums=(0, 1, 2, 3))(*args)):
         _assert_close(a, e, 1e-8)
 

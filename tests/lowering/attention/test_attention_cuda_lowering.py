@@ -207,13 +207,8 @@ def test_a_gradient_through_a_jvp_runs_the_tangent_bwd_kernels_by_name_or_once_v
     assert "jaxforge_attention_bwd_dkv" in names  # the transpose in dq, dk, dv: the backward's kernels
 
 
-@pytest.mark.parametrize(
-    "implementation", [None, jf.functional.attention.Implementation("pallas_triton", pack_gqa=True, kv_splits=2)], ids=["default", "packed_split"]
-)
-def test_max_scores_stay_in_the_triton_forward(implementation):
-    """``return_max_scores``: the forward kernel writes each row's maximum and the first key at it
-    (split-KV's splits merged after the call), its derivative a gather beside the tangent and
-    backward kernels: the same four kernels, lowered to Triton IR."""
+def max_scores_kernels(implementation=None):
+    """Kernels in the cuda lowering of forward, jvp and grad of attention with ``return_max_scores``."""
 
     def f(q, k, v, seg):
         att = lambda q, k, v: jf.attention(  # noqa: E731
@@ -228,4 +223,17 @@ def test_max_scores_stay_in_the_triton_forward(implementation):
     seg = jax.ShapeDtypeStruct((B, S), jnp.int32)
     triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     text = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv, seg).mlir_module()
-    assert set(re.findall(r'name = "(jaxforge_attention_\w+)"', text)) == KERNELS
+    return set(re.findall(r'name = "(jaxforge_attention_\w+)"', text))
+
+
+def test_max_scores_run_in_the_triton_forward_once_validated(monkeypatch):
+    """``return_max_scores``: the forward kernel writes each row's maximum and the first key at it
+    (split-KV's splits merged after the call), lowered to Triton IR by name (packed and split too);
+    the default runs XLA's tiles for that forward until config.TRITON_MAX_SCORES_VALIDATED, the
+    tangent and backward kernels as ever (the maxima's derivative is a gather beside them)."""
+    assert max_scores_kernels("pallas_triton") == KERNELS
+    packed_split = jf.functional.attention.Implementation("pallas_triton", pack_gqa=True, kv_splits=2)
+    assert max_scores_kernels(packed_split) == KERNELS
+    assert max_scores_kernels() == KERNELS - {"jaxforge_attention_fwd"}
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    assert max_scores_kernels() == KERNELS

@@ -97,6 +97,29 @@ def test_grad_through_a_jvp_in_the_triton_kernels(mask, dtype):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * scale * 4, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("variant", ["plain", "packed_split"])
+def test_max_scores_in_the_triton_forward(variant, dtype):
+    """``return_max_scores`` in the Triton forward (until config.TRITON_MAX_SCORES_VALIDATED only by
+    name; packed GQA heads and split-KV too): each row's largest score, -inf for rows that see no
+    key, and its gradient against a dense jnp.max in float32, under causal(-40) and softcap."""
+    q, k, v = inputs(dtype)
+    implementation = {"plain": "pallas_triton", "packed_split": jf.functional.attention.Implementation("pallas_triton", pack_gqa=True, kv_splits=3)}[variant]
+    b, i, j = (grid(2, 4, 300, 333)[n] for n in (0, 2, 3))
+    visible = (j <= i - 40) | (b < 0)
+    ours = lambda q, k: jf.attention(q, k, v, mask=jf.masks.causal(-40), softcap=20.0, return_max_scores=True, implementation=implementation)[1]
+    dense = lambda q, k: dense_jnp(q, k, v.astype(jnp.float32), visible, softcap=20.0, max_scores=True)[2]
+    top, want = jax.jit(ours)(q, k), dense(q.astype(jnp.float32), k.astype(jnp.float32))
+    np.testing.assert_array_equal(np.isneginf(np.asarray(top)), np.isneginf(np.asarray(want)))
+    assert np.isneginf(np.asarray(want)).any()
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(top)[finite], np.asarray(want)[finite], atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    loss = lambda f: lambda q, k: jnp.sum(jnp.where(jnp.isfinite(t := f(q, k)), t, 0).astype(jnp.float32))  # noqa: E731
+    got = jax.jit(jax.grad(loss(ours), (0, 1)))(q, k)
+    for g, w in zip(got, jax.grad(loss(dense), (0, 1))(q.astype(jnp.float32), k.astype(jnp.float32))):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * float(jnp.max(jnp.abs(w))) * 4, rtol=0)
+
+
 def test_mla_head_dims_and_gqa():
     q, k, v = inputs(jnp.bfloat16, hq=8, hkv=1, d=192, dv=128)
     out = jax.jit(lambda *a: jf.attention(*a, mask=jf.masks.causal(), implementation="pallas_triton"))(q, k, v)

@@ -5,7 +5,8 @@ platform), "pallas_triton" (the same tiles as Pallas kernels: Triton on GPU, int
 CPU) or "pallas_mosaic_gpu" (Hopper kernels).
 ``None`` means "pallas_triton" on GPU (where its tiles fit the GPU's shared memory and the shapes
 are static, and for masks or score_mods reading captured arrays once
-config.TRITON_POINT_READS_VALIDATED; else "xla") and "xla" elsewhere; on an sm90 GPU each
+config.TRITON_POINT_READS_VALIDATED, and for a forward returning max scores once
+config.TRITON_MAX_SCORES_VALIDATED; else "xla") and "xla" elsewhere; on an sm90 GPU each
 Mosaic GPU kernel (validated there: config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED,
 MOSAIC_BWD_VALIDATED) runs where it can, but for decoding (config.decoding: fewer queries a
 head than Triton's smallest tile) and calls that pack GQA heads, which Triton's kernels do. The
@@ -81,6 +82,8 @@ def _dispatch(prim, platform: str | None):
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
             name = "pallas_triton" if _triton_by_default(_TRITON_CALL[prim], q, k, v, mods, implementation) else "xla"
+            if prim is attention_fwd_p and params["max_scores"] and not build.enabled(config.TRITON_MAX_SCORES_VALIDATED):
+                name = "xla"  # the Triton forward's maxima wait for a GPU's check (Mosaic's has none)
             if name == "pallas_triton" and not build.enabled(config.TRITON_DECODING_VALIDATED):
                 implementation = _without_decoding(implementation)
             # Mosaic neither packs GQA heads nor takes fewer than 128 rows a program: decoding stays

@@ -106,6 +106,12 @@ def packs_gqa(sq: int, group: int, impl: Implementation, any_length: bool = Fals
 # a call naming "pallas_triton" does).
 TRITON_DECODING_VALIDATED = False
 
+# The Triton forward writing each row's largest score and the first key attaining it
+# (return_max_scores): True once its gpu test (test_max_scores_in_the_triton_forward) passes on an
+# H200 and benchmarks/max_scores.py's Triton rows beat the XLA tiles; until then, on GPU, such a
+# call runs XLA's tiles for its forward unless it names "pallas_triton".
+TRITON_MAX_SCORES_VALIDATED = False
+
 # The Triton kernels of a gradient through a jvp (attention_tangent_bwd: pallas_triton.py's
 # tangent_bwd rows and cols kernels), in place of XLA's tiles: True once their gpu test
 # (test_grad_through_a_jvp_in_the_triton_kernels) passes on an H200 and the bench's jvp-grad row
