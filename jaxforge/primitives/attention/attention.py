@@ -382,7 +382,8 @@ def _output_avals(fn, q, k, v, outputs):
 def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation):
     check_operands("attention", q, k, v)
     *batch, sq, hq, _ = q.shape
-    rows = [((*batch, sq, hq), lse_dtype(q.dtype), -1)] + [((*batch, sq, hq), lse_dtype(q.dtype), -1), ((*batch, sq, hq), np.int32, -1)] * max_scores
+    row = ((*batch, sq, hq), lse_dtype(q.dtype), -1)
+    rows = [row, row, (row[0], np.int32, -1)] if max_scores else [row]  # lse; the maxima and their first keys
     return _output_avals("attention", q, k, v, [((*batch, sq, hq, v.shape[-1]), q.dtype, -2), *rows])
 
 
