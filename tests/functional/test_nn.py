@@ -357,6 +357,11 @@ def test_decoding_with_a_kv_cache_matches_the_full_forward():
         logits, cache = step(params, TOKENS[:, i : i + 1], cache)
         np.testing.assert_allclose(logits[:, 0], full[:, i], rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(cache["length"], TOKENS.shape[1])
+    # the maxima beside the cache: a prefill of every token gives the full forward's
+    empty = nn.init_kv_cache(params["blocks"]["attention"], TOKENS.shape[:1], 12)
+    logits, cache, top = nn.transformer(params, TOKENS, cache=empty, return_max_scores=True)
+    np.testing.assert_allclose(top, nn.transformer(params, TOKENS, return_max_scores=True)[1], rtol=1e-12, atol=1e-12)
+    assert top.shape == (CONFIG["depth"], CONFIG["num_heads"]) and np.all(cache["length"] == TOKENS.shape[1])
 
 
 def test_decoding_prompts_of_different_lengths_in_one_batch():
