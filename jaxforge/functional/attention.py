@@ -280,7 +280,8 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     they are known when tracing (a ``block_mask`` built outside ``jit``), summed over the items;
     where they are not but the mask's function reads no such array (a ``block_mask`` of a function
     of the positions, built under ``jit``), the keys are counted on the function at a row of each
-    block; else the span's static part counts (document ids under ``jit`` count as every key)."""
+    block; else the span's static part counts (document ids under ``jit`` count as every key; a
+    ``block_mask`` of library masks built under ``jit``, its source's: causal where that is)."""
     half = sq // shards // 2
     if mask is None or shards < 2 or (sq // shards) % 2 or not half:
         return False
@@ -292,11 +293,11 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
     keys = None if known or not span.num_arrays else sampled_keys(mask, (starts + ends) // 2, skv, batch, num_heads)
     with jax.ensure_compile_time_eval():  # the keys each block of rows may see, per item
-        extent = lambda *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
+        extent = lambda span, *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
         if known:
-            keys = jax.vmap(extent)(*mask.span_arrays(batch, sq, skv, num_heads))
+            keys = jax.vmap(functools.partial(extent, span))(*mask.span_arrays(batch, sq, skv, num_heads))
         elif keys is None:
-            keys = extent()[None]
+            keys = extent(mask.span_while_tracing())[None]
     chunks = ((ends - starts) * np.maximum(np.asarray(keys), 0).sum(axis=0)).reshape(2 * shards, -1).sum(axis=1)  # per chunk of `half` rows
     contiguous = chunks[0::2] + chunks[1::2]
     head_tail = chunks[:shards] + chunks[::-1][:shards]

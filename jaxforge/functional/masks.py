@@ -87,6 +87,11 @@ class Mask:
     def span(self) -> Span:
         return FullSpan()
 
+    def span_while_tracing(self) -> Span:
+        """The span whose static part bounds the keys where the mask's arrays are not yet known
+        (traced): its own; a block_mask's, its source mask's."""
+        return self.span()
+
     def span_arrays(self, batch_shape: tuple[int, ...], sq: int, skv: int, num_heads: int | None = None) -> list:
         """The runtime arrays ``span()`` reads, each ``(prod(batch_shape), seq)``, for a call of
         ``num_heads`` query heads (None: not known): none for most masks."""
@@ -442,6 +447,9 @@ class _Evaluated(Mask):
 
     def span(self):
         return RangeSpan()
+
+    def span_while_tracing(self):
+        return self.mask.span_while_tracing()
 
     def span_arrays(self, batch_shape, sq, skv, num_heads=None):
         self._check_lengths(sq, skv)

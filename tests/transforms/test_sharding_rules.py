@@ -336,6 +336,10 @@ TRADES = {  # name: (mask, q's length, mesh axes, q's spec, k's and v's spec, wh
     # built in the call (under jit): its arrays unknown when tracing, its function counted instead
     "causal block_mask built under jit": (functools.partial(jf.masks.block_mask, lambda b, h, i, j: i >= j, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), True),
     "bidirectional block_mask built under jit": (functools.partial(jf.masks.block_mask, lambda b, h, i, j: i // 8 == j // 8, 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), False),
+    # its document ids traced too (made in the call): its source's static part, causal, counted
+    "block_mask of causal & documents built under jit": (
+        lambda: jf.masks.block_mask(jf.masks.causal() & jf.masks.document(jnp.arange(32) // 12), 32, 32), 32, ("data", "seq"), P("data", "seq"), P("data"), True
+    ),
     "causal, odd local length": (jf.masks.causal(), 36, ("data", "seq"), P("data", "seq"), P("data"), False),
 }
 
