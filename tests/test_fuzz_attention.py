@@ -12,8 +12,8 @@ def fuzz():
     return importlib.import_module("tools.fuzz_attention")  # tools/ is no package: a namespace one from the root
 
 
-# first-order's and context-parallel's seeds ask for the rows' largest scores too
-@pytest.mark.parametrize("mode,seed", [("first-order", 3), ("second-order", 2), ("sharded", 2), ("context-parallel", 7)])
+# the seeds of first-order, sharded and context-parallel ask for the rows' largest scores too
+@pytest.mark.parametrize("mode,seed", [("first-order", 3), ("second-order", 2), ("sharded", 3), ("context-parallel", 7)])
 def test_a_seed_of_each_mode_passes(fuzz, mode, seed):
     assert fuzz.main(["--mode", mode, "--seed", str(seed), "--count", "1"]) == 0
 

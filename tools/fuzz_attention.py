@@ -18,7 +18,8 @@ a per-head scale) and compares the gradient in the table too and a Hessian-vecto
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
 neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
-jit), and compares out, lse and the gradient (the table's too). ``context-parallel`` runs
+jit), and compares out, lse and the gradient (the table's too; half the seeds the rows' largest
+scores too). ``context-parallel`` runs
 ``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4 devices,
 in contiguous chunks or the head–tail layout, under such a mask or none, causal or not, now and
 then with a score mod, softcap and sinks, and compares out and the gradient (the table's too;
@@ -280,16 +281,17 @@ def _run_sharded_seed(seed: int) -> None:
     if batch is None and heads is None and rng.random() < 0.3:  # keys over "data": beside q's split, or alone
         kv_seq = "data"
     specs = (P(batch, q_seq, heads), *[P(batch, kv_seq, heads)] * 2)
+    max_scores = bool(np.random.default_rng([seed, 2]).random() < 0.5)  # apart: seeds keep their draws
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
-        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, implementation=implementation
+        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, return_max_scores=max_scores, implementation=implementation
     )
-    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table))  # noqa: E731
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), max_scores=max_scores)  # noqa: E731
     weights = rng.standard_normal((b, sq, hq, d))
     with jax.set_mesh(mesh):
         split = [jax.device_put(x, spec) for x, spec in zip((q, k, v, table), (*specs, P()))]
-        out, lse = jax.jit(ours)(*split)
+        results = jax.jit(ours)(*split)
         grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2, 3)))(*split)
-    _assert_attention_close((out, lse), dense(q, k, v, table))
+    _assert_attention_close(results, dense(q, k, v, table))
     for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2, 3))(q, k, v, table)):
         _assert_close(a, e, 1e-8)
 
