@@ -156,8 +156,8 @@ def _merged(a, b):
 
 
 def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
-    """:func:`ring_attention`'s partial result ``(out, lse[, max_scores])``, unmasked or causal (q's and k's chunks of one length):
-    whole blocks, or halves of them."""
+    """:func:`ring_attention`'s partial result ``(out, lse[, max_scores])``, unmasked or causal (q's
+    and k's chunks of one length): whole blocks, or halves of them."""
     n, me, local, kv_local = lax.axis_size(axis_name), lax.axis_index(axis_name), q.shape[-3], k.shape[-3]
     half = local // 2
 
