@@ -150,7 +150,7 @@ def _finished(result, sinks, return_lse: bool):
     return (out, *asked) if asked else out
 
 
-def _merged(a, b):
+def _merged_partials(a, b):
     """Two partial results ``(out, lse[, max_scores])`` of the same queries over disjoint keys."""
     return (*merge_attention(*a[:2], *b[:2]), *(jnp.maximum(x, y) for x, y in zip(a[2:], b[2:])))
 
@@ -183,7 +183,7 @@ def _ring(q, k, v, axis_name, causal: bool, load_balanced: bool, score_mod, kw):
     result = step_attention(me, k, v)
     for step in range(1, n):
         k, v = collectives.shift(k, axis_name), collectives.shift(v, axis_name)
-        result = _merged(result, step_attention((me - step) % n, k, v))
+        result = _merged_partials(result, step_attention((me - step) % n, k, v))
     return result
 
 
@@ -238,7 +238,7 @@ def _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced: bool, kw):
                 block = masks.shifted(mask, q_offset, kv_offset, q_len=q_chunk.shape[-3], kv_len=k_chunk.shape[-3])
                 at = _at_positions(score_mod, _from(q_offset), _from(kv_offset))
                 part = attention(q_chunk, k_chunk, v_chunk, mask=block, score_mod=at, **kw)
-                results[i] = part if results[i] is None else _merged(results[i], part)
+                results[i] = part if results[i] is None else _merged_partials(results[i], part)
     return _rows_joined(results)
 
 

@@ -182,7 +182,7 @@ def qk_clip(params: Params, max_scores: Float[ArrayLike, "*#layers heads"], thre
     top = jnp.asarray(max_scores)
     if top.shape[-1:] != (hq,):
         raise ValueError(f"qk_clip: `max_scores` must end in the {hq} query heads of `params`, got shape {top.shape}")
-    gamma = jnp.where(top > threshold, threshold / jnp.where(top > threshold, top, 1), 1.0)  # (*layers, Hq)
+    gamma = threshold / jnp.maximum(top, threshold)  # (*layers, Hq): 1 at or under the threshold (-inf too)
     kappa = jnp.min(gamma.reshape(*gamma.shape[:-1], hkv, hq // hkv), axis=-1) ** (1 - alpha)  # (*layers, Hkv)
     q_scale = gamma / jnp.repeat(kappa, hq // hkv, axis=-1)
     scaled = lambda w, scale: (w * jnp.broadcast_to(scale, (*layers, scale.shape[-1]))[..., None, :, None]).astype(w.dtype)  # noqa: E731
