@@ -127,13 +127,48 @@ def score_kernels(score_mod, argnums=(0, 1, 2), implementation=None):
     return set(re.findall(r'name = "(jaxforge_attention_\w+)"', exported.mlir_module()))
 
 
+def alibi_and_bias(bias):
+    return lambda s, b, h, i, j: s + bias[h][i - j + S] + bias[h, 0] * (j - i)  # a row, a point
+
+
 def test_a_captured_bias_read_at_points_and_its_gradient_run_the_triton_kernels():
-    alibi_and_bias = lambda bias: lambda s, b, h, i, j: s + bias[h][i - j + S] + bias[h, 0] * (j - i)  # a row, a point
     triton = dict(implementation="pallas_triton")
     assert score_kernels(alibi_and_bias, **triton) == KERNELS
     assert score_kernels(alibi_and_bias, argnums=(0, 1, 2, 3), **triton) == KERNELS  # the dq kernel sums the bias's
     only_bias = score_kernels(alibi_and_bias, argnums=(3,), **triton)
     assert only_bias == {"jaxforge_attention_fwd", "jaxforge_attention_tangent", "jaxforge_attention_bwd_dq"}
+
+
+@pytest.mark.parametrize(
+    "flags, asked",
+    [
+        ("", False),
+        ("--xla_gpu_deterministic_ops", True),
+        ("--xla_gpu_deterministic_ops=true", True),
+        ("--xla_gpu_deterministic_ops=1", True),
+        ("--xla_gpu_deterministic_ops=false", False),
+        ("--xla_backend_optimization_level=0 --xla_gpu_exclude_nondeterministic_ops=True", True),
+        ("--xla_gpu_deterministic_ops=true --xla_gpu_deterministic_ops=false", False),
+        ("--xla_gpu_deterministic_ops_of_another_kind=true", False),
+    ],
+)
+def test_xla_flags_asking_for_determinism_are_read_as_xla_reads_them(monkeypatch, flags, asked):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert config.deterministic() is asked
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas_triton"])
+def test_a_captured_arrays_gradient_runs_xla_tiles_where_xla_is_asked_for_determinism(monkeypatch, implementation):
+    """The dq kernel's atomic adds would sum the bias's cotangent in any order: with XLA's
+    determinism flag that backward runs XLA's tiles (whose scatter XLA then orders), by name too;
+    the backward of q, k and v alone (no atomics) stays in Triton."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    forward_and_tangent = {"jaxforge_attention_fwd", "jaxforge_attention_tangent"}
+    assert score_kernels(alibi_and_bias, argnums=(0, 1, 2, 3), implementation=implementation) == forward_and_tangent
+    assert score_kernels(alibi_and_bias, argnums=(3,), implementation=implementation) == forward_and_tangent
+    assert score_kernels(alibi_and_bias, implementation=implementation) == KERNELS
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=false")
+    assert score_kernels(alibi_and_bias, argnums=(0, 1, 2, 3), implementation=implementation) == KERNELS
 
 
 def test_score_mods_gathering_from_captured_arrays_fall_back_to_xla():

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -239,6 +243,28 @@ def test_captured_arrays_read_at_points_run_in_the_triton_kernels():
     want = jax.jit(lambda *a: run("xla", *a))(*(x.astype(jnp.float32) for x in (q, k, v)), bias, dbias)
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=3e-2 * float(np.max(np.abs(w))), rtol=0)
+
+
+# A bias's gradient computed five times in a process whose XLA_FLAGS ask for determinism.
+_REPEATED_BIAS_GRADIENT = """
+import jax, jax.numpy as jnp, numpy as np, jaxforge as jf
+r = np.random.default_rng(4)
+q, k, v = (jnp.asarray(r.standard_normal((2, 1000, 4, 64)), jnp.bfloat16) for _ in range(3))
+bias = jnp.asarray(r.standard_normal((4, 2000)), jnp.float32)
+att = lambda q, bias: jf.attention(q, k, v, mask=jf.masks.causal(), score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 999])
+grad = jax.jit(jax.grad(lambda q, bias: jnp.sum(att(q, bias).astype(jnp.float32) ** 2), (0, 1)))
+assert "jaxforge_attention_bwd_dq" not in grad.lower(q, bias).as_text()
+runs = [np.asarray(grad(q, bias)[1]) for _ in range(5)]
+assert all(np.array_equal(runs[0], run) for run in runs[1:]), "the bias's gradient varies from run to run"
+"""
+
+
+def test_xla_asked_for_determinism_repeats_a_captured_arrays_gradient_bit_for_bit():
+    """With --xla_gpu_deterministic_ops the backward summing a captured bias's cotangent runs XLA's
+    tiles (the Triton dq kernel's atomic adds run in any order): five runs, one bias gradient."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_gpu_deterministic_ops=true"}
+    done = subprocess.run([sys.executable, "-c", _REPEATED_BIAS_GRADIENT], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_score_mods_gathering_from_captured_arrays_run_xla_and_refuse_pallas():

@@ -14,7 +14,9 @@ Triton default packs GQA heads and splits the forward's keys (decoding) once
 config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
 (Triton's where they cannot, and in interpret mode: a primitive's lowering cannot host Mosaic
-GPU's interpreter).
+GPU's interpreter). Where ``XLA_FLAGS`` asks XLA for deterministic GPU programs
+(config.deterministic), a backward that sums a captured array's cotangent runs XLA's tiles, named
+or not: Triton's dq kernel adds them atomically, in whatever order its programs run.
 
 Second order runs XLA's tiles, but for a gradient through a jvp (attention_tangent_bwd), which
 runs Triton kernels where a call names them and, on GPU, by default once
@@ -114,6 +116,8 @@ def _dispatch(prim, platform: str | None):
                 raise ValueError("attention: implementation='pallas_mosaic_gpu' runs on a Hopper GPU only; use 'xla' or 'pallas_triton' here")
         elif name == "pallas_mosaic_gpu" and (mosaic_why_not is not None or platform != "cuda"):
             name = "pallas_triton"  # the tangent and backward fall back to Triton's kernels
+        if platform == "cuda" and name == "pallas_triton" and prim is attention_bwd_p and any(params["const_grads"]) and config.deterministic():
+            name = "xla"  # the dq kernel would sum the captured arrays' cotangents atomically, in any order
         name = name or "xla"
         if _is_empty(*args[:2]):
             return _empty_results(prim, args, mods, params)

@@ -7,6 +7,8 @@ and pipeline stages tuned on the H200 per call and head dim (TRITON_TUNED).
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from jaxforge.primitives.attention.attention import Implementation
@@ -14,6 +16,7 @@ from jaxforge.primitives.attention.attention import Implementation
 __all__ = [
     "PACK_GQA_BELOW",
     "decoding",
+    "deterministic",
     "kv_splits",
     "mosaic_bwd_smem",
     "mosaic_bwd_tiles",
@@ -244,6 +247,21 @@ def triton_smem(kernel: str, block_q: int, block_kv: int, d: int, dv: int, items
 # adds (points.py). On the H200 (2026-12-04) the gpu test passes and ALiBi (2 x 4096^2 x 16, D 128,
 # causal) takes 0.75 / 2.6 / 2.1 ms fwd / fwd+bwd / jvp against XLA's tiles' 10.7 / 25.7 / 26.9.
 TRITON_POINT_READS_VALIDATED = True
+
+# XLA's flags asking for run-to-run determinism (--xla_gpu_deterministic_ops implies the other).
+DETERMINISTIC_FLAGS = ("xla_gpu_deterministic_ops", "xla_gpu_exclude_nondeterministic_ops")
+
+
+def deterministic() -> bool:
+    """Whether ``XLA_FLAGS`` asks XLA for deterministic GPU programs (as ``--flag``, ``--flag=true``
+    or ``=1``; the last mention of a flag counts, as in XLA). Then a backward summing a captured
+    array's cotangent runs XLA's tiles, whose sums XLA orders, not the Triton dq kernel's atomics."""
+    asked = dict.fromkeys(DETERMINISTIC_FLAGS, False)
+    for flag in os.environ.get("XLA_FLAGS", "").split():
+        name, has_value, value = flag.lstrip("-").partition("=")
+        if name in asked:
+            asked[name] = not has_value or value.lower() in ("true", "1")
+    return any(asked.values())
 
 # Mosaic GPU (pallas_mosaic_gpu.py): each consumer warpgroup owns 64 query rows (one wgmma M);
 # the key/value ring fits sm90's 227 KiB. Mosaic places each shared-memory buffer at a multiple
