@@ -70,8 +70,10 @@ def attention(
         dtype: the maximum over the keys it sees of the logits entering the softmax (after
         ``scale``, ``softcap`` and ``score_mod``; sinks are not keys), ``-inf`` for a fully masked
         row. What QK-clip (MuonClip) bounds, per head: ``max_scores.max(axis=(0, 1))`` for one batch
-        dim. The forward's online softmax keeps it anyway, so it costs a row of writes (and the
-        first key attaining it, through which it is differentiable: its derivative is that score's).
+        dim. The forward's online softmax keeps it anyway, so it costs a row of writes. It is
+        differentiable through the first key attaining it (its derivative is that score's), which
+        the forward seeks (an argmax a tile) only under jit where a derivative of the maxima is
+        used: not in a forward, nor in a gradient that returns them as auxiliary data.
       sinks: attention sinks (gpt-oss): one logit per query head, ``(Hq,)`` or any float array that
         broadcasts to the lse's ``(..., Sq, Hq)``, joining each row's softmax as a key of value 0:
         :math:`\sum_j e^{s_j} v_j / (e^{\text{sink}} + \sum_j e^{s_j})`; the lse includes it.
@@ -149,7 +151,7 @@ def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, 
     parts = []
     for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
         mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=hq, where=where)
-        parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, max_scores=max_scores, implementation=implementation))
+        parts.append(attention_fwd_p.bind(q, k, v, *consts, mods=mods, scale=scale, max_scores=max_scores, first_keys=False, implementation=implementation))
     top = functools.reduce(jnp.maximum, [part[2] for part in parts]) if max_scores else None  # pieces: disjoint keys
     parts = [tuple(part[:2]) for part in parts]
     if sinks is not None:  # a part of value 0

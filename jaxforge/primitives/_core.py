@@ -28,6 +28,7 @@ from jax import core, lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.extend.core import ClosedJaxpr, Literal, Primitive
 from jax.interpreters import ad, batching, mlir
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 
 __all__ = [
@@ -109,13 +110,16 @@ def define_primitive(
     bench_entry: str,
     transpose: Callable | None = None,
     batch: Callable | None = None,
+    dce: Callable | None = None,
 ) -> Primitive:
     """Declares a multiple-results primitive with core-rank rules and leading batch dims.
 
     ``transpose(cotangents, *operands, **params)`` makes the primitive linear in the operands that
     arrive as linear inputs (:func:`is_linear_input`); it returns one cotangent (or None) per
     operand. ``batch(prim, args, dims, **params) -> (outs, out_dims)`` replaces the default rule,
-    which moves the vmapped axis in front as one more batch dim.
+    which moves the vmapped axis in front as one more batch dim. ``dce(used_outputs, **params) ->
+    (params, kept)``: the params of a bind computing only the outputs ``kept`` marks (those used
+    among them), for the dead-code elimination ``jax.jit`` runs before lowering.
     """
     if name in _REGISTRY:
         raise ValueError(f"primitive {name!r} is declared twice")
@@ -127,6 +131,8 @@ def define_primitive(
     if transpose is not None:
         ad.primitive_transposes[prim] = transpose
     batching.primitive_batchers[prim] = functools.partial(batch or _leading_batch_rule, prim)
+    if dce is not None:
+        pe.dce_rules[prim] = functools.partial(_dce_rule, dce)
     _REGISTRY[name] = PrimitiveSpec(
         primitive=prim,
         reference=reference,
@@ -503,6 +509,15 @@ def _eval_without_varying_casts(jaxpr, consts, args) -> list:
 @functools.lru_cache(maxsize=256)
 def _jitted_bind(prim: Primitive, params: tuple) -> Callable:
     return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+
+
+def _dce_rule(fewer_outputs, used_outputs, eqn):
+    """Drops an unused primitive; binds one that has outputs unused for one computing fewer."""
+    if not any(used_outputs):
+        return [False] * len(eqn.invars), None
+    params, kept = fewer_outputs(used_outputs, **eqn.params)
+    outvars = [var for var, keep in zip(eqn.outvars, kept) if keep]
+    return [True] * len(eqn.invars), eqn.replace(params=params, outvars=outvars)
 
 
 def _impl_through_jit(prim: Primitive, *args, **params):

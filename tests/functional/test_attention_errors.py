@@ -386,8 +386,10 @@ def test_errors_under_vmap_name_the_argument():
 
 def test_direct_bind_checks_too():
     q, k, v = qkv()
-    params = dict(mods=Mods(), scale=0.5, max_scores=False, implementation=Implementation())
+    params = dict(mods=Mods(), scale=0.5, max_scores=False, first_keys=False, implementation=Implementation())
     with pytest.raises(TypeError, match=r"attention: `k` has dtype int32"):
         attention_fwd_p.bind(q, k.astype(jnp.int32), v, **params)
     with pytest.raises(ValueError, match=r"attention: q, k, v must share their batch dims"):
         attention_fwd_p.bind(q, k[None], v[None], **params)
+    with pytest.raises(ValueError, match=r"first_keys=True needs max_scores=True"):
+        attention_fwd_p.bind(q, k, v, **params | dict(first_keys=True))

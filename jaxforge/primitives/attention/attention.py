@@ -12,8 +12,10 @@ head ``h // (Hq / Hkv)``), with :math:`m_{ij}` the mask and :math:`f` softcap th
 A fully masked row has :math:`o_i = 0`, :math:`\text{lse}_i = -\infty` and zero derivatives.
 
 * ``attention_fwd_p(q, k, v, *mask_consts, *score_consts) -> (out, lse)``; with ``max_scores=True``
-  also each row's largest score :math:`\max_j s_{ij}` and the first key attaining it (its
-  derivative is that key's :math:`ds_{ij}`, computed at that key alone: O(S·D)).
+  also each row's largest score :math:`\max_j s_{ij}`, and with ``first_keys=True`` the first key
+  attaining it, which its JVP binds for: the maximum's derivative is that key's :math:`ds_{ij}`,
+  computed at that key alone (O(S·D)). Where jit finds the first keys (or the maxima) unused, its
+  dead-code elimination binds a forward without them (``_fwd_fewer_outputs``).
 * ``attention_tangent_p(q, k, v, out, lse, *consts, dq, dk, dv, *dscore_consts) -> (dout, dlse)``,
   linear in the tangents (the JVP of fwd). With :math:`ds_{ij} = f'\,\text{scale}(dq_i\cdot k_j +
   q_i\cdot dk_j) + \partial_c f\, dc`:
@@ -182,9 +184,9 @@ def _split(operands, mods: Mods):
 # The spec: dense attention in jax.numpy.
 
 
-def attention_reference(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool = False, implementation=None):
-    """Dense attention (the spec): ``(out, lse)``, with ``max_scores`` also each row's largest score
-    and the first key attaining it. Memory O(Sq·Skv) per batch item and head."""
+def attention_reference(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool = False, first_keys: bool = False, implementation=None):
+    """Dense attention (the spec): ``(out, lse)``, with ``max_scores`` also each row's largest
+    score, with ``first_keys`` the first key attaining it. Memory O(Sq·Skv) per batch item and head."""
     del implementation
     *batch, sq, hq, _ = q.shape
     acc = accumulation_dtype(q.dtype)
@@ -206,6 +208,8 @@ def attention_reference(q, k, v, *consts, mods: Mods, scale: float, max_scores: 
     if not max_scores:
         return out, rows(lse)
     top = jnp.max(s, axis=-1, initial=-jnp.inf)
+    if not first_keys:
+        return out, rows(lse), rows(top)
     first = jnp.argmax(s, axis=-1).astype(jnp.int32) if s.shape[-1] else jnp.zeros(top.shape, jnp.int32)
     return out, rows(lse), rows(top), rows(first)
 
@@ -379,11 +383,13 @@ def _output_avals(fn, q, k, v, outputs):
     return _core.batch_sharded_avals(fn, {"q": q, "k": k, "v": v}, q.ndim - 3, outputs, split=heads, hint=hint)
 
 
-def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation):
+def _fwd_abstract_eval(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation):
     check_operands("attention", q, k, v)
+    if first_keys and not max_scores:
+        raise ValueError("attention_fwd_p: first_keys=True needs max_scores=True (the first key attaining each row's maximum)")
     *batch, sq, hq, _ = q.shape
     row = ((*batch, sq, hq), lse_dtype(q.dtype), -1)
-    rows = [row, row, (row[0], np.int32, -1)] if max_scores else [row]  # lse; the maxima and their first keys
+    rows = [row] + [row] * max_scores + [(row[0], np.int32, -1)] * first_keys  # lse, the maxima, their first keys
     return _output_avals("attention", q, k, v, [((*batch, sq, hq, v.shape[-1]), q.dtype, -2), *rows])
 
 
@@ -438,10 +444,10 @@ def shared_operands(leading: int, trailing_split: int):
 # Derivative rules.
 
 
-def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, max_scores: bool, implementation):
+def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation):
     params = dict(mods=mods, scale=scale, implementation=implementation)
     q, k, v, *consts = primals
-    out, lse, *top = attention_fwd_p.bind(*primals, max_scores=max_scores, **params)
+    out, lse, *top = attention_fwd_p.bind(*primals, max_scores=max_scores, first_keys=max_scores, **params)
     out, lse = _core.named_residuals((out, lse), RESIDUAL_NAMES)
     _, score_c = _split(consts, mods)
     _, dscore = _split(tangents[3:], mods)
@@ -452,7 +458,19 @@ def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, max_scores: bool, i
         return (out, lse), (dout, dlse)
     top, first = top
     dtop = _max_score_tangent(q, k, consts, top, first, dq, dk, dscore, mods=mods, scale=scale)
+    if not first_keys:
+        return (out, lse, top), (dout, dlse, dtop)
     return (out, lse, top, first), (dout, dlse, dtop, _core.zero_tangent(first))
+
+
+def _fwd_fewer_outputs(used, *, max_scores: bool, first_keys: bool, **params):
+    """A forward without the first keys, or the maxima, where none uses them (dead-code
+    elimination: the JVP binds the first keys, which a gradient whose maxima are auxiliary never
+    reads). Returns its params and which outputs it keeps."""
+    first_keys = first_keys and used[3]
+    max_scores = max_scores and (used[2] or first_keys)
+    kept = [True, True] + [max_scores] * (len(used) > 2) + [first_keys] * (len(used) > 3)
+    return dict(params, max_scores=max_scores, first_keys=first_keys), kept
 
 
 def _max_score_tangent(q, k, consts, top, first, dq, dk, dscore, *, mods: Mods, scale: float):
@@ -717,8 +735,9 @@ attention_fwd_p = _core.define_primitive(
     jvp=_fwd_jvp,
     reference=attention_reference,
     example_args=_example_args,
-    example_params=dict(mods=Mods(), scale=0.5, max_scores=False, implementation=Implementation()),
+    example_params=dict(mods=Mods(), scale=0.5, max_scores=False, first_keys=False, implementation=Implementation()),
     batch=_batch_rule(3, 0),
+    dce=_fwd_fewer_outputs,
     **_COMMON,
 )
 attention_tangent_p = _core.define_primitive(

@@ -8,16 +8,20 @@ rows see nothing, pieces merged, sinks (not keys), vmap, jit and the batch split
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.interpreters import partial_eval as pe
 from jax.sharding import NamedSharding, PartitionSpec
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 import jaxforge as jf
 from jaxforge.functional.attention import Implementation
+from jaxforge.primitives.attention.attention import attention_fwd_p
 from tests.attention_dense import dense_jnp
 from tests.primitives.attention.test_attention import (
     B,
@@ -142,6 +146,39 @@ def test_rows_that_see_nothing_have_zero_derivatives():
     gq, gk = jax.grad(lambda q, k: jnp.sum(_finite(top_of(q, k))), (0, 1))(q, k)
     np.testing.assert_array_equal(np.asarray(gq)[:, :5], 0.0)
     assert np.isfinite(gq).all() and np.isfinite(gk).all()
+
+
+ARGMAX = r"stablehlo\.reduce\(%[\w#]+ init: %[\w#]+\), \(%[\w#]+ init"  # a reduce of values and indices
+
+
+@pytest.mark.parametrize("impl", [Implementation("xla"), PALLAS], ids=_impl_id)
+def test_first_keys_are_sought_only_where_a_derivative_of_the_maxima_reads_them(impl):
+    """The forward finds the first key attaining each row's maximum (an argmax a tile) for the
+    maxima's JVP alone: after jit's dead-code elimination a forward, QK-clip's training step (a
+    gradient whose maxima are auxiliary) and a jvp of the output bind a forward without it (the
+    last two without the maxima either where nothing reads them), a derivative of the maxima one
+    with it."""
+    q, k, v, _, _ = _bias_case(12)
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=masks.causal(), return_max_scores=True, implementation=impl)  # noqa: E731
+
+    def clip_step(q, k, v):
+        out, top = attend(q, k, v)
+        return jnp.sum(out), top.max(axis=(0, 1))
+
+    programs = {  # (max_scores, first_keys) of the forward each binds
+        "forward": (attend, (True, False)),
+        "its output alone": (lambda *a: attend(*a)[0], (False, False)),
+        "grad, maxima auxiliary": (jax.grad(clip_step, (0, 1, 2), has_aux=True), (True, False)),
+        "jvp of the output": (lambda *a: jax.jvp(attend, a, a)[1][0], (False, False)),
+        "jvp": (lambda *a: jax.jvp(attend, a, a), (True, True)),
+        "grad of the maxima": (jax.grad(lambda *a: jnp.sum(_finite(attend(*a)[1])), (0, 1)), (True, True)),
+    }
+    for name, (f, want) in programs.items():
+        jaxpr = jax.make_jaxpr(f)(q, k, v).jaxpr
+        kept, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        (eqn,) = [e for e in kept.eqns if e.primitive is attention_fwd_p]
+        assert (eqn.params["max_scores"], eqn.params["first_keys"]) == want, name
+        assert bool(re.search(ARGMAX, jax.jit(f).lower(q, k, v).as_text())) is want[1], name
 
 
 @pytest.mark.parametrize("shape", [(B, 5, 0, 2, 1), (B, 0, 7, 2, 1), (0, 5, 7, 2, 1)], ids=["no_keys", "no_queries", "no_items"])

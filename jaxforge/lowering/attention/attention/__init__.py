@@ -122,7 +122,7 @@ def _dispatch(prim, platform: str | None):
         if _is_empty(*args[:2]):
             return _empty_results(prim, args, mods, params)
         if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
-            params = {key: value for key, value in params.items() if key != "max_scores"}  # False: _mosaic_why_not
+            params = {key: value for key, value in params.items() if key not in ("max_scores", "first_keys")}  # False: _mosaic_why_not
         extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
@@ -206,7 +206,7 @@ def _empty_results(prim, args, mods, params):
     q, k, v = args[:3]
     if prim is attention_fwd_p:
         lse = jnp.full(q.shape[:-1], -jnp.inf, lse_dtype(q.dtype))
-        top = (lse, jnp.zeros(lse.shape, jnp.int32)) if params["max_scores"] else ()
+        top = [lse] * params["max_scores"] + [jnp.zeros(lse.shape, jnp.int32)] * params["first_keys"]
         return jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype), lse, *top
     if prim is attention_tangent_p:
         out, lse = args[3:5]

@@ -269,10 +269,10 @@ def _visible(geo: Geometry, mods: Mods, b, h, i, j, mask: MaskTiles, masked: boo
     return h, q_idx, kv_idx, visible
 
 
-def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c, kv_range=None, max_scores=False):
-    """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles), and
-    with ``max_scores`` the running maximum it keeps (each row's largest score, ``-inf`` where it
-    sees none) and the first key attaining it.
+def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, score_c, kv_range=None, max_scores=False, first_keys=False):
+    """Output rows and log-sum-exp of query tile ``i`` (online softmax over the visible tiles), with
+    ``max_scores`` the running maximum it keeps (each row's largest score, ``-inf`` where it sees
+    none), with ``first_keys`` the first key attaining it.
 
     ``kv_range = (start, stop)``: only the key tiles among those (a split of split-KV; the
     splits' results merge through their log-sum-exps)."""
@@ -286,7 +286,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         s = mods.modify(_scores(geo, q, k) * geo.scale, b, h_row, q_idx, kv_idx, score_c)
         s = jnp.where(visible, s, -jnp.inf)
         top = jnp.max(s, axis=geo.key_axis)
-        if max_scores:  # the tile's first key at its maximum, where that beats the tiles before
+        if first_keys:  # the tile's first key at its maximum, where that beats the tiles before
             # (an argmax, not a match of `top`: XLA may round two fusions' copies of s apart)
             at_top = lax.argmax(s, geo.key_axis, jnp.int32) + lax.convert_element_type(j * geo.block_kv, jnp.int32)
             first = [jnp.where(top > m, at_top, first[0])]
@@ -300,13 +300,13 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         jnp.full((rows,), -jnp.inf, geo.acc_dtype),
         jnp.zeros((rows,), geo.acc_dtype),
         jnp.zeros((rows, dv), geo.acc_dtype),
-        *[jnp.zeros((rows,), jnp.int32)] * max_scores,
+        *[jnp.zeros((rows,), jnp.int32)] * first_keys,
     )
     m, l, acc, *first = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
     seen = l > 0
     out = acc / jnp.where(seen, l, 1)[:, None]
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
-    return (out, lse, m, *first) if max_scores else (out, lse)
+    return (out, lse, *[m] * max_scores, *first)
 
 
 def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask: MaskTiles, score_c, dscore, kv_range=None):

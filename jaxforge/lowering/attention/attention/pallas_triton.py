@@ -233,7 +233,7 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: b
 
 
 def attention_fwd_pallas(
-    q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation: Implementation, interpret: bool, batch_ids, head_offset
+    q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
     geo, compiler = _geometry("fwd", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
@@ -246,21 +246,21 @@ def attention_fwd_pallas(
     score_c, n_m = consts[n_mask:], len(mask_ops)
     split = _Split.of(geo, bsz * hq, implementation)
 
-    n_rows = 3 if max_scores else 1  # lse, and the rows' largest scores and their first keys
+    n_rows = 1 + max_scores + first_keys  # lse, the rows' largest scores, their first keys
 
     def kernel(offset_ref, q_ref, k_ref, v_ref, *refs):
         in_refs, (out_ref, *row_refs) = refs[: -1 - n_rows], refs[-1 - n_rows :]
         mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
         load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        out, *rows = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range, max_scores=max_scores)
+        out, *rows = fwd_rows(geo, mods, q_ref[...], load_kv, b, h, i, mask, score, kv_range, max_scores=max_scores, first_keys=first_keys)
         out_ref[...] = out.astype(out_ref.dtype)
         for ref, row in zip(row_refs, rows):
             ref[...] = row
 
     out_specs, out_shapes = split.outputs(bsz, hq, dv, q.dtype, geo.acc_dtype)
-    if max_scores:
-        out_specs, out_shapes = out_specs + out_specs[1:] * 2, out_shapes + [out_shapes[1], jax.ShapeDtypeStruct(out_shapes[1].shape, jnp.int32)]
+    out_specs = out_specs + out_specs[1:] * (n_rows - 1)
+    out_shapes = out_shapes + [out_shapes[1]] * max_scores + [jax.ShapeDtypeStruct(out_shapes[1].shape, jnp.int32)] * first_keys
     out, lse, *top = _call(
         kernel,
         interpret,
@@ -328,11 +328,13 @@ def _merge_splits(out, lse):
     return jnp.sum(out * jnp.swapaxes(weights, -1, -2)[..., None], axis=1), lse  # (B, s, H, S) -> (B, s, S, H, 1)
 
 
-def _top_of_splits(top, first):
-    """Split-KV's rows' largest scores and first keys attaining them, ``(B, splits, H, S)`` each, as
-    ``(B, H, S)``: the first split holding the maximum (splits hold keys in order)."""
+def _top_of_splits(top, *first):
+    """Split-KV's rows' largest scores (and the first keys attaining them), ``(B, splits, H, S)``
+    each, as ``(B, H, S)``: the first split holding the maximum (splits hold keys in order)."""
+    if not first:
+        return (jnp.max(top, axis=1),)
     winner = jnp.argmax(top, axis=1, keepdims=True)
-    return jnp.max(top, axis=1), jnp.take_along_axis(first, winner, axis=1)[:, 0]
+    return jnp.max(top, axis=1), jnp.take_along_axis(first[0], winner, axis=1)[:, 0]
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):

@@ -250,13 +250,15 @@ def _traced_once(tiles):
     return jax.jit(tiles, static_argnames=keywords)
 
 
-def attention_fwd_xla(q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, implementation: Implementation, batch_ids, head_offset):
+def attention_fwd_xla(
+    q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation: Implementation, batch_ids, head_offset
+):
     geo = _geometry(q, k, scale, implementation, mods)
-    return _fwd_tiles(q, k, v, consts, batch_ids, head_offset, geo=geo, mods=mods, max_scores=max_scores)
+    return _fwd_tiles(q, k, v, consts, batch_ids, head_offset, geo=geo, mods=mods, max_scores=max_scores, first_keys=first_keys)
 
 
 @_traced_once
-def _fwd_tiles(q, k, v, consts, batch_ids, head_offset, *, geo: Geometry, mods: Mods, max_scores: bool):
+def _fwd_tiles(q, k, v, consts, batch_ids, head_offset, *, geo: Geometry, mods: Mods, max_scores: bool, first_keys: bool):
     mask_c, score_c = _split(consts, mods)
     batch, hkv = q.shape[:-3], k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
@@ -264,7 +266,7 @@ def _fwd_tiles(q, k, v, consts, batch_ids, head_offset, *, geo: Geometry, mods: 
 
     def one_head(b, h, q_h, load_kv):
         mask = _mask_tiles(geo, mods, b, mask_c, joined)
-        tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask, score_c, max_scores=max_scores)
+        tile = lambda i: fwd_rows(geo, mods, _slice(q_h, i, geo.block_q), load_kv, b, h, i, mask, score_c, max_scores=max_scores, first_keys=first_keys)
         return lax.map(tile, jnp.arange(geo.num_q_tiles))
 
     out, *rows = _over_heads(
