@@ -292,6 +292,26 @@ def test_transformer_with_attention_sinks_trains_them():
     assert abs(float(loss(without, TOKENS, SEGMENTS_10)) - float(value)) > 1e-6  # the sinks change the model
 
 
+def test_a_training_step_returning_the_maxima_seeks_no_first_keys():
+    """A jitted gradient whose blocks' maxima are auxiliary (QK-clip's step) lowers without the
+    argmax a tile that the maxima's own derivative needs (dead-code elimination through the
+    layers' scan and their remat)."""
+    params = nn.init_transformer(KEY, **CONFIG)
+    argmax = r"stablehlo\.reduce\(%[\w#]+ init: %[\w#]+\), \(%[\w#]+ init"  # a reduce of values and indices
+
+    def lowered(loss):
+        return jax.jit(jax.grad(loss, has_aux=True)).lower(params).as_text()
+
+    def step(p, remat):
+        logits, top = nn.transformer(p, TOKENS, return_max_scores=True, remat=remat)
+        return jnp.mean(logits**2), top
+
+    for remat in (False, True):
+        assert not re.search(argmax, lowered(functools.partial(step, remat=remat))), remat
+    of_maxima = lambda p: (jnp.sum(nn.transformer(p, TOKENS, return_max_scores=True)[1]), None)  # noqa: E731
+    assert re.search(argmax, lowered(of_maxima))
+
+
 def test_each_blocks_largest_logits_and_qk_clip_bounding_them():
     """return_max_scores: each block's largest logit per query head against a dense attention's
     (same logits either way); qk_clip scales each head's logits by min(1, τ / S_h), so the clipped
