@@ -34,7 +34,8 @@ with :math:`F_{jk} = 1/((s_k - s_j)(s_k + s_j))` off the diagonal and 0 on it.
 
 The JVP names the factors it reads, ``(s, u, vh)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint``
 policy may keep them (``jaxforge.transforms.remat``) and a rematerialised backward does not factor
-``a`` again.
+``a`` again. Where jit finds ``u`` and ``vh`` unused, its dead-code elimination binds an SVD without
+them (``_values_alone``): ``jf.linalg.svd(a)[1]`` costs what ``compute_uv=False`` does.
 
 Where things live:
     API        jaxforge/functional/linalg.py :: svd
@@ -154,6 +155,14 @@ def _tangents(s, u, vh, da, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     return ds, du, ct(dv)
 
 
+def _values_alone(used, *, compute_uv: bool, full_matrices: bool, grad_eps: float):
+    """Where jit finds ``u`` and ``vh`` unused (a forward or gradient that reads ``s`` alone: the
+    JVP's factors are read by its tangent, so there they stay), an SVD without singular vectors."""
+    if not compute_uv or any(used[1:]):
+        return dict(compute_uv=compute_uv, full_matrices=full_matrices, grad_eps=grad_eps), [True] * len(used)
+    return dict(compute_uv=False, full_matrices=False, grad_eps=grad_eps), [True, False, False]
+
+
 def _example_args():
     return (np.random.default_rng(0).standard_normal((2, 5, 3)),)
 
@@ -167,4 +176,5 @@ svd_p = _core.define_primitive(
     example_params=dict(full_matrices=False, compute_uv=True, grad_eps=0.0),
     test_module="tests/primitives/linalg/test_svd.py",
     bench_entry="linalg/svd",
+    dce=_values_alone,
 )
