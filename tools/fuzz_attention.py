@@ -13,7 +13,7 @@ evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the ra
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
-the loss and the jvp); ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
+the loss and the jvp, and beside a jitted gradient as ``has_aux``); ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
 a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
@@ -186,6 +186,17 @@ def _loss(attend, weights):
     return loss
 
 
+def _loss_with_maxima_aside(attend, weights):
+    """``_loss`` of ``out`` and ``lse`` with the rows' largest scores beside it (``has_aux``: a
+    training step's QK-clip statistic, whose first keys jit's dead-code elimination drops)."""
+
+    def loss(*args):
+        out, lse, top = attend(*args)
+        return jnp.sum(jnp.sin(out) * weights) + jnp.sum(_finite(lse) ** 2), top
+
+    return loss
+
+
 def _assert_close(actual, expected, tol, rows=None):
     actual, expected = np.asarray(actual), np.asarray(expected)
     if rows is not None:  # lse and its tangent: compared on rows that see a key
@@ -245,6 +256,12 @@ def _run_seed(seed: int, mode: str) -> None:
     grads = [jax.grad(_loss(f, weights), argnums=argnums)(*args) for f in (ours, dense)]
     for a, e in zip(*grads):
         _assert_close(a, e, 1e-8)
+    if max_scores:  # jitted, the maxima aside: the forward that dead-code elimination leaves
+        step = lambda f: jax.jit(jax.grad(_loss_with_maxima_aside(f, weights), argnums=argnums, has_aux=True))(*args)  # noqa: E731
+        (step_grads, top), (step_grads_d, top_d) = step(ours), step(dense)
+        _assert_close(top, top_d, 1e-9, rows)
+        for a, e in zip(step_grads, step_grads_d):
+            _assert_close(a, e, 1e-8)
     tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in args)
     if mode == "first-order":
         (t_out, *t_rows), (t_out_d, *t_rows_d) = (jax.jvp(f, args, tangents)[1] for f in (ours, dense))
