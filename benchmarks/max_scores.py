@@ -62,7 +62,9 @@ def reference_max_scores(q, k, causal: bool):
 
 def jax_variants(mask, gpu: bool):
     """jf.attention's calls (on a GPU also the Triton kernels by name, ``jaxforge-triton``: the
-    default runs the forward in XLA's tiles until config.TRITON_MAX_SCORES_VALIDATED)."""
+    default runs the forward in XLA's tiles until config.TRITON_MAX_SCORES_VALIDATED; on a Hopper
+    the Mosaic GPU ones, ``jaxforge-mgpu``, the default's there once
+    config.MOSAIC_MAX_SCORES_VALIDATED)."""
 
     def step(attend, with_max):  # a loss of the output; each head's largest logit (over batch and rows) as aux
         def loss(q, k, v):
@@ -73,7 +75,8 @@ def jax_variants(mask, gpu: bool):
 
         return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)
 
-    implementations = {"jaxforge": None} | ({"jaxforge-triton": "pallas_triton"} if gpu else {})
+    hopper = gpu and jax.devices()[0].compute_capability == "9.0"
+    implementations = {"jaxforge": None} | ({"jaxforge-triton": "pallas_triton"} if gpu else {}) | ({"jaxforge-mgpu": "pallas_mosaic_gpu"} if hopper else {})
     variants = {}
     for name, implementation in implementations.items():
         attend = functools.partial(jf.attention, mask=mask, implementation=implementation)

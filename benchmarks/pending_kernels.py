@@ -70,6 +70,15 @@ PENDING = (
             for mode in ("fwd", "fwd+bwd")
         ),
     ),
+    Pending(  # return_max_scores on Hopper: "jaxforge" runs that forward in Triton's kernel or XLA's tiles until then
+        "jaxforge.lowering.attention.attention.config:MOSAIC_MAX_SCORES_VALIDATED",
+        (ATTENTION + "test_attention_gpu.py::test_mosaic_forward_writes_the_max_scores",),
+        tuple(
+            Row("attention_max_scores", shape, "jaxforge-mgpu", "jaxforge", mode)
+            for shape in ("long_d128_causal", "gqa_8to1")
+            for mode in ("fwd", "fwd+bwd")
+        ),
+    ),
     Pending(  # a gradient through a jvp: "jaxforge" runs XLA's tiles for it until then; by name, every
         # kernel is Triton's (on a Hopper the default's first-order ones are Mosaic's, faster still)
         "jaxforge.lowering.attention.attention.config:TRITON_TANGENT_BWD_VALIDATED",

@@ -300,6 +300,42 @@ def test_mosaic_forward_and_lse(mask, dims):
     np.testing.assert_allclose(lse, ref_lse, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("dims", [(64, 64), (128, 128), (192, 128)], ids=str)
+def test_mosaic_forward_writes_the_max_scores(dims):
+    """``return_max_scores`` in the Hopper forward (until config.MOSAIC_MAX_SCORES_VALIDATED only by
+    name): each row's largest score, -inf for rows that see no key, against a dense jnp.max in
+    float32 under causal(-40), softcap and a score_mod; and QK-clip's step (a jitted gradient, the
+    maxima aside), whose forward is that kernel, against the dense one."""
+    if not _hopper():
+        pytest.skip("the Mosaic GPU forward is for sm90")
+    d, dv = dims
+    q, k, v = inputs(jnp.bfloat16, d=d, dv=dv)
+    _, _, i, j = grid(2, 4, 300, 333)
+    visible = j <= i - 40
+    score_mod = lambda s, b, h, i, j: s - 0.01 * (h + 1) * jnp.abs(i - j)  # noqa: E731
+    ours = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(-40), softcap=20.0, score_mod=score_mod, return_max_scores=True, implementation="pallas_mosaic_gpu")  # noqa: E731
+    dense = lambda q, k, v: dense_jnp(q, k, v, visible, score_mod, softcap=20.0, max_scores=True)[::2]  # noqa: E731  (out, max)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    assert "mosaic_gpu" in jax.jit(ours).lower(q, k, v).as_text()
+    top, want = jax.jit(ours)(q, k, v)[1], dense(*f32)[1]
+    np.testing.assert_array_equal(np.isneginf(np.asarray(top)), np.isneginf(np.asarray(want)))
+    assert np.isneginf(np.asarray(want)).any()
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(top)[finite], np.asarray(want)[finite], atol=4 * TOL[jnp.bfloat16], rtol=TOL[jnp.bfloat16])
+
+    def clip_step(attend):
+        def loss(q, k, v):
+            out, top = attend(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) ** 2), top
+
+        return jax.grad(loss, (0, 1, 2), has_aux=True)
+
+    (grads, top), (want_grads, want_top) = jax.jit(clip_step(ours))(q, k, v), clip_step(dense)(*f32)
+    np.testing.assert_allclose(np.asarray(top)[finite], np.asarray(want_top)[finite], atol=4 * TOL[jnp.bfloat16], rtol=TOL[jnp.bfloat16])
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=4 * TOL[jnp.bfloat16] * float(jnp.max(jnp.abs(w))), rtol=0)
+
+
 MOSAIC_MODS = dict(softcap=20.0, score_mod=lambda s, b, h, i, j: s - 0.01 * (b + 1) * (h + 1) * jnp.abs(i - j))
 
 

@@ -122,6 +122,56 @@ def test_the_sm90_default_is_mosaic_but_for_decoding(monkeypatch):
     assert kernels(256, "sm_80") == (0, {"fwd", "tangent", "bwd_dq", "bwd_dkv"})
 
 
+def _row_outputs(text: str) -> list[int]:
+    """How many float32 rows (lse, maxima) each Mosaic GPU kernel of ``text`` returns."""
+    results = re.findall(r"custom_call @mosaic_gpu.* -> (\(.*?\)|tensor<[^>]*>) loc", text)
+    return [len(re.findall(r"tensor<[\dx]+xf32>", r)) for r in results]
+
+
+def test_the_forward_writes_the_max_scores_but_not_their_first_keys(monkeypatch):
+    """return_max_scores: the forward kernel writes each row's maximum beside its lse, for a
+    forward and for QK-clip's step (a gradient, the maxima aside); a derivative of the maxima
+    needs the first key attaining each, which it does not find: by name a clear error, by default
+    Triton's forward (XLA's until config.TRITON_MAX_SCORES_VALIDATED). The sm90 default takes it
+    once config.MOSAIC_MAX_SCORES_VALIDATED."""
+    from jaxforge.lowering import build
+
+    shapes = (2, 300, 4, 64), (2, 300, 2, 64), (2, 300, 2, 64)
+
+    def programs(implementation):
+        att = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), return_max_scores=True, implementation=implementation)  # noqa: E731
+
+        def clip_loss(q, k, v):
+            out, top = att(q, k, v)
+            return jnp.sum(out.astype(jnp.float32)), top
+
+        clip_step = jax.grad(clip_loss, (0, 1, 2), has_aux=True)
+
+        of_maxima = jax.grad(lambda *a: jnp.sum(jnp.where(jnp.isfinite(t := att(*a)[1]), t, 0)), (0, 1))
+        return att, clip_step, of_maxima
+
+    att, clip_step, of_maxima = programs(MOSAIC)
+    assert _row_outputs(lowered(att, *shapes)) == [2]
+    assert _row_outputs(lowered(lambda *a: att(*a)[0], *shapes)) == [1]  # maxima unused: not written
+    assert sorted(_row_outputs(lowered(clip_step, *shapes))) == [0, 0, 2]  # dq and dkv write no rows
+    with pytest.raises(ValueError, match=r"cannot run this call: it does not find the first key attaining each row's maximum"):
+        lowered(of_maxima, *shapes)
+
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    triton_forward = lambda text: 'name = "jaxforge_attention_fwd"' in text  # noqa: E731  (the kernel's)
+    att, _, _ = programs(None)  # new functions after each patch: jit caches the lowering of a function
+    assert _row_outputs(text := lowered(att, *shapes)) == [] and not triton_forward(text)  # XLA's tiles
+    monkeypatch.setattr(config, "MOSAIC_MAX_SCORES_VALIDATED", True)
+    att, clip_step, of_maxima = programs(None)
+    assert _row_outputs(lowered(att, *shapes)) == [2]
+    assert sorted(_row_outputs(lowered(clip_step, *shapes))) == [0, 0, 2]
+    text = lowered(of_maxima, *shapes)  # the first keys: XLA's tiles, Triton's once validated
+    assert mosaic_kernels(text) == 0 and not triton_forward(text)  # (the maxima's derivative is a gather)
+    monkeypatch.setattr(config, "TRITON_MAX_SCORES_VALIDATED", True)
+    _, _, of_maxima = programs(None)
+    assert triton_forward(lowered(of_maxima, *shapes))
+
+
 def test_backward_head_dims_are_capped_with_the_reason():
     mods, _ = attention_mods(None, None, None, (1,), 128, 128, jnp.float32)
     arg = lambda d: jax.ShapeDtypeStruct((1, 128, 1, d), jnp.bfloat16)  # noqa: E731
@@ -281,11 +331,12 @@ def test_interpreted_forward_matches_xla(case):
         pallas_mosaic_gpu.attention_fwd_mosaic, mods=mods, scale=d**-0.5, implementation=Implementation(MOSAIC),
         interpret=True, batch_ids=jnp.arange(b, dtype=jnp.int32), head_offset=0,
     )
-    out, lse = jax.jit(kernel)(q, k, v, *consts)
+    out, lse, top = jax.jit(functools.partial(kernel, max_scores=True))(q, k, v, *consts)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref_out, ref_lse = jf.attention(*f32, implementation="xla", return_lse=True, **kw)
+    ref_out, ref_lse, ref_top = jf.attention(*f32, implementation="xla", return_lse=True, return_max_scores=True, **kw)
     np.testing.assert_allclose(np.asarray(out, np.float32), ref_out, atol=3e-2, rtol=3e-2)
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(top, ref_top, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.skipif(pallas_mosaic_gpu.mosaic_interpret_params() is None, reason="needs jax >= 0.11 (Mosaic GPU interpret mode)")

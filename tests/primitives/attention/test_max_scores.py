@@ -252,8 +252,3 @@ def test_sequence_splits_match_one_device(name):
     for g, w in zip(grads, jax.grad(loss, (0, 1, 3))(q, k, v, table)):
         assert_close(g, w, **DTOL)
 
-
-def test_mosaic_gpu_forward_declines_them():
-    q, k, v = (x.astype(jnp.bfloat16) for x in qkv(np.random.default_rng(14), (1,), 64, 64, 2, 2, 64, 64))
-    with pytest.raises(ValueError, match=r"cannot run this call: it does not return the rows' largest scores"):
-        jf.attention(q, k, v, return_max_scores=True, implementation="pallas_mosaic_gpu")

@@ -8,7 +8,7 @@ are static, and for masks or score_mods reading captured arrays once
 config.TRITON_POINT_READS_VALIDATED, and for a forward returning max scores once
 config.TRITON_MAX_SCORES_VALIDATED; else "xla") and "xla" elsewhere; on an sm90 GPU each
 Mosaic GPU kernel (validated there: config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALIDATED,
-MOSAIC_BWD_VALIDATED) runs where it can, but for decoding (config.decoding: fewer queries a
+MOSAIC_BWD_VALIDATED; a forward returning max scores MOSAIC_MAX_SCORES_VALIDATED) runs where it can, but for decoding (config.decoding: fewer queries a
 head than Triton's smallest tile) and calls that pack GQA heads, which Triton's kernels do. The
 Triton default packs GQA heads and splits the forward's keys (decoding) once
 config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
@@ -83,17 +83,18 @@ def _dispatch(prim, platform: str | None):
         mosaic_why_not = _mosaic_why_not(prim, mods, args, params) if asks_mosaic else "not asked for"
         if platform == "cuda" and name is None:
             q, k, v = args[:3]
+            asked = implementation
             name = "pallas_triton" if _triton_by_default(_TRITON_CALL[prim], q, k, v, mods, implementation) else "xla"
-            if prim is attention_fwd_p and params["max_scores"] and not build.enabled(config.TRITON_MAX_SCORES_VALIDATED):
-                name = "xla"  # the Triton forward's maxima wait for a GPU's check (Mosaic's has none)
             if name == "pallas_triton" and not build.enabled(config.TRITON_DECODING_VALIDATED):
                 implementation = _without_decoding(implementation)
             # Mosaic neither packs GQA heads nor takes fewer than 128 rows a program: decoding stays
             # on Triton's 16-row tiles (packed once validated)
             packs = config.packs_gqa(q.shape[-3], q.shape[-2] // k.shape[-2], implementation)
-            mosaic = mosaic_why_not is None and _mosaic_by_default(prim) and not packs and not config.decoding(q.shape[-3])
+            mosaic = mosaic_why_not is None and _mosaic_by_default(prim, params) and not packs and not config.decoding(q.shape[-3])
             if name == "pallas_triton" and mosaic:
                 name = "pallas_mosaic_gpu"
+            elif prim is attention_fwd_p and params["max_scores"] and not build.enabled(config.TRITON_MAX_SCORES_VALIDATED):
+                name, implementation = "xla", asked  # the Triton forward's maxima wait for a GPU's check
         elif name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
             raise ValueError(
                 f"attention: implementation={name!r} cannot apply this mask/score_mod: the kernels apply "
@@ -122,7 +123,7 @@ def _dispatch(prim, platform: str | None):
         if _is_empty(*args[:2]):
             return _empty_results(prim, args, mods, params)
         if name == "pallas_mosaic_gpu" and prim is attention_fwd_p:
-            params = {key: value for key, value in params.items() if key not in ("max_scores", "first_keys")}  # False: _mosaic_why_not
+            params = {key: value for key, value in params.items() if key != "first_keys"}  # False: _mosaic_why_not
         extra = {"interpret": platform != "cuda"} if name != "xla" else {}
         batch_ids, head_offset = _global_indices(args[0].shape, shards)
         return IMPLEMENTATIONS[prim][name](
@@ -160,24 +161,27 @@ def _mosaic_why_not(prim, mods, args, params) -> str | None:
     first = 3 if prim is attention_fwd_p else 5
     mask_consts = args[first : first + mods.num_mask_consts]
     if prim is attention_fwd_p:
-        if params["max_scores"]:
-            return "it does not return the rows' largest scores (max_scores)"
+        if params["first_keys"]:
+            return "it does not find the first key attaining each row's maximum, which a derivative of the maxima reads (first_keys)"
         return pallas_mosaic_gpu.mosaic_can_run(mods, q, v, mask_consts)
     if prim is attention_bwd_p:
         return pallas_mosaic_gpu_bwd.mosaic_bwd_can_run(mods, q, v, params["const_grads"], mask_consts)
     return pallas_mosaic_gpu_tangent.mosaic_tangent_can_run(mods, q, v, mask_consts)
 
 
-def _mosaic_by_default(prim) -> bool:
-    """A Mosaic GPU kernel is the default on Hopper once validated there. Not on request
-    (JAXFORGE_UNVALIDATED_KERNELS): the gpu tests and the bench ask for it by name, and the
-    default stays the Triton kernels they measure it against."""
+def _mosaic_by_default(prim, params) -> bool:
+    """A Mosaic GPU kernel is the default on Hopper once validated there (a forward writing the
+    maxima: config.MOSAIC_MAX_SCORES_VALIDATED too). Not on request (JAXFORGE_UNVALIDATED_KERNELS):
+    the gpu tests and the bench ask for it by name, and the default stays the kernels they measure
+    it against."""
     validated = {
         attention_fwd_p: config.MOSAIC_VALIDATED,
         attention_tangent_p: config.MOSAIC_TANGENT_VALIDATED,
         attention_bwd_p: config.MOSAIC_BWD_VALIDATED,
-    }
-    return validated[prim] and build.gpu_arch() == "sm_90a"
+    }[prim]
+    if prim is attention_fwd_p and params["max_scores"]:
+        validated = validated and config.MOSAIC_MAX_SCORES_VALIDATED
+    return validated and build.gpu_arch() == "sm_90a"
 
 
 def _global_indices(q_shape, shards):

@@ -360,8 +360,10 @@ def program_ids(tiles: str):
 
 
 def attention_fwd_mosaic(
-    q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset
+    q, k, v, *consts, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset, max_scores: bool = False
 ):
+    """``(out, lse)``, with ``max_scores`` also each row's largest score: the running maximum the
+    online softmax keeps (log2 units there), written after the lse through the lse's buffer."""
     if interpret and mosaic_interpret_params() is None:
         raise ValueError(f"Mosaic GPU's interpret mode is not exported by jax {jax.__version__} (jax >= 0.11 has it)")
     block_q = config.MOSAIC_BLOCK_Q
@@ -378,7 +380,8 @@ def attention_fwd_mosaic(
     table = program_table(mods, bounds, geo.num_q_tiles, arrays, batch_ids, head_offset)
     wgmma_layout = plgpu.Layout.WGMMA
 
-    def body(q_ref, k_ref, v_ref, table_ref, rows_ref, cols_ref, out_ref, lse_ref, smem, ready, free, turn):
+    def body(q_ref, k_ref, v_ref, table_ref, rows_ref, cols_ref, out_ref, lse_ref, *refs):
+        *top_ref, smem, ready, free, turn = refs  # top_ref: the maxima's, with max_scores
         q_smem, o_smem, k_smem, v_smem, lse_smem, program_smem, q_values_smem, kv_values_smem = smem
         o_smem = q_smem if o_smem is None else o_smem  # equal head dims: the output reuses q's tile
         own_ready, k_ready, v_ready, cols_ready = ready
@@ -450,6 +453,9 @@ def attention_fwd_mosaic(
             m_safe = jnp.where(m == -jnp.inf, 0.0, m)
             lse_smem.at[wg][...] = jnp.where(seen, (m_safe + jnp.log2(l_safe)) * _LN2, -jnp.inf)
             write_back((o_smem.at[wg], out_ref.at[(*own, h_local)]), (lse_smem.at[wg], lse_ref.at[item, h_local, own[1]]))
+            if max_scores:  # the lse's buffer again: write_back waited for its copy out
+                lse_smem.at[wg][...] = m * _LN2
+                write_back((lse_smem.at[wg], top_ref[0].at[item, h_local, own[1]]))
 
         @pl.when(wg == CONSUMERS)
         def _produce():
@@ -501,6 +507,7 @@ def attention_fwd_mosaic(
     )
     free = (plgpu.Barrier(num_arrivals=CONSUMERS, num_barriers=stages),) * 2
     turn = plgpu.Barrier(num_arrivals=CONSUMERS)
-    outputs = (((bsz, sq_pad, hq, dv), q.dtype), ((bsz, hq, sq_pad), jnp.float32))
-    out, lse = warpgroup_call(body, operands, outputs, (smem, ready, free, turn), (hq, geo.num_q_tiles, bsz), "q_tiles", interpret)
-    return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), pallas_triton._rows_back(lse, batch, geo.sq)
+    rows_out = ((bsz, hq, sq_pad), jnp.float32)  # the lse (and the maxima)
+    outputs = (((bsz, sq_pad, hq, dv), q.dtype), *[rows_out] * (1 + max_scores))
+    out, *rows = warpgroup_call(body, operands, outputs, (smem, ready, free, turn), (hq, geo.num_q_tiles, bsz), "q_tiles", interpret)
+    return pallas_triton._back(out, batch, geo.sq, v.shape[-1]), *(pallas_triton._rows_back(x, batch, geo.sq) for x in rows)
