@@ -46,6 +46,13 @@ class Pending:
     rows: tuple[Row, ...]
 
 
+def _max_scores_rows(candidate: str) -> tuple[Row, ...]:
+    """benchmarks/max_scores.py's rows of ``candidate`` against the default, forward and has_aux step."""
+    return tuple(
+        Row("attention_max_scores", shape, candidate, "jaxforge", mode) for shape in ("long_d128_causal", "gqa_8to1") for mode in ("fwd", "fwd+bwd")
+    )
+
+
 PENDING = (
     Pending(
         "jaxforge.lowering.linalg.lstsq.config:QR_SOLVE_WARP_VALIDATED",
@@ -64,20 +71,12 @@ PENDING = (
     Pending(  # return_max_scores: "jaxforge" runs the forward in XLA's tiles until then
         "jaxforge.lowering.attention.attention.config:TRITON_MAX_SCORES_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_max_scores_in_the_triton_forward",),
-        tuple(
-            Row("attention_max_scores", shape, "jaxforge-triton", "jaxforge", mode)
-            for shape in ("long_d128_causal", "gqa_8to1")
-            for mode in ("fwd", "fwd+bwd")
-        ),
+        _max_scores_rows("jaxforge-triton"),
     ),
     Pending(  # return_max_scores on Hopper: "jaxforge" runs that forward in Triton's kernel or XLA's tiles until then
         "jaxforge.lowering.attention.attention.config:MOSAIC_MAX_SCORES_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_mosaic_forward_writes_the_max_scores",),
-        tuple(
-            Row("attention_max_scores", shape, "jaxforge-mgpu", "jaxforge", mode)
-            for shape in ("long_d128_causal", "gqa_8to1")
-            for mode in ("fwd", "fwd+bwd")
-        ),
+        _max_scores_rows("jaxforge-mgpu"),
     ),
     Pending(  # a gradient through a jvp: "jaxforge" runs XLA's tiles for it until then; by name, every
         # kernel is Triton's (on a Hopper the default's first-order ones are Mosaic's, faster still)
