@@ -13,8 +13,8 @@ evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the ra
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
-the loss and the jvp, and beside a jitted gradient as ``has_aux``); ``second-order`` adds a score mod (ALiBi, a captured relative-bias table or
-a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
+the loss and the jvp, and beside a jitted gradient as ``has_aux``); ``second-order`` adds a score
+mod (ALiBi, a captured relative-bias table or a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
 neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
@@ -192,7 +192,7 @@ def _loss_with_maxima_aside(attend, weights):
 
     def loss(*args):
         out, lse, top = attend(*args)
-        return jnp.sum(jnp.sin(out) * weights) + jnp.sum(_finite(lse) ** 2), top
+        return _loss(lambda: (out, lse), weights)(), top
 
     return loss
 

@@ -155,12 +155,12 @@ def _tangents(s, u, vh, da, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     return ds, du, ct(dv)
 
 
-def _values_alone(used, *, compute_uv: bool, full_matrices: bool, grad_eps: float):
+def _values_alone(used, **params):
     """Where jit finds ``u`` and ``vh`` unused (a forward or gradient that reads ``s`` alone: the
     JVP's factors are read by its tangent, so there they stay), an SVD without singular vectors."""
-    if not compute_uv or any(used[1:]):
-        return dict(compute_uv=compute_uv, full_matrices=full_matrices, grad_eps=grad_eps), [True] * len(used)
-    return dict(compute_uv=False, full_matrices=False, grad_eps=grad_eps), [True, False, False]
+    if not params["compute_uv"] or any(used[1:]):
+        return params, [True] * len(used)
+    return dict(params, compute_uv=False, full_matrices=False), [True, False, False]
 
 
 def _example_args():

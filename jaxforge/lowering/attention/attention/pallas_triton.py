@@ -328,13 +328,13 @@ def _merge_splits(out, lse):
     return jnp.sum(out * jnp.swapaxes(weights, -1, -2)[..., None], axis=1), lse  # (B, s, H, S) -> (B, s, S, H, 1)
 
 
-def _top_of_splits(top, *first):
+def _top_of_splits(top, first=None):
     """Split-KV's rows' largest scores (and the first keys attaining them), ``(B, splits, H, S)``
     each, as ``(B, H, S)``: the first split holding the maximum (splits hold keys in order)."""
-    if not first:
+    if first is None:
         return (jnp.max(top, axis=1),)
     winner = jnp.argmax(top, axis=1, keepdims=True)
-    return jnp.max(top, axis=1), jnp.take_along_axis(first[0], winner, axis=1)[:, 0]
+    return jnp.max(top, axis=1), jnp.take_along_axis(first, winner, axis=1)[:, 0]
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
