@@ -1,4 +1,5 @@
-"""The linear-algebra benchmark: ``jf.linalg.svd`` and ``jf.linalg.lstsq`` against their anchors.
+"""The linear-algebra benchmark: ``jf.linalg.svd`` (with and without vectors) and ``jf.linalg.lstsq``
+against their anchors.
 
 Anchors (shared/ANCHORS.md): jnp's own functions, a jnp QR + triangular-solve least squares,
 numpy (when running on CPU) and torch (on GPU, where importable), all timed in this process on
@@ -255,34 +256,73 @@ def _svd_implementations(backend: str) -> list[Implementation]:
     return impls
 
 
-def _svd_kernel_variants() -> list[Implementation]:
-    """Each kernel that could serve a shape. On the small shapes the one-warp kernel serves
-    (m, n <= 32): its sweeps with a row a lane, a column a lane and two lanes a column pair
-    (``jaxforge-rows``, ``jaxforge-lanes``, ``jaxforge-pairs``: which decide
-    config.jacobi_warp_sweeps) and the one-block kernel (``jaxforge-block``:
+def _svdvals_implementations(backend: str) -> list[Implementation]:
+    impls = [
+        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.svd(a, compute_uv=False),))),
+        Implementation("jnp", jax.jit(lambda a: (jnp.linalg.svd(a, compute_uv=False),))),
+    ]
+    if backend == "cpu":
+        impls.append(Implementation("numpy", lambda a: (np.linalg.svd(a, compute_uv=False),), prepare=_to_host))
+    torch = _cuda_torch() if backend == "gpu" else None
+    if torch is not None:
+        impls.append(_torch_implementation(torch, lambda a: (torch.linalg.svdvals(a),)))
+    if backend == "gpu":
+        impls += _svd_values_variants()
+    return impls
+
+
+def _svd_values_variants() -> list[Implementation]:
+    """Each Jacobi kernel's singular values (``jaxforge-<kernel>``) beside its twin's for the values
+    alone (``jaxforge-<kernel>-values``: config.JACOBI_VALUES_VALIDATED), where the kernel fits."""
+    from jaxforge.lowering.linalg.svd import cuda
+
+    impls = []
+    for name, target, applies in _svd_kernels():
+        full = lambda a, target=target: (cuda.jacobi_svd(a, _loaded(target))[0],)  # noqa: E731
+        alone = lambda a, target=target: (cuda.jacobi_values(a, _loaded(cuda.VALUES_TARGETS[target])),)  # noqa: E731
+        impls += [Implementation(name, jax.jit(full), applies=applies), Implementation(f"{name}-values", jax.jit(alone), applies=applies)]
+    return impls
+
+
+def _loaded(target: str) -> str:
+    """``target``, once the svd kernels are built and loaded here."""
+    from jaxforge.lowering import build
+    from jaxforge.lowering.linalg.svd import cuda
+
+    if not build.ensure_loaded(cuda.KERNEL):
+        raise RuntimeError("the svd kernels could not be built here")
+    return target
+
+
+def _svd_kernels() -> list[tuple[str, str, Callable]]:
+    """``(row name, FFI target, applies)`` of each kernel that could serve a shape. On the small
+    shapes the one-warp kernel serves (m, n <= 32): its sweeps with a row a lane, a column a lane
+    and two lanes a column pair (``jaxforge-rows``, ``jaxforge-lanes``, ``jaxforge-pairs``: which
+    decide config.jacobi_warp_sweeps) and the one-block kernel (``jaxforge-block``:
     config.JACOBI_WARP_MAX_DIM). Where the block kernel's slot sweeps fit (32 < max(m, n) <= 128):
     ``jaxforge-slots`` and ``jaxforge-block`` (config.JACOBI_SLOTS_VALIDATED)."""
-    from jaxforge.lowering import build
     from jaxforge.lowering.linalg.svd import config, cuda
-
-    def row(name: str, target: str, applies) -> Implementation:
-        def svd(a):
-            if not build.ensure_loaded(cuda.KERNEL):
-                raise RuntimeError("the svd kernels could not be built here")
-            s, u, vh = cuda.jacobi_svd(a, target)
-            return u, s, vh
-
-        return Implementation(name, jax.jit(svd), applies=applies)
 
     one_warp = lambda shape: max(shape[-2:]) <= config.JACOBI_WARP_MAX_DIM  # noqa: E731
     slots = lambda shape: config.JACOBI_WARP_MAX_DIM < max(shape[-2:]) <= config.JACOBI_SLOTS_MAX_ROWS  # noqa: E731
     return [
-        row("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
-        row("jaxforge-lanes", cuda.LANES_TARGET, one_warp),
-        row("jaxforge-pairs", cuda.PAIRS_TARGET, one_warp),
-        row("jaxforge-block", cuda.BLOCK_TARGET, lambda shape: one_warp(shape) or slots(shape)),
-        row("jaxforge-slots", cuda.SLOTS_TARGET, slots),
+        ("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
+        ("jaxforge-lanes", cuda.LANES_TARGET, one_warp),
+        ("jaxforge-pairs", cuda.PAIRS_TARGET, one_warp),
+        ("jaxforge-block", cuda.BLOCK_TARGET, lambda shape: one_warp(shape) or slots(shape)),
+        ("jaxforge-slots", cuda.SLOTS_TARGET, slots),
     ]
+
+
+def _svd_kernel_variants() -> list[Implementation]:
+    """Each kernel of _svd_kernels, its factors timed whole."""
+    from jaxforge.lowering.linalg.svd import cuda
+
+    def svd(a, target):
+        s, u, vh = cuda.jacobi_svd(a, _loaded(target))
+        return u, s, vh
+
+    return [Implementation(name, jax.jit(functools.partial(svd, target=target)), applies=applies) for name, target, applies in _svd_kernels()]
 
 
 def _large(shape) -> bool:
@@ -438,6 +478,13 @@ def _svd_accuracy(inputs, outputs) -> dict[str, float]:
     return dict(reconstruction=float(reconstruction.max()), orthogonality=float(orthogonality.max()))
 
 
+def _svdvals_accuracy(inputs, outputs) -> dict[str, float]:
+    """Max over the batch of ‖s − s₆₄‖_∞ / s₆₄[0] against float64 numpy's values."""
+    (a,), (s,) = inputs, outputs
+    s64 = np.linalg.svd(a, compute_uv=False)
+    return dict(values=float((np.abs(s - s64).max(-1) / s64[..., 0]).max()))
+
+
 def _lstsq_accuracy(inputs, outputs) -> dict[str, float]:
     """Max over the batch of the normal-equation residual ‖Aᵀ(Ax − b)‖/‖Aᵀb‖."""
     (a, b), (x,) = inputs, outputs
@@ -459,13 +506,19 @@ def _lstsq_grad_accuracy(inputs, outputs) -> dict[str, float]:
     return dict(grad_a=error(grad_a, want_a), grad_b=error(grad_b, want_b))
 
 
+def _batched_shapes(shapes: dict) -> dict:
+    """svd's shapes the Jacobi kernels serve (max(m, n) <= 128): where the values alone differ."""
+    return {name: entry for name, entry in shapes.items() if max(entry[0][1:]) <= 128}
+
+
 def _grad_shapes(shapes: dict) -> dict:
     """lstsq's tall shapes, on a GPU and in the quick run only (on CPU a gradient run is minutes)."""
     tall = {name: (shape, tags) for name, (shape, tags) in shapes.items() if shape[1] >= shape[2]}
     return {name: (shape, tuple(t for t in tags if t != "bench_cpu")) for name, (shape, tags) in tall.items()}
 
 
-# The benchmark entries, by the `bench_entry` name their primitive declares, and lstsq's gradient.
+# The benchmark entries, by the `bench_entry` name their primitive declares, lstsq's gradient and svd
+# without vectors (last: on a GPU the time budget falls on it first).
 OPS = {
     "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
     "lstsq": _Op(
@@ -477,5 +530,12 @@ OPS = {
         _lstsq_inputs,
         _lstsq_grad_implementations,
         _lstsq_grad_accuracy,
+    ),
+    "svdvals": _Op(
+        "svdvals",
+        _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}),
+        _svd_inputs,
+        _svdvals_implementations,
+        _svdvals_accuracy,
     ),
 }

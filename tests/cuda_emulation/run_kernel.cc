@@ -12,6 +12,8 @@
 //   run_kernel svd_jacobi_pairs f32|f64 BATCH M N IN OUT
 //   run_kernel svd_jacobi_block f32     BATCH M N IN OUT
 //   run_kernel svd_jacobi_slots f32     BATCH M N IN OUT
+//   run_kernel svd_jacobi..._values ...                           the same kernels, values alone:
+//                                                                 -> s (BATCH, K), info (BATCH,)
 #include "cuda_runtime.h"
 #include "linalg/lstsq/csrc/qr_solve.cuh"
 #include "linalg/lstsq/csrc/qr_solve_warp.cuh"
@@ -88,22 +90,31 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
     }
     write(f, r), write(f, solution), write(f, certified);
   } else {
+    const std::string values_suffix = "_values";
+    const bool values = kernel.ends_with(values_suffix);
+    const std::string sweeps = values ? kernel.substr(0, kernel.size() - values_suffix.size()) : kernel;
     const int k = std::min(m, n);
     std::vector<jaxforge::RealOf<T>> s(batch * k);
-    std::vector<T> u(batch * m * k), vt(batch * k * n);
+    std::vector<T> u(values ? 0 : batch * m * k), vt(values ? 0 : batch * k * n);
     std::vector<int32_t> info(batch);
-    using jaxforge::svd_jacobi::Sweeps;
-    auto call = jaxforge::svd_jacobi::launch<T, Sweeps::kRows>;
-    if constexpr (std::is_floating_point_v<T>) {  // the other sweeps are real only
-      if (kernel == "svd_jacobi_lanes") call = jaxforge::svd_jacobi::launch<T, Sweeps::kLanes>;
-      if (kernel == "svd_jacobi_pairs") call = jaxforge::svd_jacobi::launch<T, Sweeps::kPairs>;
-      if (kernel == "svd_jacobi_block") call = jaxforge::svd_jacobi_block::launch<T, false>;
-      if (kernel == "svd_jacobi_slots") call = jaxforge::svd_jacobi_block::launch<T, true>;
-    } else if (kernel != "svd_jacobi") {
-      return 4;
-    }
-    call(nullptr, x.data(), s.data(), u.data(), vt.data(), info.data(), batch, m, n);
-    write(f, s), write(f, u), write(f, vt), write(f, info);
+    const auto call = [&](auto with_vectors) {
+      constexpr bool kVectors = decltype(with_vectors)::value;
+      using jaxforge::svd_jacobi::Sweeps;
+      auto launch = jaxforge::svd_jacobi::launch<T, Sweeps::kRows, kVectors>;
+      if constexpr (std::is_floating_point_v<T>) {  // the other sweeps are real only
+        if (sweeps == "svd_jacobi_lanes") launch = jaxforge::svd_jacobi::launch<T, Sweeps::kLanes, kVectors>;
+        if (sweeps == "svd_jacobi_pairs") launch = jaxforge::svd_jacobi::launch<T, Sweeps::kPairs, kVectors>;
+        if (sweeps == "svd_jacobi_block") launch = jaxforge::svd_jacobi_block::launch<T, false, kVectors>;
+        if (sweeps == "svd_jacobi_slots") launch = jaxforge::svd_jacobi_block::launch<T, true, kVectors>;
+      } else if (sweeps != "svd_jacobi") {
+        return false;
+      }
+      launch(nullptr, x.data(), s.data(), kVectors ? u.data() : nullptr, kVectors ? vt.data() : nullptr,
+             info.data(), batch, m, n);
+      return true;
+    };
+    if (!(values ? call(std::false_type()) : call(std::true_type()))) return 4;
+    write(f, s), write(f, u), write(f, vt), write(f, info);  // u, vt empty for the values alone
   }
   std::fclose(f);
   return 0;

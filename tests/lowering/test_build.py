@@ -112,6 +112,8 @@ def test_every_declared_kernel_compiles_for_sm80_and_sm90a(tmp_path):
     for kernel in build.declared_kernels().values():
         library = (tmp_path / f"{kernel.name}.so").read_bytes()  # one fat binary per kernel
         assert b"-arch sm_80 " in library and b"-arch sm_90a " in library  # each arch's device-link record
+        for symbol in kernel.targets.values():  # what build.load looks up, a NUL-ended dynamic symbol
+            assert symbol.encode() + b"\0" in library, (kernel.name, symbol)
 
 
 def test_the_validation_switch(monkeypatch):

@@ -98,6 +98,14 @@ def svd(run_kernel, kernel, x):
     return s.reshape(batch, k), u.reshape(batch, m, k), vh.reshape(batch, k, n), info
 
 
+def svd_values(run_kernel, kernel, x):
+    """``(s, info)`` of the kernel's values-alone twin (``kernel + "_values"``)."""
+    batch, m, n = x.shape
+    raw = run_kernel(kernel + "_values", x)
+    s = np.frombuffer(raw, np.finfo(x.dtype).dtype, count=batch * min(m, n))
+    return s.reshape(batch, -1), np.frombuffer(raw, np.int32, offset=s.nbytes)
+
+
 def to_double(x):
     """``x`` in float64, or complex128 where complex."""
     return x.astype(np.result_type(x.dtype, np.float64))
@@ -395,3 +403,28 @@ def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, 
     assert np.all(info[bad] == -1) and all(np.isnan(v[bad]).all() for v in (s, u, vh))
     keep = [i for i in range(x.shape[0]) if i not in bad]
     check_svd(x[keep], s[keep], u[keep], vh[keep])
+
+
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [("svd_jacobi", np.float32), ("svd_jacobi", np.float64), ("svd_jacobi", np.complex64),
+     ("svd_jacobi", np.complex128), ("svd_jacobi_lanes", np.float32), ("svd_jacobi_pairs", np.float32),
+     ("svd_jacobi_block", np.float32), ("svd_jacobi_slots", np.float32)],
+)  # fmt: skip
+def test_values_alone_are_the_full_kernels_bits(run_kernel, kernel, dtype):
+    """compute_uv=False's twins hold no V and write no vectors, but rotate W as the full kernels do:
+    the same singular values to the bit, the same sweeps, NaN and -1 for a non-finite matrix."""
+    rng = np.random.default_rng(6)
+    one_warp = kernel not in ("svd_jacobi_block", "svd_jacobi_slots")
+    shapes = [(3, 12, 10), (1, 7, 19), (1, 32, 32)] if one_warp else [(2, 40, 12), (1, 20, 36)]
+    if kernel == "svd_jacobi_slots":
+        shapes += [(1, 72, 66)]  # past 64 columns: the full kernel's V in shared memory, 512 threads
+    for shape in shapes:
+        x = random(rng, shape, dtype)
+        x[0, 1] = 0  # a zero row, and for the wide shapes a zero column of W
+        x[-1, 2, 3] = np.nan if x.shape[0] > 1 else x[-1, 2, 3]
+        s_full, _, _, info_full = svd(run_kernel, kernel, x)
+        s, info = svd_values(run_kernel, kernel, x)
+        np.testing.assert_array_equal(s, s_full)
+        np.testing.assert_array_equal(info, info_full)
+        assert (info[-1] == -1) == (x.shape[0] > 1) and np.all(info[:-1] > 0)

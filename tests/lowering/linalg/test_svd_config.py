@@ -124,3 +124,31 @@ def test_the_cuda_lowering_calls_the_block_kernel_with_its_slot_sweeps_where_the
             jax.ShapeDtypeStruct(shape, np.float32)
         )
         assert target in exported.mlir_module()
+
+
+@pytest.mark.parametrize("validated", [True, False])
+def test_an_svd_without_vectors_calls_the_values_twin_once_validated(monkeypatch, validated):
+    """compute_uv=False, asked for or left by svd_p's dead-code rule, runs the kernel's twin for the
+    values alone (results s and info), else the kernel itself."""
+    import jax
+
+    import jaxforge as jf
+    from jaxforge.lowering.linalg.svd import cuda
+
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setattr(config, "JACOBI_VALUES_VALIDATED", validated)
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    for shape, dtype, kernel in (((8, 32, 32), np.float32, cuda.PAIRS_TARGET), ((8, 20, 12), np.float64, cuda.WARP_TARGETS["float64"]),
+                                 ((8, 64, 64), np.float32, cuda.SLOTS_TARGET), ((8, 40, 200), np.float32, cuda.BLOCK_TARGET)):  # fmt: skip
+        target = cuda.VALUES_TARGETS[kernel] if validated else kernel
+        checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
+        for values in (lambda a: jf.linalg.svd(a, compute_uv=False), lambda a: jf.linalg.svd(a)[1]):
+            exported = jax.export.export(jax.jit(values), platforms=("cuda",), disabled_checks=checks)(
+                jax.ShapeDtypeStruct(shape, dtype)
+            )
+            calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call" in line]
+            assert len(calls) == 1 and f"@{target}(" in calls[0], calls
+            k = min(shape[-2:])
+            results = f"-> (tensor<8x{k}x{'f32' if dtype == np.float32 else 'f64'}>, tensor<8xi32>)"
+            assert (results in calls[0]) == validated

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jaxforge as jf
-from tests.linalg_checks import check_svd
+from tests.linalg_checks import check_singular_values, check_svd
 from tests.linalg_inputs import random, with_singular_values
 
 pytestmark = pytest.mark.gpu
@@ -170,3 +170,46 @@ def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
         u, s, vh = f(on_gpu(a))
         assert {"qdwh": "cusolver_syevd", "gesvdp": "cusolver_gesvdp"}[method] in f.lower(on_gpu(a)).as_text()
         check_svd(a, s, u, vh)
+
+
+# ---------------------------------------------------------------- the values alone (compute_uv=False)
+
+
+@pytest.mark.parametrize(
+    "target,dtype,shape",
+    [("jaxforge_svd_jacobi_f32", np.float32, (300, 32, 20)), ("jaxforge_svd_jacobi_f64", np.float64, (100, 9, 31)),
+     ("jaxforge_svd_jacobi_c64", np.complex64, (100, 24, 24)), ("jaxforge_svd_jacobi_c128", np.complex128, (50, 31, 7)),
+     ("jaxforge_svd_jacobi_lanes_f32", np.float32, (300, 32, 32)), ("jaxforge_svd_jacobi_pairs_f32", np.float32, (4096, 32, 32)),
+     ("jaxforge_svd_jacobi_pairs_f32", np.float32, (100, 17, 30)), ("jaxforge_svd_jacobi_block_f32", np.float32, (64, 100, 40)),
+     ("jaxforge_svd_jacobi_slots_f32", np.float32, (1024, 64, 64)), ("jaxforge_svd_jacobi_slots_f32", np.float32, (64, 128, 128)),
+     ("jaxforge_svd_jacobi_slots_f32", np.float32, (16, 70, 100))],
+)  # fmt: skip
+def test_values_twins_match_numpy_and_their_kernels(target, dtype, shape):
+    """Each kernel's twin for the values alone: float64 numpy's singular values at the kernel's bar
+    (ill-conditioned and rank-deficient matrices among them), NaN for a matrix holding NaN, and its
+    kernel's values (the emulation finds them bit-identical; here ulps of the largest are let pass,
+    in case the compiler contracts the two instantiations' arithmetic differently)."""
+    from jaxforge.lowering.linalg.svd import cuda
+
+    rng = np.random.default_rng(11)
+    a = random(rng, shape, dtype)
+    k = min(shape[-2:])
+    wide = np.result_type(dtype, np.float64)
+    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-6, k), wide).astype(dtype)
+    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
+    a[3, 0, -1] = np.nan
+    assert cuda.build.ensure_loaded(cuda.KERNEL)
+    s = np.asarray(jax.jit(lambda a: cuda.jacobi_values(a, cuda.VALUES_TARGETS[target]))(on_gpu(a)))
+    s_full = np.asarray(jax.jit(lambda a: cuda.jacobi_svd(a, target)[0])(on_gpu(a)))
+    assert np.isnan(s[3]).all()
+    keep = np.delete(np.arange(shape[0]), 3)
+    check_singular_values(a[keep], s[keep])
+    np.testing.assert_allclose(s[keep], s_full[keep], rtol=0, atol=8 * np.finfo(dtype).eps * s_full[keep].max())
+
+
+@pytest.mark.parametrize("shape", [(512, 32, 32), (256, 64, 48), (16, 100, 128)])
+def test_an_svd_without_vectors_runs_a_values_twin(shape):
+    a = random(np.random.default_rng(12), shape, np.float32)
+    for f in (jax.jit(lambda a: jf.linalg.svd(a, compute_uv=False)), jax.jit(lambda a: jf.linalg.svd(a)[1])):
+        assert "_values_f32" in f.lower(on_gpu(a)).as_text()
+        check_singular_values(a, f(on_gpu(a)))

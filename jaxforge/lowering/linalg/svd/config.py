@@ -36,6 +36,14 @@ JACOBI_BLOCK_VALIDATED = True
 JACOBI_SLOTS_VALIDATED = True
 JACOBI_SLOTS_MAX_ROWS, JACOBI_SLOTS_MAX_COLS = 128, 128
 JACOBI_SLOTS_MAX_COLS_IN_REGISTERS = 64  # past it V stays in shared memory
+# compute_uv=False (asked for, or jit finding u and vh unused): each kernel's twin for the values
+# alone (V neither held nor rotated, no vectors written; s and info bit-identical to the kernel's,
+# tested under tests/cuda_emulation). ptxas (sm_90a) gives the twins 96 registers for the column
+# pairs against 128 with V, 108 for the register slots against 209 (64 columns) and 128 (past
+# them, V in shared memory), whose V also leaves shared memory (a block of 64 x 64: 17 KiB against
+# 49; of 128 x 128: 68 against 197). Off until the H200 measures them: bench op "svdvals", rows
+# jaxforge-<kernel>-values against jaxforge-<kernel>.
+JACOBI_VALUES_VALIDATED = False
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
 # sm_80 163 KiB, sm_86/sm_89 99 KiB.
 MAX_SHARED_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
@@ -91,6 +99,12 @@ def use_jacobi_slots(m: int, n: int, dtype, full_matrices: bool, arch: str | Non
     fits = 0 < cols <= JACOBI_SLOTS_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_SLOTS_MAX_ROWS
     fits = fits and jacobi_slots_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
     return build.enabled(JACOBI_SLOTS_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
+
+
+def use_jacobi_values() -> bool:
+    """Whether an SVD without vectors runs the kernels' twins for the values alone (else the
+    kernel, its vectors dropped)."""
+    return build.enabled(JACOBI_VALUES_VALIDATED)
 
 
 def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:

@@ -2,7 +2,9 @@
 the measured best of cuSOLVER's methods and QDWH (polar.py) for large shapes (config.LARGE_SVD).
 
 Other shapes and machines where the kernel cannot be built take the default lowering. Matrices that
-hold NaN/Inf or do not converge come back as NaN.
+hold NaN/Inf or do not converge come back as NaN. Without ``compute_uv`` (asked for, or set by svd_p's
+dead-code rule) each kernel's twin for the values alone runs (VALUES_TARGETS,
+config.use_jacobi_values): no rotations accumulated, no vectors written, the same singular values.
 """
 
 from __future__ import annotations
@@ -31,6 +33,17 @@ PAIRS_TARGET = "jaxforge_svd_jacobi_pairs_f32"
 SWEEP_TARGETS = {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}
 BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
 SLOTS_TARGET = "jaxforge_svd_jacobi_slots_f32"  # the same with its column pairs in registers (config.use_jacobi_slots)
+# Each kernel's twin for the values alone: results s and info.
+VALUES_TARGETS = {
+    WARP_TARGETS["float32"]: "jaxforge_svd_jacobi_values_f32",
+    WARP_TARGETS["float64"]: "jaxforge_svd_jacobi_values_f64",
+    WARP_TARGETS["complex64"]: "jaxforge_svd_jacobi_values_c64",
+    WARP_TARGETS["complex128"]: "jaxforge_svd_jacobi_values_c128",
+    LANES_TARGET: "jaxforge_svd_jacobi_lanes_values_f32",
+    PAIRS_TARGET: "jaxforge_svd_jacobi_pairs_values_f32",
+    BLOCK_TARGET: "jaxforge_svd_jacobi_block_values_f32",
+    SLOTS_TARGET: "jaxforge_svd_jacobi_slots_values_f32",
+}
 KERNEL = build.declare(
     build.Kernel(
         name="svd_jacobi",
@@ -52,6 +65,14 @@ KERNEL = build.declare(
             PAIRS_TARGET: "JaxforgeSvdJacobiPairsF32",
             BLOCK_TARGET: "JaxforgeSvdJacobiBlockF32",
             SLOTS_TARGET: "JaxforgeSvdJacobiSlotsF32",
+            VALUES_TARGETS[WARP_TARGETS["float32"]]: "JaxforgeSvdJacobiF32Values",
+            VALUES_TARGETS[WARP_TARGETS["float64"]]: "JaxforgeSvdJacobiF64Values",
+            VALUES_TARGETS[WARP_TARGETS["complex64"]]: "JaxforgeSvdJacobiC64Values",
+            VALUES_TARGETS[WARP_TARGETS["complex128"]]: "JaxforgeSvdJacobiC128Values",
+            VALUES_TARGETS[LANES_TARGET]: "JaxforgeSvdJacobiLanesF32Values",
+            VALUES_TARGETS[PAIRS_TARGET]: "JaxforgeSvdJacobiPairsF32Values",
+            VALUES_TARGETS[BLOCK_TARGET]: "JaxforgeSvdJacobiBlockF32Values",
+            VALUES_TARGETS[SLOTS_TARGET]: "JaxforgeSvdJacobiSlotsF32Values",
         },
     )
 )
@@ -77,6 +98,8 @@ def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
         if large is not None:
             return large_svd(a, *large, compute_uv=compute_uv)
         return svd_xla(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
+    if not compute_uv and config.use_jacobi_values():
+        return (jacobi_values(a, VALUES_TARGETS[target]),)
     s, u, vh = jacobi_svd(a, target)
     return (s, u, vh) if compute_uv else (s,)
 
@@ -94,6 +117,17 @@ def jacobi_svd(a, target: str):
     )
     s, u, vh, _ = jax.ffi.ffi_call(target, result_types)(a)
     return s, u, vh
+
+
+def jacobi_values(a, target: str):
+    """The singular values ``s`` alone by the values twin ``target`` (of VALUES_TARGETS; loaded): the
+    bits ``jacobi_svd`` gives by the kernel it twins."""
+    *batch, m, n = a.shape
+    result_types = (
+        jax.ShapeDtypeStruct((*batch, min(m, n)), jnp.finfo(a.dtype).dtype),
+        jax.ShapeDtypeStruct(tuple(batch), np.int32),
+    )
+    return jax.ffi.ffi_call(target, result_types)(a)[0]
 
 
 CUSOLVER_ALGORITHMS = {

@@ -10,6 +10,9 @@
 //   info (batch)        sweeps used (>= 1, the last one applied no rotation), or -1 if the matrix
 //                       held NaN/Inf or did not converge within the sweep cap; s, u and vt of that
 //                       matrix are then all NaN.
+// Values alone (kVectors false, for compute_uv=False): s and info only, u and vt null. V is then
+// neither held nor rotated; W's rotations, which alone decide s and the sweeps, are the same
+// operations as with the vectors, so s and info are bit-identical to theirs.
 // Zero singular values: the factor built by normalising the work matrix (u when m >= n, vt when
 // m < n) gets a zero vector wherever the corresponding column's squared norm is exactly 0 (all of
 // it for a zero matrix); completing an orthonormal basis is not worth its cost in a warp. The other
@@ -94,12 +97,12 @@ struct WarpLayout {
 };
 
 template <typename T>
-__host__ __device__ inline WarpLayout warp_layout(int rows, int cols) {
+__host__ __device__ inline WarpLayout warp_layout(int rows, int cols, bool vectors = true) {
   WarpLayout l;
   l.ldw = rows | 1;
   l.ldv = cols | 1;
   l.v_off = l.ldw * cols;
-  l.s_off = l.v_off + l.ldv * cols;
+  l.s_off = l.v_off + (vectors ? l.ldv * cols : 0);
   l.perm_byte = (l.s_off + cols) * static_cast<int>(sizeof(T));
   l.bytes = (l.perm_byte + cols * static_cast<int>(sizeof(int)) + 15) & ~15;
   return l;
@@ -214,16 +217,16 @@ __device__ __forceinline__ int opponent(int who, int t, int players) {
   return player(players - 1 - pos, t, players);
 }
 
-// Cyclic-by-rows one-sided Jacobi on W (R x C, R >= C), accumulating the rotations into V.
+// Cyclic-by-rows one-sided Jacobi on W (R x C, R >= C), accumulating the rotations into V (kV).
 // Lane i touches only row i of W and V, so no __syncwarp is needed inside. Returns the sweeps used,
 // or -1 at the cap. Stopping at jacobi_tolerance leaves relative errors in the singular values of
 // order tol times the condition number of A with unit-norm columns (Demmel-Veselic). A column whose
 // squared norm underflows to 0 is treated as zero: no rotation involves it.
-template <typename T>
+template <typename T, bool kV = true>
 __device__ int jacobi_sweeps(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
   using R = RealOf<T>;
   const bool in_w = lane < rows;
-  const bool in_v = lane < cols;
+  const bool in_v = kV && lane < cols;
   const R tol = jacobi_tolerance<R>(rows);
 #pragma unroll 1
   for (int sweep = 1; sweep <= Real<R>::kMaxSweeps; ++sweep) {
@@ -285,14 +288,14 @@ __device__ __forceinline__ T tree_dot(const T (&x)[kMaxDim], const T (&y)[kMaxDi
 // 5-level butterfly. Lanes past cols hold zero columns (a bye for odd counts), which never rotate.
 // Same tolerance, rotation and return value as jacobi_sweeps; W and V are read and written back
 // column-wise, then the warp syncs (the caller reads rows).
-template <typename T>
+template <typename T, bool kV = true>
 __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
-  T a[kMaxDim], v[kMaxDim];
+  T a[kMaxDim], v[kV ? kMaxDim : 1];
   const bool mine = lane < cols;
 #pragma unroll
   for (int i = 0; i < kMaxDim; ++i) {
     a[i] = mine && i < rows ? W[lane * ldw + i] : T(0);
-    v[i] = mine && i < cols ? V[lane * ldv + i] : T(0);
+    if constexpr (kV) v[i] = mine && i < cols ? V[lane * ldv + i] : T(0);
   }
   const int players = cols + (cols & 1);
   const T tol = jacobi_tolerance<T>(rows);
@@ -320,10 +323,12 @@ __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int c
       const T signed_s = low ? -s : s;
 #pragma unroll
       for (int i = 0; i < kMaxDim; ++i) a[i] = c * a[i] + signed_s * b[i];
+      if constexpr (kV) {
 #pragma unroll
-      for (int i = 0; i < kMaxDim; ++i) {
-        const T w = __shfl_sync(kFullMask, v[i], partner);
-        v[i] = c * v[i] + signed_s * w;
+        for (int i = 0; i < kMaxDim; ++i) {
+          const T w = __shfl_sync(kFullMask, v[i], partner);
+          v[i] = c * v[i] + signed_s * w;
+        }
       }
     }
     if (!__any_sync(kFullMask, rotated)) sweeps = sweep;
@@ -332,7 +337,9 @@ __device__ int jacobi_sweeps_lanes(T* W, int ldw, T* V, int ldv, int rows, int c
 #pragma unroll
     for (int i = 0; i < kMaxDim; ++i) {
       if (i < rows) W[lane * ldw + i] = a[i];
-      if (i < cols) V[lane * ldv + i] = v[i];
+      if constexpr (kV) {
+        if (i < cols) V[lane * ldv + i] = v[i];
+      }
     }
   }
   __syncwarp();
@@ -484,7 +491,7 @@ struct ColumnPair {
 // rounds a sweep, every pair once. Players past C are zero columns, which never rotate; each
 // column's index travels with it, for the write-back. Same tolerance, rotation (X as column p) and
 // return value as jacobi_sweeps.
-template <typename T>
+template <typename T, bool kV = true>
 __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int cols, int lane) {
   int players = 2;
   while (players < cols) players *= 2;
@@ -492,7 +499,7 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
   const int slot = lane >> 1;
   const int row0 = (lane & 1) * kPairRows;
   const bool playing = slot < slots;
-  ColumnPair<T, T> pair;
+  ColumnPair<T, T, kV> pair;
   pair.xid = playing ? slot : players;
   pair.yid = playing ? slot + slots : players;
   pair.load(W, ldw, V, ldv, rows, cols, row0);
@@ -597,7 +604,8 @@ __device__ void fill(T* dst, int count, T value, int tid, int threads) {
 // One matrix, executed by a whole warp (all control flow is warp-uniform).
 // m >= n: W = A (m x n) and A = (W / s) diag(s) Vᴴ, so u = W / s and vt = Vᴴ.
 // m <  n: W = Aᴴ (n x m) and A = V diag(s) (W / s)ᴴ, so u = V and vt = (W / s)ᴴ.
-template <typename T, Sweeps kSweeps>
+// Without kVectors, s and info alone (V, u and vt unused).
+template <typename T, Sweeps kSweeps, bool kVectors>
 __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, int m, int n,
                         const WarpLayout& l, T* W, T* V, RealOf<T>* sv, int* perm, int lane) {
   using R = RealOf<T>;
@@ -620,26 +628,28 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   if (__all_sync(kFullMask, finite)) {
     e = exponent(warp_max(amax));
     load_scaled(a, W, l.ldw, m, n, e, lane, 32);
-    if (lane < cols) {
+    if (kVectors && lane < cols) {
 #pragma unroll 1
       for (int j = 0; j < cols; ++j) V[j * l.ldv + lane] = T(j == lane);
     }
     __syncwarp();  // the load above wrote other lanes' rows of W
     static_assert(kSweeps == Sweeps::kRows || std::is_floating_point_v<T>, "lanes and pairs: real only");
     if constexpr (kSweeps == Sweeps::kLanes) {
-      sweeps = jacobi_sweeps_lanes(W, l.ldw, V, l.ldv, rows, cols, lane);
+      sweeps = jacobi_sweeps_lanes<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols, lane);
     } else if constexpr (kSweeps == Sweeps::kPairs) {
-      sweeps = jacobi_sweeps_pairs(W, l.ldw, V, l.ldv, rows, cols, lane);
+      sweeps = jacobi_sweeps_pairs<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols, lane);
     } else {
-      sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, lane);
+      sweeps = jacobi_sweeps<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols, lane);
     }
   }
   if (lane == 0) *info = sweeps;
   if (sweeps < 0) {
     const R nan = Real<R>::nan();
     fill(s, k, nan, lane, 32);
-    fill(u, m * k, splat<T>(nan), lane, 32);
-    fill(vt, k * n, splat<T>(nan), lane, 32);
+    if constexpr (kVectors) {
+      fill(u, m * k, splat<T>(nan), lane, 32);
+      fill(vt, k * n, splat<T>(nan), lane, 32);
+    }
     return;
   }
 
@@ -654,18 +664,21 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   __syncwarp();
 
   if (lane < k) s[lane] = scale2(sv[perm[lane]], e);
-  store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
-                perm, lane, 32);
-  store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
-                perm, lane, 32);
+  if constexpr (kVectors) {
+    store_vectors(u, m, k, false, transposed ? V : W, transposed ? l.ldv : l.ldw, sv, !transposed,
+                  perm, lane, 32);
+    store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
+                  perm, lane, 32);
+  }
 }
 
 // Grid-stride over matrices, one per warp; the dynamic shared memory is blockDim.x / 32 slices of
-// warp_layout<T>(max(m, n), min(m, n)).bytes. The explicit minimum of 1 block per SM matters: with
-// the thread bound alone, ptxas 13.0 squeezed the f64 kernel to 48 registers and spilled on sm_90a.
+// warp_layout<T>(max(m, n), min(m, n), kVectors).bytes; u and vt are null without kVectors. The
+// explicit minimum of 1 block per SM matters: with the thread bound alone, ptxas 13.0 squeezed the
+// f64 kernel to 48 registers and spilled on sm_90a.
 // The pairs' sweeps ask for 2 blocks, at most 128 registers: their 64 values a lane fit, and 16
 // warps an SM hide more of the latency of a round's shuffles than 8.
-template <typename T, Sweeps kSweeps>
+template <typename T, Sweeps kSweeps, bool kVectors>
 __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, kSweeps == Sweeps::kPairs ? 2 : 1)
     svd_jacobi_kernel(const T* __restrict__ a, RealOf<T>* __restrict__ s, T* __restrict__ u,
                       T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m, int n) {
@@ -674,13 +687,14 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * 32, kSweeps == Sweeps::kPa
   const int warp = threadIdx.x >> 5;
   const int warps = blockDim.x >> 5;
   const int k = min(m, n);
-  const WarpLayout l = warp_layout<T>(max(m, n), k);
+  const WarpLayout l = warp_layout<T>(max(m, n), k, kVectors);
   unsigned char* slice = smem + warp * l.bytes;
   T* W = reinterpret_cast<T*>(slice);
   int* perm = reinterpret_cast<int*>(slice + l.perm_byte);
   for (int64_t b = blockIdx.x * int64_t{warps} + warp; b < batch; b += int64_t{gridDim.x} * warps) {
-    svd_one<T, kSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l,
-                        W, W + l.v_off, reinterpret_cast<RealOf<T>*>(W + l.s_off), perm, lane);
+    svd_one<T, kSweeps, kVectors>(a + b * m * n, s + b * k, kVectors ? u + b * m * k : nullptr,
+                                  kVectors ? vt + b * k * n : nullptr, info + b, m, n, l, W, W + l.v_off,
+                                  reinterpret_cast<RealOf<T>*>(W + l.s_off), perm, lane);
     __syncwarp();  // the next matrix overwrites shared memory other lanes may still be reading
   }
 }
@@ -704,12 +718,13 @@ int warps_per_block(Kernel kernel, int bytes) {
 }
 
 // Enqueues the batched SVD on `stream`. Requires batch >= 1 and 1 <= m, n <= kMaxDim (the FFI
-// handler answers empty problems). Returns the launch error, cudaSuccess otherwise.
-template <typename T, Sweeps kSweeps = Sweeps::kRows>
+// handler answers empty problems); u and vt may be null without kVectors. Returns the launch error,
+// cudaSuccess otherwise.
+template <typename T, Sweeps kSweeps = Sweeps::kRows, bool kVectors = true>
 cudaError_t launch(cudaStream_t stream, const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
-  const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n));
-  constexpr auto kernel = svd_jacobi_kernel<T, kSweeps>;
+  const WarpLayout l = warp_layout<T>(std::max(m, n), std::min(m, n), kVectors);
+  constexpr auto kernel = svd_jacobi_kernel<T, kSweeps, kVectors>;
   static std::atomic<int> known_warps[kMaxDim][kMaxDim];  // per (m, n); 0 until asked (races only repeat the query)
   std::atomic<int>& known = known_warps[m - 1][n - 1];
   int warps = known.load(std::memory_order_relaxed);

@@ -38,11 +38,12 @@ constexpr int kMaxSweeps = 40;
 
 using Acc = double;  // V and the rotations
 
-// The block's dynamic shared memory, in bytes from its start: V (C x C of Acc) first, for its
-// alignment, then W (R x C of T), the C column norms, a reduction slot a warp (T), perm (C ints:
-// perm[r] = column holding the r-th largest norm) and the flag (whether a sweep rotated). V and W
-// are column-major with odd leading dims, as in the warp kernel: a column is stride-1 across lanes,
-// a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py mirrors `bytes`.
+// The block's dynamic shared memory, in bytes from its start: V (C x C of Acc; none for the values
+// alone) first, for its alignment, then W (R x C of T), the C column norms, a reduction slot a warp
+// (T), perm (C ints: perm[r] = column holding the r-th largest norm) and the flag (whether a sweep
+// rotated). V and W are column-major with odd leading dims, as in the warp kernel: a column is
+// stride-1 across lanes, a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py
+// mirrors `bytes` (with V).
 struct BlockLayout {
   int ldw, ldv;
   int w_byte, s_byte, red_byte, perm_byte, flag_byte;
@@ -50,11 +51,11 @@ struct BlockLayout {
 };
 
 template <typename T>
-__host__ __device__ inline BlockLayout block_layout(int rows, int cols) {
+__host__ __device__ inline BlockLayout block_layout(int rows, int cols, bool vectors = true) {
   BlockLayout l;
   l.ldw = rows | 1;
   l.ldv = cols | 1;
-  l.w_byte = l.ldv * cols * static_cast<int>(sizeof(Acc));
+  l.w_byte = vectors ? l.ldv * cols * static_cast<int>(sizeof(Acc)) : 0;
   l.s_byte = l.w_byte + l.ldw * cols * static_cast<int>(sizeof(T));
   l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(T));
   l.perm_byte = l.red_byte + kMaxThreads / 32 * static_cast<int>(sizeof(T));
@@ -64,9 +65,9 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols) {
 }
 
 // Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
-// of V (cols long); one warp, warp-uniform control flow (the butterfly gives every lane the same
+// of V (cols long; kV); one warp, warp-uniform control flow (the butterfly gives every lane the same
 // sums). Sets *flag when it rotates.
-template <typename T>
+template <typename T, bool kV>
 __device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int p, int q, T tol,
                             int* flag, int lane) {
   T* wp = W + p * ldw;
@@ -86,12 +87,12 @@ __device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, 
   Acc c, s;  // the warp kernel's rotation, computed in Acc
   svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
   svd_jacobi::rotate_columns(wp, wq, rows, static_cast<T>(c), static_cast<T>(s), lane);
-  svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, c, s, lane);
+  if constexpr (kV) svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, c, s, lane);
 }
 
-// Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V. Block-uniform.
+// Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V (kV). Block-uniform.
 // Returns the sweeps used (the last rotated nothing), or -1 at the cap.
-template <typename T>
+template <typename T, bool kV>
 __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int* flag) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -109,7 +110,7 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
         const int y = svd_jacobi::player(players - 1 - pair, t, players);
         const int p = min(x, y);
         const int q = max(x, y);
-        if (q < cols) rotate_pair(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+        if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
       }
       __syncthreads();  // the next step pairs these columns with others
     }
@@ -138,7 +139,8 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
 // never moves and its slot's threads rotate their rows of it in place (rows part + lanes i, so the
 // threads of a slot touch consecutive words). A column's rows of V are its W column's owner's to
 // touch: when the W column moves inside a warp a __syncwarp orders the two owners, across warps
-// the round's barrier does.
+// the round's barrier does. For the values alone no V is held, and W's pairs fit registers up to
+// 128 columns.
 constexpr int kSlotsMaxCols = 128;
 constexpr int kSlotsMaxColsInRegisters = 64;
 constexpr int kSlotsMaxRows = 128;
@@ -148,8 +150,13 @@ __host__ __device__ inline bool slots_fit(int rows, int cols) {
   return cols >= 1 && cols <= kSlotsMaxCols && rows >= cols && rows <= kSlotsMaxRows;
 }
 
-// Whether V stays in shared memory (past kSlotsMaxColsInRegisters columns).
-__host__ __device__ inline bool slots_shared_v(int cols) { return cols > kSlotsMaxColsInRegisters; }
+// Where the slot sweeps keep V: in registers, in shared memory (past kSlotsMaxColsInRegisters
+// columns) or, for the values alone, nowhere.
+enum class SlotV { kRegisters, kShared, kNone };
+
+__host__ __device__ inline SlotV slot_v(int cols, bool vectors) {
+  return !vectors ? SlotV::kNone : cols > kSlotsMaxColsInRegisters ? SlotV::kShared : SlotV::kRegisters;
+}
 
 // Threads a slot: R / 16 rounded up to a power of two (at least 2).
 __host__ __device__ inline int slot_lanes(int rows) {
@@ -165,31 +172,31 @@ __host__ __device__ inline int slot_count(int rows, int cols) {
   return max(players / 2, 32 / slot_lanes(rows));
 }
 
-// Bytes a thread sends through an exchange buffer: kSlotRows values of W, of V unless V stays in
-// shared memory, and a column index.
+// Bytes a thread sends through an exchange buffer: kSlotRows values of W, of V where V is in
+// registers, and a column index.
 template <typename T>
-__host__ __device__ inline int slot_message_bytes(bool shared_v) {
-  const int v = shared_v ? 0 : static_cast<int>(sizeof(Acc));
+__host__ __device__ inline int slot_message_bytes(SlotV place) {
+  const int v = place == SlotV::kRegisters ? static_cast<int>(sizeof(Acc)) : 0;
   return kSlotRows * (v + static_cast<int>(sizeof(T))) + static_cast<int>(sizeof(int));
 }
 
 // Where the two exchange buffers start: over W (which is in registers while they are in use), and
-// over V too where V is in registers.
+// over V too unless V stays in shared memory.
 template <typename T>
-__host__ __device__ inline int slots_exchange_byte(int rows, int cols) {
-  return slots_shared_v(cols) ? block_layout<T>(rows, cols).w_byte : 0;
+__host__ __device__ inline int slots_exchange_byte(int rows, int cols, bool vectors) {
+  return slot_v(cols, vectors) == SlotV::kShared ? block_layout<T>(rows, cols).w_byte : 0;
 }
 
 // The dynamic shared memory of the slot sweeps' launch.
 template <typename T>
-__host__ __device__ inline int slots_bytes(int rows, int cols) {
+__host__ __device__ inline int slots_bytes(int rows, int cols, bool vectors = true) {
   const int threads = slot_count(rows, cols) * slot_lanes(rows);
-  const int buffers = 2 * threads * slot_message_bytes<T>(slots_shared_v(cols));
-  const int exchange_end = slots_exchange_byte<T>(rows, cols) + buffers;
-  return max(block_layout<T>(rows, cols).bytes, (exchange_end + 15) & ~15);
+  const int buffers = 2 * threads * slot_message_bytes<T>(slot_v(cols, vectors));
+  const int exchange_end = slots_exchange_byte<T>(rows, cols, vectors) + buffers;
+  return max(block_layout<T>(rows, cols, vectors).bytes, (exchange_end + 15) & ~15);
 }
 
-// One of the two exchange buffers: per thread kSlotRows values of V (unless kSharedV) and of W,
+// One of the two exchange buffers: per thread kSlotRows values of V (where in registers) and of W,
 // and a column index.
 template <typename T>
 struct SlotBuffers {
@@ -198,41 +205,41 @@ struct SlotBuffers {
   int* id;
 };
 
-template <typename T, bool kSharedV>
+template <typename T, SlotV kV>
 struct ExchangeBuffers {
   unsigned char* base;
   int threads;
   __device__ SlotBuffers<T> at(int which) const {  // the layout slot_message_bytes counts
-    const int v_rows = kSharedV ? 0 : kSlotRows;
-    Acc* v = reinterpret_cast<Acc*>(base + which * threads * slot_message_bytes<T>(kSharedV));
+    const int v_rows = kV == SlotV::kRegisters ? kSlotRows : 0;
+    Acc* v = reinterpret_cast<Acc*>(base + which * threads * slot_message_bytes<T>(kV));
     T* w = reinterpret_cast<T*>(v + threads * v_rows);
     return {v, w, reinterpret_cast<int*>(w + threads * kSlotRows)};
   }
 };
 
-template <bool kSharedV, typename T>
-using SlotPair = svd_jacobi::ColumnPair<T, Acc, !kSharedV>;
+template <SlotV kV, typename T>
+using SlotPair = svd_jacobi::ColumnPair<T, Acc, kV == SlotV::kRegisters>;
 
 // The move before a round (svd_jacobi::ColumnPair::move from lane `source`, X and Y swapped first
 // where `second`). With `write`, a slot of another warp reads ours: Y also goes to `sent`, at
 // thread `tid`'s entries. With `cross` the block then meets the round's barrier, and where the
 // new Y came from another warp (not `near`) it is read from `sent` at thread `src`'s entries.
-// Without, a __syncwarp hands V's columns (kSharedV) over inside the warp.
-template <bool kSharedV, typename T>
-__device__ __forceinline__ void move_pair(SlotPair<kSharedV, T>& pair, int source, bool second, bool write,
+// Without, a __syncwarp hands V's columns (in shared memory) over inside the warp.
+template <SlotV kV, typename T>
+__device__ __forceinline__ void move_pair(SlotPair<kV, T>& pair, int source, bool second, bool write,
                                           bool cross, bool near, int src, SlotBuffers<T> sent, int tid) {
   if (second) pair.swap();
   if (write) {
 #pragma unroll
     for (int i = 0; i < kSlotRows; ++i) {
       sent.w[tid * kSlotRows + i] = pair.yw[i];
-      if constexpr (!kSharedV) sent.v[tid * kSlotRows + i] = pair.yv[i];
+      if constexpr (kV == SlotV::kRegisters) sent.v[tid * kSlotRows + i] = pair.yv[i];
     }
     sent.id[tid] = pair.yid;
   }
   pair.move(source);
   if (!cross) {
-    if constexpr (kSharedV) __syncwarp();
+    if constexpr (kV == SlotV::kShared) __syncwarp();
     return;
   }
   __syncthreads();
@@ -240,7 +247,7 @@ __device__ __forceinline__ void move_pair(SlotPair<kSharedV, T>& pair, int sourc
 #pragma unroll
   for (int i = 0; i < kSlotRows; ++i) {
     pair.yw[i] = sent.w[src * kSlotRows + i];
-    if constexpr (!kSharedV) pair.yv[i] = sent.v[src * kSlotRows + i];
+    if constexpr (kV == SlotV::kRegisters) pair.yv[i] = sent.v[src * kSlotRows + i];
   }
   pair.yid = sent.id[src];
 }
@@ -256,10 +263,10 @@ __device__ __forceinline__ void rotate_shared_v(Acc* V, int ldv, int cols, int x
   }
 }
 
-// jacobi_sweeps for slots_fit shapes with slot_count * slot_lanes threads, kSharedV past
-// kSlotsMaxColsInRegisters columns; W (and V, unless kSharedV) are read at the start and written at
-// the end. Returns the sweeps used, or -1 at the cap.
-template <bool kSharedV, typename T>
+// jacobi_sweeps for slots_fit shapes with slot_count * slot_lanes threads, V where slot_v places it;
+// W (and V, where in registers) are read at the start and written at the end. Returns the sweeps
+// used, or -1 at the cap.
+template <SlotV kV, typename T>
 __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int cols, unsigned char* smem) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -269,11 +276,12 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
   const int slot = tid / lanes;
   const int part = tid % lanes;
   const int row0 = part * kSlotRows;
-  SlotPair<kSharedV, T> pair;
+  SlotPair<kV, T> pair;
   pair.xid = slot;  // past cols: a zero player
   pair.yid = slot + slots;
   pair.load(W, ldw, V, ldv, rows, cols, row0);
-  const ExchangeBuffers<T, kSharedV> buffers{smem + slots_exchange_byte<T>(rows, cols), slots * lanes};
+  const ExchangeBuffers<T, kV> buffers{smem + slots_exchange_byte<T>(rows, cols, kV != SlotV::kNone),
+                                      slots * lanes};
   int buffer = 0;
   __syncthreads();  // the exchange buffers overlay W (and V)
 
@@ -291,7 +299,7 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
         const bool near_from = move.from / per_warp == slot / per_warp;
         const bool write = cross && move.to / per_warp != slot / per_warp;
         const int source = near_from ? (move.from % per_warp) * lanes + part : lane;
-        move_pair<kSharedV>(pair, source, move.second, write, cross, near_from, move.from * lanes + part,
+        move_pair<kV>(pair, source, move.second, write, cross, near_from, move.from * lanes + part,
                             buffers.at(buffer), tid);
         buffer ^= cross;
 
@@ -302,7 +310,7 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
           Acc c, s;
           svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
           pair.rotate(c, s);
-          if constexpr (kSharedV) rotate_shared_v(V, ldv, cols, pair.xid, pair.yid, c, s, part, lanes);
+          if constexpr (kV == SlotV::kShared) rotate_shared_v(V, ldv, cols, pair.xid, pair.yid, c, s, part, lanes);
         }
       }
     }
@@ -318,8 +326,9 @@ __device__ int jacobi_sweeps_slots(T* W, int ldw, Acc* V, int ldv, int rows, int
 // (jacobi_sweeps_slots) with V there too or, past kSlotsMaxColsInRegisters columns, in shared memory.
 enum class BlockSweeps { kShared, kSlots, kSlotsSharedV };
 
-// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one.
-template <typename T, BlockSweeps kSweeps>
+// One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one; without kVectors,
+// s and info alone (no V in the layout; u and vt unused).
+template <typename T, BlockSweeps kSweeps, bool kVectors>
 __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
                         const BlockLayout& l, unsigned char* smem) {
   Acc* V = reinterpret_cast<Acc*>(smem);
@@ -360,23 +369,28 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     e = exponent(top);
     svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, threads);
 #pragma unroll 1
-    for (int idx = tid; idx < cols * cols; idx += threads) {
+    for (int idx = tid; kVectors && idx < cols * cols; idx += threads) {
       const int j = idx / cols;
       const int i = idx % cols;
       V[j * l.ldv + i] = Acc(i == j);
     }
     __syncthreads();
     if constexpr (kSweeps != BlockSweeps::kShared) {
-      sweeps = jacobi_sweeps_slots<kSweeps == BlockSweeps::kSlotsSharedV>(W, l.ldw, V, l.ldv, rows, cols, smem);
+      constexpr SlotV kV = !kVectors                               ? SlotV::kNone
+                           : kSweeps == BlockSweeps::kSlotsSharedV ? SlotV::kShared
+                                                                   : SlotV::kRegisters;
+      sweeps = jacobi_sweeps_slots<kV>(W, l.ldw, V, l.ldv, rows, cols, smem);
     } else {
-      sweeps = jacobi_sweeps(W, l.ldw, V, l.ldv, rows, cols, flag);
+      sweeps = jacobi_sweeps<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols, flag);
     }
   }
   if (tid == 0) *info = sweeps;
   if (sweeps < 0) {
     svd_jacobi::fill(s, k, Real<T>::nan(), tid, threads);
-    svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, threads);
-    svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, threads);
+    if constexpr (kVectors) {
+      svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, threads);
+      svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, threads);
+    }
     return;
   }
 
@@ -394,6 +408,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
 
 #pragma unroll 1
   for (int r = tid; r < k; r += threads) s[r] = scale2(sv[perm[r]], e);
+  if constexpr (!kVectors) return;
   if (transposed) {  // u = V, vt = (W / s)^T
     svd_jacobi::store_vectors(u, m, k, false, V, l.ldv, sv, false, perm, tid, threads);
     svd_jacobi::store_vectors(vt, n, k, true, W, l.ldw, sv, true, perm, tid, threads);
@@ -403,17 +418,21 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   }
 }
 
-// Grid-stride over matrices, one per block.
-template <typename T, BlockSweeps kSweeps>
-__global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV ? kMaxThreads : kThreads)
+// Grid-stride over matrices, one per block; u and vt are null without kVectors. The slot sweeps
+// past 64 columns take 512 threads (V in shared memory, or none).
+template <typename T, BlockSweeps kSweeps, bool kVectors>
+__global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV || (!kVectors && kSweeps == BlockSweeps::kSlots)
+                                      ? kMaxThreads
+                                      : kThreads)
     svd_jacobi_block_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
                             T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m,
                             int n) {
   extern __shared__ __align__(16) unsigned char smem[];
   const int k = min(m, n);
-  const BlockLayout l = block_layout<T>(max(m, n), k);
+  const BlockLayout l = block_layout<T>(max(m, n), k, kVectors);
   for (int64_t b = blockIdx.x; b < batch; b += gridDim.x) {
-    svd_one<T, kSweeps>(a + b * m * n, s + b * k, u + b * m * k, vt + b * k * n, info + b, m, n, l, smem);
+    svd_one<T, kSweeps, kVectors>(a + b * m * n, s + b * k, kVectors ? u + b * m * k : nullptr,
+                                  kVectors ? vt + b * k * n : nullptr, info + b, m, n, l, smem);
     __syncthreads();  // the next matrix overwrites shared memory other warps may still be reading
   }
 }
@@ -421,16 +440,19 @@ __global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV ? kMaxTh
 // Enqueues the batched SVD on `stream`. Requires batch >= 1, 1 <= m, n, max(m, n) <= kMaxRows,
 // min(m, n) <= kMaxCols (kSlotSweeps: slots_fit) and the launch's shared memory (block_layout's
 // bytes, or slots_bytes) within the device's opt-in per block (the FFI handler answers empty
-// problems). Returns the first CUDA error, cudaSuccess otherwise.
-template <typename T, bool kSlotSweeps = false>
+// problems); u and vt may be null without kVectors. Returns the first CUDA error, cudaSuccess
+// otherwise.
+template <typename T, bool kSlotSweeps = false, bool kVectors = true>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
   const int rows = std::max(m, n), cols = std::min(m, n);
-  const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols) : block_layout<T>(rows, cols).bytes;
+  const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols, kVectors) : block_layout<T>(rows, cols, kVectors).bytes;
   const int threads = kSlotSweeps ? slot_count(rows, cols) * slot_lanes(rows) : kThreads;
-  const auto kernel = !kSlotSweeps              ? svd_jacobi_block_kernel<T, BlockSweeps::kShared>
-                      : slots_shared_v(cols) ? svd_jacobi_block_kernel<T, BlockSweeps::kSlotsSharedV>
-                                             : svd_jacobi_block_kernel<T, BlockSweeps::kSlots>;
+  // (The values alone have no kSlotsSharedV kernel: it would never run.)
+  constexpr BlockSweeps kSharedV = kVectors ? BlockSweeps::kSlotsSharedV : BlockSweeps::kSlots;
+  const auto kernel = !kSlotSweeps ? svd_jacobi_block_kernel<T, BlockSweeps::kShared, kVectors>
+                      : slot_v(cols, kVectors) == SlotV::kShared ? svd_jacobi_block_kernel<T, kSharedV, kVectors>
+                                                                 : svd_jacobi_block_kernel<T, BlockSweeps::kSlots, kVectors>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);
