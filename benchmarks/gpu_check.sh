@@ -18,8 +18,9 @@
 # linalg benchmark's cap (100 s), TESTS_CAP_S the gpu tests' (120 s). The gpu tests run as pytest
 # processes side by side, one per group of GPU_TEST_GROUPS (default: linalg attention demo;
 # `pending` runs just the tests pending_kernels.py waits for, which the whole groups did not finish
-# in their cap on 2026-11-30 and 2026-12-04; GPU_TESTS_K, a pytest -k expression, narrows the other
-# groups), each with its own log (joined into tests.log at the end),
+# in their cap on 2026-11-30 and 2026-12-04; `interpret` runs the Mosaic GPU kernels' interpreted
+# tests on the CPU, which need jax >= 0.11 and so run nowhere else; GPU_TESTS_K, a pytest -k
+# expression, narrows the other groups), each with its own log (joined into tests.log at the end),
 # so one slow group cannot cut off another's report, and each test's outcome and each failure's
 # traceback go to outcomes.log as they happen, so not even a group's own time limit can.
 #
@@ -73,18 +74,19 @@ if wants tests; then
   XLA_FLAGS="$no_autotune" python3 -c "import jax; jax.jit(lambda x: x @ x)(jax.numpy.ones((8, 8)))" 2>/dev/null || no_autotune=
   groups=${GPU_TEST_GROUPS:-linalg attention demo}
   for group in $groups; do
-    select=(${GPU_TESTS_K:+-k "$GPU_TESTS_K"}) per_test=120
+    select=(${GPU_TESTS_K:+-k "$GPU_TESTS_K"}) per_test=120 marker=gpu platforms=
     case $group in
       linalg) paths=(tests/lowering/linalg) workers=6 ;;  # 6 + 8 + 1 of the 16 cores
       attention) paths=(tests/lowering/attention) workers=8 ;;  # Triton compiles dominate
       pending) mapfile -t paths < <(python3 benchmarks/pending_kernels.py --tests); workers=4 select=() ;;
       demo) paths=(tests/test_demo.py) workers=0 per_test=240 ;;  # the demo's own limit (it took over 120 s on 2026-12-04)
+      interpret) paths=(tests/lowering/attention/test_attention_mosaic_gpu.py) workers=2 select=(-k interpreted) marker="not gpu" platforms=cpu ;;
     esac
     if ((${#paths[@]} == 0)); then echo "no tests in $group" >"$OUT/tests-$group.log"; continue; fi  # pytest would run them all
     # every kernel, also those config.py does not dispatch to yet (build.enabled); the benchmarks
     # below run the dispatch as users get it, and time the other kernels in rows of their own
     # -rA: a PASSED / FAILED line per test at the end (outcomes.log has them as they happen)
-    XLA_FLAGS="$no_autotune ${XLA_FLAGS:-}" JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m gpu -p no:cacheprovider -n "$workers" --timeout "$per_test" --tb=short "${select[@]}" "${paths[@]}" \
+    JAX_PLATFORMS=$platforms XLA_FLAGS="$no_autotune ${XLA_FLAGS:-}" JAXFORGE_UNVALIDATED_KERNELS=1 timeout "$limit" python3 -m pytest -q -rA -m "$marker" -p no:cacheprovider -n "$workers" --timeout "$per_test" --tb=short "${select[@]}" "${paths[@]}" \
       >"$OUT/tests-$group.log" 2>&1 &
   done
   wait
