@@ -52,7 +52,9 @@ def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: fl
     check_dtype("svd", "a", a.dtype)
     check_matrix("svd", "a", a.shape)
     grad_eps = _check_grad_eps(grad_eps)
-    out = svd_p.bind(a, full_matrices=bool(full_matrices), compute_uv=bool(compute_uv), grad_eps=grad_eps)
+    # Without vectors full_matrices changes nothing but which lowerings serve: the kernels are thin.
+    full_matrices = bool(full_matrices) and bool(compute_uv)
+    out = svd_p.bind(a, full_matrices=full_matrices, compute_uv=bool(compute_uv), grad_eps=grad_eps)
     if not compute_uv:
         return out[0]
     s, u, vh = out

@@ -152,3 +152,19 @@ def test_an_svd_without_vectors_calls_the_values_twin_once_validated(monkeypatch
             k = min(shape[-2:])
             results = f"-> (tensor<8x{k}x{'f32' if dtype == np.float32 else 'f64'}>, tensor<8xi32>)"
             assert (results in calls[0]) == validated
+
+
+def test_values_alone_of_a_non_square_matrix_take_the_kernels_even_with_full_matrices(monkeypatch):
+    """full_matrices=True (numpy's default) changes no singular value: the call binds the thin SVD,
+    which the kernels serve."""
+    import jax
+
+    import jaxforge as jf
+    from jaxforge.lowering.linalg.svd import cuda
+
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    checks = [jax.export.DisabledSafetyCheck.custom_call(cuda.PAIRS_TARGET)]
+    values = jax.jit(lambda a: jf.linalg.svd(a, full_matrices=True, compute_uv=False))
+    exported = jax.export.export(values, platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct((8, 20, 12), np.float32))
+    assert cuda.PAIRS_TARGET in exported.mlir_module()
