@@ -36,7 +36,7 @@ def _cases():
         "svd_rows": (svd(svd_cuda.WARP_TARGETS["float32"]), (_normal((8192, 32, 32)),)),
         "svd_lanes": (svd(svd_cuda.LANES_TARGET), (_normal((8192, 32, 32)),)),
         "svd_pairs": (svd(svd_cuda.PAIRS_TARGET), (_normal((8192, 32, 32)),)),
-        "svd_block": (svd(svd_cuda.BLOCK_TARGET), (_normal((1024, 64, 64)),)),
+        "svd_block": (svd(svd_cuda.BLOCK_TARGETS["float32"]), (_normal((1024, 64, 64)),)),
         "svd_slots": (svd(svd_cuda.SLOTS_TARGET), (_normal((1024, 64, 64)),)),
     }
 

@@ -225,6 +225,12 @@ def _svd_inputs(shape):
     return (_well_conditioned(jax.random.key(0), shape),)
 
 
+def _svd_f64_inputs(shape):
+    """svd's float32 inputs in float64 (exactly)."""
+    with jax.enable_x64(True):
+        return (_svd_inputs(shape)[0].astype(jnp.float64),)
+
+
 def _lstsq_inputs(shape):
     batch, m, n, k = shape
     a = _well_conditioned(jax.random.key(0), (batch, m, n))
@@ -240,7 +246,8 @@ def _matmul(x, y):
     return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
 
 
-def _svd_implementations(backend: str) -> list[Implementation]:
+def _svd_anchored(backend: str) -> list[Implementation]:
+    """jaxforge's svd and its anchors: jnp's, numpy's on CPU, torch's on GPU where installed."""
     impls = [
         Implementation("jaxforge", jax.jit(jf.linalg.svd)),
         Implementation("jnp", jax.jit(functools.partial(jnp.linalg.svd, full_matrices=False))),
@@ -251,9 +258,41 @@ def _svd_implementations(backend: str) -> list[Implementation]:
     torch = _cuda_torch() if backend == "gpu" else None
     if torch is not None:
         impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
-    if backend == "gpu":
-        impls += [*_svd_kernel_variants(), *_svd_algorithms()]
     return impls
+
+
+def _svd_implementations(backend: str) -> list[Implementation]:
+    extra = [*_svd_kernel_variants(), *_svd_algorithms()] if backend == "gpu" else []
+    return _svd_anchored(backend) + extra
+
+
+def _svd_f64_implementations(backend: str) -> list[Implementation]:
+    """svd's contenders in float64, run with jax_enable_x64; on a GPU also the block kernel by name
+    (``jaxforge-block``: config.JACOBI_BLOCK_F64_VALIDATED) where it fits."""
+    impls = _svd_anchored(backend)
+    if backend == "gpu":
+        from jaxforge.lowering.linalg.svd import config, cuda
+
+        def fits(shape):
+            rows, cols = max(shape[-2:]), min(shape[-2:])
+            return config.JACOBI_WARP_MAX_DIM < rows <= config.JACOBI_BLOCK_MAX_ROWS and config.jacobi_block_bytes(
+                rows, cols, 8
+            ) <= config.MAX_SHARED_BYTES["sm_90a"]
+
+        def block(a):
+            s, u, vh = cuda.jacobi_svd(a, _loaded(cuda.BLOCK_TARGETS["float64"]))
+            return u, s, vh
+
+        impls.append(Implementation("jaxforge-block", jax.jit(block), applies=fits))
+    return [dataclasses.replace(impl, fn=_in_x64(impl.fn)) for impl in impls]
+
+
+def _in_x64(fn):
+    def call(*args):
+        with jax.enable_x64(True):
+            return fn(*args)
+
+    return call
 
 
 def _svdvals_implementations(backend: str) -> list[Implementation]:
@@ -309,7 +348,7 @@ def _svd_kernels() -> list[tuple[str, str, Callable]]:
         ("jaxforge-rows", cuda.WARP_TARGETS["float32"], one_warp),
         ("jaxforge-lanes", cuda.LANES_TARGET, one_warp),
         ("jaxforge-pairs", cuda.PAIRS_TARGET, one_warp),
-        ("jaxforge-block", cuda.BLOCK_TARGET, lambda shape: one_warp(shape) or slots(shape)),
+        ("jaxforge-block", cuda.BLOCK_TARGETS["float32"], lambda shape: one_warp(shape) or slots(shape)),
         ("jaxforge-slots", cuda.SLOTS_TARGET, slots),
     ]
 
@@ -517,8 +556,8 @@ def _grad_shapes(shapes: dict) -> dict:
     return {name: (shape, tuple(t for t in tags if t != "bench_cpu")) for name, (shape, tags) in tall.items()}
 
 
-# The benchmark entries, by the `bench_entry` name their primitive declares, lstsq's gradient and svd
-# without vectors (last: on a GPU the time budget falls on it first).
+# The benchmark entries, by the `bench_entry` name their primitive declares, lstsq's gradient, svd in
+# float64 and svd without vectors (last: on a GPU the time budget falls on them first).
 OPS = {
     "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
     "lstsq": _Op(
@@ -530,6 +569,13 @@ OPS = {
         _lstsq_inputs,
         _lstsq_grad_implementations,
         _lstsq_grad_accuracy,
+    ),
+    "svd_f64": _Op(
+        "svd_f64",
+        _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}),
+        _svd_f64_inputs,
+        _svd_f64_implementations,
+        _svd_accuracy,
     ),
     "svdvals": _Op(
         "svdvals",

@@ -34,8 +34,9 @@ def _block_header_prints(tmp_path, expressions):
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
 def test_block_bytes_match_the_kernel_layout(tmp_path):
-    printed = _block_header_prints(tmp_path, [[f"block_layout<float>({r}, {c}).bytes"] for r, c in SIZES])
-    assert printed == [(config.jacobi_block_bytes(r, c),) for r, c in SIZES]
+    expressions = [[f"block_layout<float>({r}, {c}).bytes", f"block_layout<double>({r}, {c}).bytes"] for r, c in SIZES]
+    printed = _block_header_prints(tmp_path, expressions)
+    assert printed == [(config.jacobi_block_bytes(r, c), config.jacobi_block_bytes(r, c, 8)) for r, c in SIZES]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
@@ -56,7 +57,8 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     assert config.use_jacobi_warp(32, 17, F32, False) and not block(32, 17)
     assert config.use_jacobi_warp(32, 17, np.dtype(np.complex64), False) and not block(32, 17, np.dtype(np.complex64))
     assert block(64, 64) and block(200, 37) and block(45, 130) and block(128, 128)
-    assert not block(64, 64, F64)  # float64 stays with cuSOLVER
+    assert block(64, 64, F64) and block(256, 64, F64) and block(100, 100, F64)  # float64: the shared-memory sweeps
+    assert not block(128, 128, F64) and not block(256, 100, F64)  # over 227 KiB in float64
     assert not block(128, 128, arch="sm_80") and block(64, 64, arch="sm_80")  # 199 KB > sm_80's 163 KiB
     assert not block(256, 128) and not block(257, 10) and not block(300, 129)  # past the kernel's limits
     assert not block(70, 40, full=True) and block(70, 70, full=True)  # thin factors only
@@ -71,6 +73,7 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
 def test_kernels_stay_off_until_validated(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
     assert config.use_jacobi_block(64, 64, F32, False, "sm_90a") == config.JACOBI_BLOCK_VALIDATED
+    assert config.use_jacobi_block(64, 64, F64, False, "sm_90a") == config.JACOBI_BLOCK_F64_VALIDATED
     assert (config.jacobi_warp_sweeps(F32) == "pairs") == config.JACOBI_PAIRS_VALIDATED
 
 
@@ -117,7 +120,7 @@ def test_the_cuda_lowering_calls_the_block_kernel_with_its_slot_sweeps_where_the
     monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     for shape in ((8, 64, 64), (8, 40, 100)):
-        target = cuda.SLOTS_TARGET if slots and max(shape) <= 128 else cuda.BLOCK_TARGET
+        target = cuda.SLOTS_TARGET if slots and max(shape) <= 128 else cuda.BLOCK_TARGETS["float32"]
         checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
         svd = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with this flag
         exported = jax.export.export(svd, platforms=("cuda",), disabled_checks=checks)(
@@ -140,7 +143,7 @@ def test_an_svd_without_vectors_calls_the_values_twin_once_validated(monkeypatch
     monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
     monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     for shape, dtype, kernel in (((8, 32, 32), np.float32, cuda.PAIRS_TARGET), ((8, 20, 12), np.float64, cuda.WARP_TARGETS["float64"]),
-                                 ((8, 64, 64), np.float32, cuda.SLOTS_TARGET), ((8, 40, 200), np.float32, cuda.BLOCK_TARGET)):  # fmt: skip
+                                 ((8, 64, 64), np.float32, cuda.SLOTS_TARGET), ((8, 40, 200), np.float32, cuda.BLOCK_TARGETS["float32"])):  # fmt: skip
         target = cuda.VALUES_TARGETS[kernel] if validated else kernel
         checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
         for values in (lambda a: jf.linalg.svd(a, compute_uv=False), lambda a: jf.linalg.svd(a)[1]):

@@ -172,6 +172,23 @@ def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
         check_svd(a, s, u, vh)
 
 
+@pytest.mark.parametrize("shape", [(256, 64, 64), (16, 100, 100), (20, 200, 37), (12, 45, 130), (9, 33, 33), (6, 256, 64)])
+def test_block_kernel_in_float64_matches_numpy(shape):
+    """float64 through the block kernel's shared-memory sweeps (config.JACOBI_BLOCK_F64_VALIDATED):
+    random, ill-conditioned (κ = 1e12), rank-deficient and NaN-holding matrices."""
+    rng = np.random.default_rng(13)
+    a = random(rng, shape, np.float64)
+    k = min(shape[-2:])
+    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-12, k))
+    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)])
+    a[3, 2, 1] = np.nan
+    f, (u, s, vh) = gpu_svd(a)
+    assert "jaxforge_svd_jacobi_block_f64" in f.lower(on_gpu(a)).as_text()
+    assert all(np.isnan(x[3]).all() for x in (s, u, vh))
+    keep = np.delete(np.arange(shape[0]), 3)
+    check_svd(a[keep], *(np.asarray(x)[keep] for x in (s, u, vh)))
+
+
 # ---------------------------------------------------------------- the values alone (compute_uv=False)
 
 
@@ -181,6 +198,7 @@ def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
      ("jaxforge_svd_jacobi_c64", np.complex64, (100, 24, 24)), ("jaxforge_svd_jacobi_c128", np.complex128, (50, 31, 7)),
      ("jaxforge_svd_jacobi_lanes_f32", np.float32, (300, 32, 32)), ("jaxforge_svd_jacobi_pairs_f32", np.float32, (4096, 32, 32)),
      ("jaxforge_svd_jacobi_pairs_f32", np.float32, (100, 17, 30)), ("jaxforge_svd_jacobi_block_f32", np.float32, (64, 100, 40)),
+     ("jaxforge_svd_jacobi_block_f64", np.float64, (64, 100, 40)),
      ("jaxforge_svd_jacobi_slots_f32", np.float32, (1024, 64, 64)), ("jaxforge_svd_jacobi_slots_f32", np.float32, (64, 128, 128)),
      ("jaxforge_svd_jacobi_slots_f32", np.float32, (16, 70, 100))],
 )  # fmt: skip

@@ -1,8 +1,8 @@
 """Dispatch of svd_p on CUDA: which kernel serves which shape.
 
 The one-warp Jacobi kernel holds a matrix's rows in the 32 lanes of a warp, so both dims are at most
-32. The one-block kernel keeps a float32 matrix and its float64 rotations in a block's shared
-memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Larger
+32. The one-block kernel keeps a float32 or float64 matrix and its float64 rotations in a block's
+shared memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Larger
 shapes go to the method LARGE_SVD names for them, or else to the default lowering (cuSOLVER through
 jax.lax.linalg). The thresholds are measured on the H200, not guessed.
 """
@@ -26,6 +26,11 @@ JACOBI_LANES = True
 JACOBI_PAIRS_VALIDATED = True
 JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
+# float64 in the block kernel's shared-memory sweeps (the slot sweeps' registers hold float32 only):
+# float32's kernel with W in float64, past the one-warp kernel where the default lowering loops
+# cuSOLVER over the batch. Off until its gpu tests pass and the bench (op "svd", float64 shapes,
+# row jaxforge-block) finds it faster than that loop.
+JACOBI_BLOCK_F64_VALIDATED = False
 # float32 with 32 < max(m, n) <= 128: the block kernel with its column pairs in registers
 # (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 512 a block; V in float64 registers up to 64
 # columns, past them in shared memory), in place of the shared-memory sweeps. On the H200
@@ -69,12 +74,13 @@ def jacobi_warp_sweeps(dtype) -> str:
     return "lanes" if JACOBI_LANES else "rows"
 
 
-def jacobi_block_bytes(rows: int, cols: int) -> int:
-    """The block kernel's shared memory for an R x C work matrix (``block_layout<float>`` in
-    csrc/svd_jacobi_block.cuh): V in float64, W, norms, 16 reduction slots, perm, flag."""
+def jacobi_block_bytes(rows: int, cols: int, itemsize: int = 4) -> int:
+    """The block kernel's shared memory for an R x C work matrix of ``itemsize``-byte elements
+    (``block_layout<T>`` in csrc/svd_jacobi_block.cuh): V in float64, W, norms, 16 reduction slots,
+    perm, flag."""
     v = (cols | 1) * cols * 8
-    w = (rows | 1) * cols * 4
-    return (v + w + cols * 4 + 16 * 4 + cols * 4 + 4 + 15) // 16 * 16
+    w = (rows | 1) * cols * itemsize
+    return (v + w + cols * itemsize + 16 * itemsize + cols * 4 + 4 + 15) // 16 * 16
 
 
 def jacobi_slots_bytes(rows: int, cols: int) -> int:
@@ -108,11 +114,14 @@ def use_jacobi_values() -> bool:
 
 
 def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
-    """For float32 matrices past the warp kernel that fit the block kernel on GPU ``arch``."""
+    """For float32 (and float64) matrices past the warp kernel that fit the block kernel on GPU ``arch``."""
     rows, cols = max(m, n), min(m, n)
+    validated = {"float32": JACOBI_BLOCK_VALIDATED, "float64": JACOBI_BLOCK_F64_VALIDATED}
+    if dtype.name not in validated or not build.enabled(validated[dtype.name]):
+        return False
     fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and rows <= JACOBI_BLOCK_MAX_ROWS and rows > JACOBI_WARP_MAX_DIM
-    fits = fits and jacobi_block_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
-    return build.enabled(JACOBI_BLOCK_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
+    fits = fits and jacobi_block_bytes(rows, cols, dtype.itemsize) <= MAX_SHARED_BYTES.get(arch, 0)
+    return fits and _thin(m, n, full_matrices)
 
 
 # Past the kernels: cuSOLVER by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) or QDWH (polar.py),

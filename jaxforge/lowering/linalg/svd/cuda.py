@@ -31,7 +31,7 @@ WARP_TARGETS = {
 LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"
 PAIRS_TARGET = "jaxforge_svd_jacobi_pairs_f32"
 SWEEP_TARGETS = {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}
-BLOCK_TARGET = "jaxforge_svd_jacobi_block_f32"  # float32 only (config.use_jacobi_block)
+BLOCK_TARGETS = {"float32": "jaxforge_svd_jacobi_block_f32", "float64": "jaxforge_svd_jacobi_block_f64"}  # config.use_jacobi_block
 SLOTS_TARGET = "jaxforge_svd_jacobi_slots_f32"  # the same with its column pairs in registers (config.use_jacobi_slots)
 # Each kernel's twin for the values alone: results s and info.
 VALUES_TARGETS = {
@@ -41,7 +41,8 @@ VALUES_TARGETS = {
     WARP_TARGETS["complex128"]: "jaxforge_svd_jacobi_values_c128",
     LANES_TARGET: "jaxforge_svd_jacobi_lanes_values_f32",
     PAIRS_TARGET: "jaxforge_svd_jacobi_pairs_values_f32",
-    BLOCK_TARGET: "jaxforge_svd_jacobi_block_values_f32",
+    BLOCK_TARGETS["float32"]: "jaxforge_svd_jacobi_block_values_f32",
+    BLOCK_TARGETS["float64"]: "jaxforge_svd_jacobi_block_values_f64",
     SLOTS_TARGET: "jaxforge_svd_jacobi_slots_values_f32",
 }
 KERNEL = build.declare(
@@ -63,7 +64,8 @@ KERNEL = build.declare(
             WARP_TARGETS["complex128"]: "JaxforgeSvdJacobiC128",
             LANES_TARGET: "JaxforgeSvdJacobiLanesF32",
             PAIRS_TARGET: "JaxforgeSvdJacobiPairsF32",
-            BLOCK_TARGET: "JaxforgeSvdJacobiBlockF32",
+            BLOCK_TARGETS["float32"]: "JaxforgeSvdJacobiBlockF32",
+            BLOCK_TARGETS["float64"]: "JaxforgeSvdJacobiBlockF64",
             SLOTS_TARGET: "JaxforgeSvdJacobiSlotsF32",
             VALUES_TARGETS[WARP_TARGETS["float32"]]: "JaxforgeSvdJacobiF32Values",
             VALUES_TARGETS[WARP_TARGETS["float64"]]: "JaxforgeSvdJacobiF64Values",
@@ -71,7 +73,8 @@ KERNEL = build.declare(
             VALUES_TARGETS[WARP_TARGETS["complex128"]]: "JaxforgeSvdJacobiC128Values",
             VALUES_TARGETS[LANES_TARGET]: "JaxforgeSvdJacobiLanesF32Values",
             VALUES_TARGETS[PAIRS_TARGET]: "JaxforgeSvdJacobiPairsF32Values",
-            VALUES_TARGETS[BLOCK_TARGET]: "JaxforgeSvdJacobiBlockF32Values",
+            VALUES_TARGETS[BLOCK_TARGETS["float32"]]: "JaxforgeSvdJacobiBlockF32Values",
+            VALUES_TARGETS[BLOCK_TARGETS["float64"]]: "JaxforgeSvdJacobiBlockF64Values",
             VALUES_TARGETS[SLOTS_TARGET]: "JaxforgeSvdJacobiSlotsF32Values",
         },
     )
@@ -87,7 +90,7 @@ def _target(a, full_matrices: bool) -> str | None:
     if config.use_jacobi_slots(m, n, a.dtype, full_matrices, build.gpu_arch()):
         return SLOTS_TARGET
     if config.use_jacobi_block(m, n, a.dtype, full_matrices, build.gpu_arch()):
-        return BLOCK_TARGET
+        return BLOCK_TARGETS[a.dtype.name]
     return None
 
 

@@ -1,7 +1,9 @@
-// Batched thin SVD of medium float32 matrices (max(m, n) <= 256, min(m, n) <= 128) by one-sided
-// (Hestenes) Jacobi, one thread block per matrix, the column pairs in the round-robin parallel
-// order. Same contract as svd_jacobi.cuh (layout, descending s, info = sweeps used or -1 with NaN
-// results, zero vectors for zero singular values in the normalised factor).
+// Batched thin SVD of medium float32 and float64 matrices (max(m, n) <= 256, min(m, n) <= 128,
+// within the shared memory a block may have) by one-sided (Hestenes) Jacobi, one thread block per
+// matrix, the column pairs in the round-robin parallel order. Same contract as svd_jacobi.cuh
+// (layout, descending s, info = sweeps used or -1 with NaN results, zero vectors for zero singular
+// values in the normalised factor). The slot sweeps (column pairs in registers) are float32's only:
+// float64's pairs would not fit a thread's registers.
 //
 // W = A (m >= n) or A^T (m < n), R x C with R >= C, and the rotation accumulator V (C x C) live in
 // the block's shared memory, column-major. V is accumulated in float64, the rotations computed in
@@ -20,6 +22,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "svd_jacobi.cuh"
 
@@ -445,14 +448,16 @@ __global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV || (!kVe
 template <typename T, bool kSlotSweeps = false, bool kVectors = true>
 cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
+  static_assert(!kSlotSweeps || std::is_same_v<T, float>, "the slot sweeps are float32's");
   const int rows = std::max(m, n), cols = std::min(m, n);
   const int bytes = kSlotSweeps ? slots_bytes<T>(rows, cols, kVectors) : block_layout<T>(rows, cols, kVectors).bytes;
   const int threads = kSlotSweeps ? slot_count(rows, cols) * slot_lanes(rows) : kThreads;
-  // (The values alone have no kSlotsSharedV kernel: it would never run.)
-  constexpr BlockSweeps kSharedV = kVectors ? BlockSweeps::kSlotsSharedV : BlockSweeps::kSlots;
-  const auto kernel = !kSlotSweeps ? svd_jacobi_block_kernel<T, BlockSweeps::kShared, kVectors>
-                      : slot_v(cols, kVectors) == SlotV::kShared ? svd_jacobi_block_kernel<T, kSharedV, kVectors>
-                                                                 : svd_jacobi_block_kernel<T, BlockSweeps::kSlots, kVectors>;
+  auto kernel = svd_jacobi_block_kernel<T, BlockSweeps::kShared, kVectors>;
+  if constexpr (kSlotSweeps) {  // (the values alone have no kSlotsSharedV kernel: it would never run)
+    constexpr BlockSweeps kSharedV = kVectors ? BlockSweeps::kSlotsSharedV : BlockSweeps::kSlots;
+    kernel = slot_v(cols, kVectors) == SlotV::kShared ? svd_jacobi_block_kernel<T, kSharedV, kVectors>
+                                                      : svd_jacobi_block_kernel<T, BlockSweeps::kSlots, kVectors>;
+  }
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = std::min<int64_t>(batch, INT32_MAX);

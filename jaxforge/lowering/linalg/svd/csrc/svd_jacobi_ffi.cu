@@ -1,8 +1,8 @@
 // XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
 // float32, float64, complex64 and complex128 with a row a lane; float32 also with a column a lane or
-// two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, float32, max(m, n) <= 256,
-// min(m, n) <= 128, within the device's shared memory per block; the column pairs in shared memory,
-// or, for max(m, n) <= 128, in registers).
+// two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, float32 and float64,
+// max(m, n) <= 256, min(m, n) <= 128, within the device's shared memory per block; the column pairs
+// in shared memory, or, for float32 with max(m, n) <= 128, in registers).
 //
 // Operand a: (*batch, m, n), row-major. Results, in order: s (*batch, k) descending and real,
 // u (*batch, m, k), vt (*batch, k, n) with k = min(m, n) and a = u @ diag(s) @ vt, and
@@ -75,7 +75,7 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
   T* vt_data = vectors ? KernelData((*vt)->typed_data()) : nullptr;
   const auto launch = [&](auto with_vectors) -> cudaError_t {
     constexpr bool kVectors = decltype(with_vectors)::value;
-    // Instantiates only this kernel's launcher (the block one is float32 only).
+    // Instantiates only this kernel's launcher (the block one is real only).
     if constexpr (kOneWarp) {
       constexpr sj::Sweeps kSweeps = K == Kernel::kWarpLanes   ? sj::Sweeps::kLanes
                                      : K == Kernel::kWarpPairs ? sj::Sweeps::kPairs
@@ -163,6 +163,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32, (SvdJacobiVectors<ffi::
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF32Values, (SvdJacobiValues<ffi::F32, Kernel::kBlock>),
                               SvdJacobiValuesBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF64, (SvdJacobiVectors<ffi::F64, Kernel::kBlock>),
+                              SvdJacobiBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF64Values, (SvdJacobiValues<ffi::F64, Kernel::kBlock>),
+                              SvdJacobiValuesBinding<ffi::F64>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiSlotsF32, (SvdJacobiVectors<ffi::F32, Kernel::kBlockSlots>),
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiSlotsF32Values, (SvdJacobiValues<ffi::F32, Kernel::kBlockSlots>),
