@@ -271,13 +271,11 @@ def _svd_f64_implementations(backend: str) -> list[Implementation]:
     (``jaxforge-block``: config.JACOBI_BLOCK_F64_VALIDATED) where it fits."""
     impls = _svd_anchored(backend)
     if backend == "gpu":
+        from jaxforge.lowering import build
         from jaxforge.lowering.linalg.svd import config, cuda
 
         def fits(shape):
-            rows, cols = max(shape[-2:]), min(shape[-2:])
-            return config.JACOBI_WARP_MAX_DIM < rows <= config.JACOBI_BLOCK_MAX_ROWS and config.jacobi_block_bytes(
-                rows, cols, 8
-            ) <= config.MAX_SHARED_BYTES["sm_90a"]
+            return config.jacobi_block_fits(max(shape[-2:]), min(shape[-2:]), 8, build.gpu_arch())
 
         def block(a):
             s, u, vh = cuda.jacobi_svd(a, _loaded(cuda.BLOCK_TARGETS["float64"]))

@@ -28,8 +28,8 @@ JACOBI_BLOCK_MAX_ROWS, JACOBI_BLOCK_MAX_COLS = 256, 128
 JACOBI_BLOCK_VALIDATED = True
 # float64 in the block kernel's shared-memory sweeps (the slot sweeps' registers hold float32 only):
 # float32's kernel with W in float64, past the one-warp kernel where the default lowering loops
-# cuSOLVER over the batch. Off until its gpu tests pass and the bench (op "svd", float64 shapes,
-# row jaxforge-block) finds it faster than that loop.
+# cuSOLVER over the batch. Off until its gpu tests pass and the bench (op "svd_f64", row
+# jaxforge-block) finds it faster than that loop.
 JACOBI_BLOCK_F64_VALIDATED = False
 # float32 with 32 < max(m, n) <= 128: the block kernel with its column pairs in registers
 # (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 512 a block; V in float64 registers up to 64
@@ -115,13 +115,16 @@ def use_jacobi_values() -> bool:
 
 def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
     """For float32 (and float64) matrices past the warp kernel that fit the block kernel on GPU ``arch``."""
-    rows, cols = max(m, n), min(m, n)
     validated = {"float32": JACOBI_BLOCK_VALIDATED, "float64": JACOBI_BLOCK_F64_VALIDATED}
     if dtype.name not in validated or not build.enabled(validated[dtype.name]):
         return False
-    fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and rows <= JACOBI_BLOCK_MAX_ROWS and rows > JACOBI_WARP_MAX_DIM
-    fits = fits and jacobi_block_bytes(rows, cols, dtype.itemsize) <= MAX_SHARED_BYTES.get(arch, 0)
-    return fits and _thin(m, n, full_matrices)
+    return jacobi_block_fits(max(m, n), min(m, n), dtype.itemsize, arch) and _thin(m, n, full_matrices)
+
+
+def jacobi_block_fits(rows: int, cols: int, itemsize: int, arch: str | None) -> bool:
+    """Whether an R x C work matrix past the warp kernel fits the block kernel on GPU ``arch``."""
+    fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_BLOCK_MAX_ROWS
+    return fits and jacobi_block_bytes(rows, cols, itemsize) <= MAX_SHARED_BYTES.get(arch, 0)
 
 
 # Past the kernels: cuSOLVER by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) or QDWH (polar.py),
