@@ -262,8 +262,21 @@ def _svd_anchored(backend: str) -> list[Implementation]:
 
 
 def _svd_implementations(backend: str) -> list[Implementation]:
-    extra = [*_svd_kernel_variants(), *_svd_algorithms()] if backend == "gpu" else []
+    extra = [*_svd_kernel_variants(), _svd_after_qr(), *_svd_algorithms()] if backend == "gpu" else []
     return _svd_anchored(backend) + extra
+
+
+def _svd_after_qr() -> Implementation:
+    """The Jacobi kernel of R after ``A = QR`` (``jaxforge-qr-jacobi``: config.JACOBI_QR_FIRST_VALIDATED),
+    through the dispatch's own after_qr, on the shapes it would serve."""
+    from jaxforge.lowering.linalg.svd import cuda
+
+    def svd(a):
+        s, u, vh = cuda.after_qr(a, functools.partial(cuda.jacobi, target=_loaded(cuda.r_target(a))), compute_uv=True)
+        return u, s, vh
+
+    applies = lambda shape: cuda.r_target(jax.ShapeDtypeStruct(shape, jnp.float32)) is not None  # noqa: E731
+    return Implementation("jaxforge-qr-jacobi", jax.jit(svd), applies=applies)
 
 
 def _svd_f64_implementations(backend: str) -> list[Implementation]:

@@ -67,6 +67,7 @@ SHAPES = {
     "medium_batch": ((256, 128, 128), ("bench_gpu",)),
     "square_large": ((1, 2048, 2048), ("bench_gpu",)),
     "tall_large": ((1, 8192, 512), ("bench_gpu", "bench_cpu")),
+    "tall_batch": ((256, 1000, 64), ("bench_gpu",)),  # past the kernels, its R not
     "cpu_batch": ((256, 32, 32), ("bench_cpu",)),
     "cpu_tall": ((16, 1000, 100), ("bench_cpu",)),
     "odd_wide": ((3, 37, 61), ("bench_cpu", "test")),

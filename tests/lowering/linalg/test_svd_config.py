@@ -171,3 +171,30 @@ def test_values_alone_of_a_non_square_matrix_take_the_kernels_even_with_full_mat
     values = jax.jit(lambda a: jf.linalg.svd(a, full_matrices=True, compute_uv=False))
     exported = jax.export.export(values, platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct((8, 20, 12), np.float32))
     assert cuda.PAIRS_TARGET in exported.mlir_module()
+
+
+@pytest.mark.parametrize("validated", [True, False])
+def test_a_tall_batch_past_the_kernels_takes_the_kernel_of_r_after_a_qr(monkeypatch, validated):
+    import jax
+
+    import jaxforge as jf
+    from jaxforge.lowering.linalg.svd import cuda
+
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setattr(config, "JACOBI_QR_FIRST_VALIDATED", validated)
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
+    cases = [((8, 600, 40), np.float32, cuda.SLOTS_TARGET, 40),  # R 40 x 40
+             ((8, 20, 700), np.float32, cuda.PAIRS_TARGET, 20),  # wide: R of Aᴴ, 20 x 20
+             ((4, 300, 24), np.complex64, cuda.WARP_TARGETS["complex64"], 24),
+             ((8, 600, 40), np.complex64, None, 0),  # R past the complex kernel's 32
+             ((2, 300, 300), np.float32, None, 0)]  # fmt: skip
+    for shape, dtype, target, k in cases:
+        for f in (lambda a: jf.linalg.svd(a), lambda a: jf.linalg.svd(a, compute_uv=False)):  # new: lowered with this flag
+            checks = [jax.export.DisabledSafetyCheck.custom_call(target)] if target else []
+            exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct(shape, dtype))
+            calls = [line for line in exported.mlir_module().splitlines() if "jaxforge_svd_jacobi" in line]
+            if target is None or not validated:
+                assert not calls, calls
+            else:
+                assert len(calls) == 1 and f"@{target}(" in calls[0] and f"(tensor<{shape[0]}x{k}x{k}x" in calls[0], calls

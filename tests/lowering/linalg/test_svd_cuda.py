@@ -189,6 +189,32 @@ def test_block_kernel_in_float64_matches_numpy(shape):
     check_svd(a[keep], *(np.asarray(x)[keep] for x in (s, u, vh)))
 
 
+@pytest.mark.parametrize(
+    "shape,dtype,target",
+    [((256, 1000, 64), np.float32, "jaxforge_svd_jacobi_slots_f32"), ((64, 300, 128), np.float32, "jaxforge_svd_jacobi_slots_f32"),
+     ((128, 24, 700), np.float32, "jaxforge_svd_jacobi_pairs_f32"), ((32, 500, 20), np.float64, "jaxforge_svd_jacobi_f64"),
+     ((16, 400, 30), np.complex64, "jaxforge_svd_jacobi_c64")],
+)  # fmt: skip
+def test_tall_batches_take_the_kernel_of_r_after_a_qr(shape, dtype, target):
+    """Past the kernels' rows, R of A = QR (of Aᴴ when wide) through the kernel it fits
+    (config.JACOBI_QR_FIRST_VALIDATED): random, ill-conditioned (κ = 1e6), rank-deficient and
+    NaN-holding matrices, with and without the vectors."""
+    rng = np.random.default_rng(14)
+    a = random(rng, shape, dtype)
+    k = min(shape[-2:])
+    wide = np.result_type(dtype, np.float64)
+    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-6, k), wide).astype(dtype)
+    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
+    a[3, 2, 1] = np.nan
+    f, (u, s, vh) = gpu_svd(a)
+    assert f"@{target}(" in f.lower(on_gpu(a)).as_text()
+    assert all(np.isnan(x[3]).all() for x in (s, u, vh))
+    keep = np.delete(np.arange(shape[0]), 3)
+    check_svd(a[keep], *(np.asarray(x)[keep] for x in (s, u, vh)))
+    values = np.asarray(jax.jit(lambda a: jf.linalg.svd(a, compute_uv=False))(on_gpu(a)))
+    check_singular_values(a[keep], values[keep])
+
+
 # ---------------------------------------------------------------- the values alone (compute_uv=False)
 
 

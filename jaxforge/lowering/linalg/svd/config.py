@@ -49,6 +49,11 @@ JACOBI_SLOTS_MAX_COLS_IN_REGISTERS = 64  # past it V stays in shared memory
 # 49; of 128 x 128: 68 against 197). Off until the H200 measures them: bench op "svdvals", rows
 # jaxforge-<kernel>-values against jaxforge-<kernel>.
 JACOBI_VALUES_VALIDATED = False
+# Tall matrices past the kernels (max(m, n) > 256, or past the block's shared memory) whose R of
+# A = QR (lstsq/cuda.thin_qr; of A^H when wide) fits one: that kernel after the QR, u = Q u_R, where
+# the default lowering loops cuSOLVER over the batch. Off until its gpu tests pass and the bench
+# (op "svd", shape tall_batch, row jaxforge-qr-jacobi) finds it faster.
+JACOBI_QR_FIRST_VALIDATED = False
 # Shared memory a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin): sm_90 has 227 KiB,
 # sm_80 163 KiB, sm_86/sm_89 99 KiB.
 MAX_SHARED_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_89": 101376, "sm_90a": 232448}
@@ -105,6 +110,12 @@ def use_jacobi_slots(m: int, n: int, dtype, full_matrices: bool, arch: str | Non
     fits = 0 < cols <= JACOBI_SLOTS_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_SLOTS_MAX_ROWS
     fits = fits and jacobi_slots_bytes(rows, cols) <= MAX_SHARED_BYTES.get(arch, 0)
     return build.enabled(JACOBI_SLOTS_VALIDATED) and fits and _thin(m, n, full_matrices) and dtype.name == "float32"
+
+
+def use_jacobi_qr_first(m: int, n: int, full_matrices: bool) -> bool:
+    """Whether an m x n SVD that no kernel serves may take the kernel of R, ``A = QR`` (of ``Aᴴ``
+    when wide), if one serves R (cuda.r_target)."""
+    return build.enabled(JACOBI_QR_FIRST_VALIDATED) and _thin(m, n, full_matrices)
 
 
 def use_jacobi_values() -> bool:

@@ -1,13 +1,17 @@
 """CUDA lowering of svd_p: the batched Jacobi kernels (csrc/svd_jacobi*.{cuh,cu}) where they fit,
 the measured best of cuSOLVER's methods and QDWH (polar.py) for large shapes (config.LARGE_SVD).
 
-Other shapes and machines where the kernel cannot be built take the default lowering. Matrices that
+A batch of tall matrices past the kernels whose R of ``A = QR`` fits one (of ``Aᴴ`` when wide)
+takes that kernel after the QR (config.use_jacobi_qr_first). Other shapes and machines where the
+kernel cannot be built take the default lowering. Matrices that
 hold NaN/Inf or do not converge come back as NaN. Without ``compute_uv`` (asked for, or set by svd_p's
 dead-code rule) each kernel's twin for the values alone runs (VALUES_TARGETS,
 config.use_jacobi_values): no rotations accumulated, no vectors written, the same singular values.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -94,13 +98,29 @@ def _target(a, full_matrices: bool) -> str | None:
     return None
 
 
+def r_target(a) -> str | None:
+    """The FFI target serving R of ``A = QR`` (of ``Aᴴ`` when wide) where none serves ``a`` itself,
+    or None."""
+    k = min(a.shape[-2:])
+    return None if _target(a, False) is not None else _target(jax.ShapeDtypeStruct((k, k), a.dtype), False)
+
+
 def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     target = _target(a, full_matrices)
-    if target is None or not build.ensure_loaded(KERNEL):
-        large = config.large_svd_method(*a.shape[-2:], full_matrices)
-        if large is not None:
-            return large_svd(a, *large, compute_uv=compute_uv)
-        return svd_xla(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
+    after_qr_target = r_target(a) if config.use_jacobi_qr_first(*a.shape[-2:], full_matrices) else None
+    if target is not None and build.ensure_loaded(KERNEL):
+        return jacobi(a, target, compute_uv=compute_uv)
+    if after_qr_target is not None and build.ensure_loaded(KERNEL):
+        return after_qr(a, functools.partial(jacobi, target=after_qr_target), compute_uv=compute_uv)
+    large = config.large_svd_method(*a.shape[-2:], full_matrices)
+    if large is not None:
+        return large_svd(a, *large, compute_uv=compute_uv)
+    return svd_xla(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
+
+
+def jacobi(a, target: str, *, compute_uv: bool):
+    """``(s, u, vh)`` or ``(s,)`` by the Jacobi kernel ``target`` (loaded), or by its twin for the
+    values alone where config.use_jacobi_values."""
     if not compute_uv and config.use_jacobi_values():
         return (jacobi_values(a, VALUES_TARGETS[target]),)
     s, u, vh = jacobi_svd(a, target)
@@ -140,19 +160,28 @@ CUSOLVER_ALGORITHMS = {
 }
 
 
+def after_qr(a, svd_of_r, *, compute_uv: bool):
+    """The thin ``(s, u, vh)`` or ``(s,)`` of ``a`` from ``svd_of_r(R, compute_uv=...)`` of the
+    triangular factor of ``A = QR`` (of ``Aᴴ`` when wide): ``u = Q u_R``, ``vh = vh_R``."""
+    if a.shape[-2] < a.shape[-1]:
+        out = after_qr(ct(a), svd_of_r, compute_uv=compute_uv)
+        return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
+    if not compute_uv:
+        return svd_of_r(thin_qr(a)[1], compute_uv=False)
+    q, r = thin_qr(a)
+    s, u, vh = svd_of_r(r, compute_uv=True)
+    return s, mm(q, u), vh
+
+
 def large_svd(a, method: str, qr_first: bool, *, compute_uv: bool = True):
     """The thin ``(s, u, vh)`` or ``(s,)`` by one of config.LARGE_SVD_METHODS; with ``qr_first``, of
-    the triangular factor of ``A = QR`` (of ``Aᴴ`` when wide), ``u = Q u_R``. The benchmark times
-    every choice through here, so it measures what the dispatch runs."""
-    if a.shape[-2] < a.shape[-1]:
-        out = large_svd(ct(a), method, qr_first, compute_uv=compute_uv)
-        return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
-    if qr_first and not compute_uv:
-        return large_svd(thin_qr(a)[1], method, False, compute_uv=False)
+    the triangular factor of ``A = QR`` (after_qr). The benchmark times every choice through here,
+    so it measures what the dispatch runs."""
     if qr_first:
-        q, r = thin_qr(a)
-        s, u, vh = large_svd(r, method, False)
-        return s, mm(q, u), vh
+        return after_qr(a, functools.partial(large_svd, method=method, qr_first=False), compute_uv=compute_uv)
+    if a.shape[-2] < a.shape[-1]:
+        out = large_svd(ct(a), method, False, compute_uv=compute_uv)
+        return out if not compute_uv else (out[0], ct(out[2]), ct(out[1]))
     if method == "qdwh":
         bad = nonfinite_matrices(a)  # zeroed first, so no NaN meets an eigensolver
         out = svd_polar(jnp.where(bad[..., None, None], 0, a), compute_uv=compute_uv)
