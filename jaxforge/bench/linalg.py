@@ -52,6 +52,12 @@ def _unchanged(*xs):
     return xs
 
 
+def _wide(x) -> np.ndarray:
+    """``x`` on the host in float64, or complex128 where complex."""
+    x = np.asarray(x)
+    return x.astype(np.result_type(x.dtype, np.float64))
+
+
 def _to_host(*xs):
     return tuple(np.asarray(x) for x in xs)
 
@@ -112,7 +118,7 @@ def measure(
     records: list[dict] = []
     for op, name, shape, impls in plan:
         inputs = op.make_inputs(shape)
-        host64 = tuple(np.asarray(x, np.float64) for x in inputs)
+        host64 = tuple(_wide(x) for x in inputs)
         outcomes: dict[str, dict | _Ready] = {}  # compiled and checked first, then timed together
         for impl in impls:
             if progress:
@@ -194,7 +200,7 @@ def _first_call(op: _Op, impl: Implementation, args, host64, skip_seconds=None) 
     first_s, outputs = timed_call(impl.fn, *args)  # compiles, and gives the outputs to check
     if skip_seconds is not None and first_s > skip_seconds:
         return untimed_record("skipped", f"first call took {first_s:.0f} s", first_s)
-    accuracy = op.accuracy(host64, [impl.fetch(x).astype(np.float64) for x in outputs])
+    accuracy = op.accuracy(host64, [_wide(impl.fetch(x)) for x in outputs])
     return _Ready(impl.fn, args, first_s, accuracy)
 
 
@@ -225,10 +231,18 @@ def _svd_inputs(shape):
     return (_well_conditioned(jax.random.key(0), shape),)
 
 
-def _svd_f64_inputs(shape):
-    """svd's float32 inputs in float64 (exactly)."""
-    with jax.enable_x64(True):
-        return (_svd_inputs(shape)[0].astype(jnp.float64),)
+def _svd_inputs_as(dtype):
+    """svd's inputs in ``dtype``: the float32 ones exactly in float64; for complex types, ``(A + iB)/√2``
+    of two of them."""
+
+    def inputs(shape):
+        with jax.enable_x64(True):
+            (a,) = _svd_inputs(shape)
+            if np.dtype(dtype).kind == "c":
+                a = (a + 1j * _well_conditioned(jax.random.key(1), shape)) / np.sqrt(2)
+            return (a.astype(dtype),)
+
+    return inputs
 
 
 def _lstsq_inputs(shape):
@@ -279,23 +293,28 @@ def _svd_after_qr() -> Implementation:
     return Implementation("jaxforge-qr-jacobi", jax.jit(svd), applies=applies)
 
 
-def _svd_f64_implementations(backend: str) -> list[Implementation]:
-    """svd's contenders in float64, run with jax_enable_x64; on a GPU also the block kernel by name
-    (``jaxforge-block``: config.JACOBI_BLOCK_F64_VALIDATED) where it fits."""
-    impls = _svd_anchored(backend)
-    if backend == "gpu":
-        from jaxforge.lowering import build
-        from jaxforge.lowering.linalg.svd import config, cuda
+def _svd_implementations_as(dtype):
+    """svd's contenders on inputs of ``dtype``, run with jax_enable_x64; on a GPU also the block
+    kernel by name (``jaxforge-block``: config.JACOBI_BLOCK_F64_VALIDATED,
+    JACOBI_BLOCK_COMPLEX_VALIDATED) where it fits."""
 
-        def fits(shape):
-            return config.jacobi_block_fits(max(shape[-2:]), min(shape[-2:]), 8, build.gpu_arch())
+    def implementations(backend: str) -> list[Implementation]:
+        impls = _svd_anchored(backend)
+        if backend == "gpu":
+            from jaxforge.lowering import build
+            from jaxforge.lowering.linalg.svd import config, cuda
 
-        def block(a):
-            s, u, vh = cuda.jacobi_svd(a, _loaded(cuda.BLOCK_TARGETS["float64"]))
-            return u, s, vh
+            def fits(shape):
+                return config.jacobi_block_fits(max(shape[-2:]), min(shape[-2:]), dtype, build.gpu_arch())
 
-        impls.append(Implementation("jaxforge-block", jax.jit(block), applies=fits))
-    return [dataclasses.replace(impl, fn=_in_x64(impl.fn)) for impl in impls]
+            def block(a):
+                s, u, vh = cuda.jacobi_svd(a, _loaded(cuda.BLOCK_TARGETS[np.dtype(dtype).name]))
+                return u, s, vh
+
+            impls.append(Implementation("jaxforge-block", jax.jit(block), applies=fits))
+        return [dataclasses.replace(impl, fn=_in_x64(impl.fn)) for impl in impls]
+
+    return implementations
 
 
 def _in_x64(fn):
@@ -518,13 +537,12 @@ def _frobenius(x):
 
 
 def _svd_accuracy(inputs, outputs) -> dict[str, float]:
-    """Max over the batch of ‖A − U S Vᵀ‖/‖A‖ and of max(‖UᵀU − I‖, ‖VᵀV − I‖), Frobenius norms."""
+    """Max over the batch of ‖A − U S Vᴴ‖/‖A‖ and of max(‖UᴴU − I‖, ‖VᴴV − I‖), Frobenius norms."""
     (a,), (u, s, vh) = inputs, outputs
     eye = np.eye(s.shape[-1])
+    adjoint = lambda x: np.conj(np.swapaxes(x, -1, -2))  # noqa: E731
     reconstruction = _frobenius(a - (u * s[..., None, :]) @ vh) / _frobenius(a)
-    orthogonality = np.maximum(
-        _frobenius(np.swapaxes(u, -1, -2) @ u - eye), _frobenius(vh @ np.swapaxes(vh, -1, -2) - eye)
-    )
+    orthogonality = np.maximum(_frobenius(adjoint(u) @ u - eye), _frobenius(vh @ adjoint(vh) - eye))
     return dict(reconstruction=float(reconstruction.max()), orthogonality=float(orthogonality.max()))
 
 
@@ -568,7 +586,7 @@ def _grad_shapes(shapes: dict) -> dict:
 
 
 # The benchmark entries, by the `bench_entry` name their primitive declares, lstsq's gradient, svd in
-# float64 and svd without vectors (last: on a GPU the time budget falls on them first).
+# float64 and complex64 and svd without vectors (last: on a GPU the time budget falls on them first).
 OPS = {
     "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
     "lstsq": _Op(
@@ -581,13 +599,16 @@ OPS = {
         _lstsq_grad_implementations,
         _lstsq_grad_accuracy,
     ),
-    "svd_f64": _Op(
-        "svd_f64",
-        _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}),
-        _svd_f64_inputs,
-        _svd_f64_implementations,
-        _svd_accuracy,
-    ),
+    **{
+        name: _Op(
+            name,
+            _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}),
+            _svd_inputs_as(dtype),
+            _svd_implementations_as(dtype),
+            _svd_accuracy,
+        )
+        for name, dtype in (("svd_f64", np.float64), ("svd_c64", np.complex64))
+    },
     "svdvals": _Op(
         "svdvals",
         _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}),

@@ -10,7 +10,7 @@
 //   run_kernel svd_jacobi       f32|f64|c64|c128 BATCH M N IN OUT   -> s (BATCH, K) real, u (BATCH, M, K),
 //   run_kernel svd_jacobi_lanes f32|f64 BATCH M N IN OUT      vt (BATCH, K, N), info (BATCH,) int32
 //   run_kernel svd_jacobi_pairs f32|f64 BATCH M N IN OUT
-//   run_kernel svd_jacobi_block f32|f64 BATCH M N IN OUT
+//   run_kernel svd_jacobi_block f32|f64|c64|c128 BATCH M N IN OUT
 //   run_kernel svd_jacobi_slots f32     BATCH M N IN OUT
 //   run_kernel svd_jacobi..._values ...                           the same kernels, values alone:
 //                                                                 -> s (BATCH, K), info (BATCH,)
@@ -101,16 +101,16 @@ int run(const std::string& kernel, int64_t batch, int m, int n, const char* in, 
       constexpr bool kVectors = decltype(with_vectors)::value;
       using jaxforge::svd_jacobi::Sweeps;
       auto launch = jaxforge::svd_jacobi::launch<T, Sweeps::kRows, kVectors>;
+      if (sweeps == "svd_jacobi_block") launch = jaxforge::svd_jacobi_block::launch<T, false, kVectors>;
       if constexpr (std::is_floating_point_v<T>) {  // the other sweeps are real only
         if (sweeps == "svd_jacobi_lanes") launch = jaxforge::svd_jacobi::launch<T, Sweeps::kLanes, kVectors>;
         if (sweeps == "svd_jacobi_pairs") launch = jaxforge::svd_jacobi::launch<T, Sweeps::kPairs, kVectors>;
-        if (sweeps == "svd_jacobi_block") launch = jaxforge::svd_jacobi_block::launch<T, false, kVectors>;
-        if constexpr (std::is_same_v<T, float>) {  // the slot sweeps are float32's
-          if (sweeps == "svd_jacobi_slots") launch = jaxforge::svd_jacobi_block::launch<T, true, kVectors>;
-        } else if (sweeps == "svd_jacobi_slots") {
-          return false;
-        }
-      } else if (sweeps != "svd_jacobi") {
+      } else if (sweeps != "svd_jacobi" && sweeps != "svd_jacobi_block") {
+        return false;
+      }
+      if constexpr (std::is_same_v<T, float>) {  // the slot sweeps are float32's
+        if (sweeps == "svd_jacobi_slots") launch = jaxforge::svd_jacobi_block::launch<T, true, kVectors>;
+      } else if (sweeps == "svd_jacobi_slots") {
         return false;
       }
       launch(nullptr, x.data(), s.data(), kVectors ? u.data() : nullptr, kVectors ? vt.data() : nullptr,

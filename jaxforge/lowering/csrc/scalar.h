@@ -15,6 +15,8 @@ template <typename R>
 struct Complex {
   R re, im;
   __host__ __device__ constexpr Complex(R re_ = R(0), R im_ = R(0)) : re(re_), im(im_) {}
+  template <typename S>  // another width: rounded part by part
+  __host__ __device__ explicit constexpr Complex(Complex<S> x) : re(static_cast<R>(x.re)), im(static_cast<R>(x.im)) {}
   __host__ __device__ Complex operator+(Complex b) const { return {re + b.re, im + b.im}; }
   __host__ __device__ Complex operator-(Complex b) const { return {re - b.re, im - b.im}; }
   __host__ __device__ Complex operator*(Complex b) const {

@@ -350,15 +350,16 @@ def test_warp_svd_matches_numpy(run_kernel, kernel, dtype):
         check_svd(x, s, u, vh)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64, np.complex128])
 def test_block_svd_matches_numpy(run_kernel, dtype):
     rng = np.random.default_rng(3)
+    wide_type = np.result_type(dtype, np.float64)
     deficient = np.r_[np.linspace(2, 1, 6), np.zeros(6)]
     cases = [  # small column counts: a block's 256 threads take turns on one CPU thread here
         random(rng, (1, 36, 20), dtype),
         random(rng, (1, 20, 36), dtype),  # wide
-        with_singular_values(rng, (1,), 64, 12, np.geomspace(1, 1e-6, 12)).astype(dtype),
-        with_singular_values(rng, (1,), 40, 12, deficient).astype(dtype),
+        with_singular_values(rng, (1,), 64, 12, np.geomspace(1, 1e-6, 12), wide_type).astype(dtype),
+        with_singular_values(rng, (1,), 40, 12, deficient, wide_type).astype(dtype),
     ]
     for x in cases:
         s, u, vh, info = svd(run_kernel, "svd_jacobi_block", x)
@@ -393,11 +394,11 @@ def test_block_svd_with_column_pairs_in_registers_matches_numpy(run_kernel):
     "kernel,dtype",
     [("svd_jacobi", np.float32), ("svd_jacobi", np.complex64), ("svd_jacobi_lanes", np.float32),
      ("svd_jacobi_pairs", np.float32), ("svd_jacobi_block", np.float32), ("svd_jacobi_block", np.float64),
-     ("svd_jacobi_slots", np.float32)],
+     ("svd_jacobi_block", np.complex128), ("svd_jacobi_slots", np.float32)],
 )  # fmt: skip
 def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, dtype):
     one_warp = kernel not in ("svd_jacobi_block", "svd_jacobi_slots")
-    shape = (3, 12, 10) if one_warp else (2, 40, 36 if kernel == "svd_jacobi_slots" else 12)
+    shape = (3, 12, 10) if one_warp else (3, 40, 36 if kernel == "svd_jacobi_slots" else 12)
     x = random(np.random.default_rng(4), shape, dtype)
     x[1, 3, 4] = np.inf if one_warp else np.nan
     if np.iscomplexobj(x):
@@ -413,7 +414,8 @@ def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, 
     "kernel,dtype",
     [("svd_jacobi", np.float32), ("svd_jacobi", np.float64), ("svd_jacobi", np.complex64),
      ("svd_jacobi", np.complex128), ("svd_jacobi_lanes", np.float32), ("svd_jacobi_pairs", np.float32),
-     ("svd_jacobi_block", np.float32), ("svd_jacobi_block", np.float64), ("svd_jacobi_slots", np.float32)],
+     ("svd_jacobi_block", np.float32), ("svd_jacobi_block", np.float64), ("svd_jacobi_block", np.complex64),
+     ("svd_jacobi_slots", np.float32)],
 )  # fmt: skip
 def test_values_alone_are_the_full_kernels_bits(run_kernel, kernel, dtype):
     """compute_uv=False's twins hold no V and write no vectors, but rotate W as the full kernels do:

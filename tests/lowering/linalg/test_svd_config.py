@@ -34,9 +34,9 @@ def _block_header_prints(tmp_path, expressions):
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
 def test_block_bytes_match_the_kernel_layout(tmp_path):
-    expressions = [[f"block_layout<float>({r}, {c}).bytes", f"block_layout<double>({r}, {c}).bytes"] for r, c in SIZES]
-    printed = _block_header_prints(tmp_path, expressions)
-    assert printed == [(config.jacobi_block_bytes(r, c), config.jacobi_block_bytes(r, c, 8)) for r, c in SIZES]
+    types = {"float": F32, "double": F64, "jaxforge::Complex<float>": np.dtype(np.complex64), "jaxforge::Complex<double>": np.dtype(np.complex128)}
+    printed = _block_header_prints(tmp_path, [[f"block_layout<{t}>({r}, {c}).bytes" for t in types] for r, c in SIZES])
+    assert printed == [tuple(config.jacobi_block_bytes(r, c, dtype) for dtype in types.values()) for r, c in SIZES]
 
 
 @pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not installed")
@@ -59,6 +59,9 @@ def test_each_shape_goes_to_one_kernel(monkeypatch):
     assert block(64, 64) and block(200, 37) and block(45, 130) and block(128, 128)
     assert block(64, 64, F64) and block(256, 64, F64) and block(100, 100, F64)  # float64: the shared-memory sweeps
     assert not block(128, 128, F64) and not block(256, 100, F64)  # over 227 KiB in float64
+    c64, c128 = np.dtype(np.complex64), np.dtype(np.complex128)
+    assert block(64, 64, c64) and block(200, 40, c64) and not block(100, 100, c64) and not block(32, 32, c64)
+    assert block(64, 64, c128) and not block(100, 100, c128)  # 317 KiB
     assert not block(128, 128, arch="sm_80") and block(64, 64, arch="sm_80")  # 199 KB > sm_80's 163 KiB
     assert not block(256, 128) and not block(257, 10) and not block(300, 129)  # past the kernel's limits
     assert not block(70, 40, full=True) and block(70, 70, full=True)  # thin factors only
@@ -74,6 +77,7 @@ def test_kernels_stay_off_until_validated(monkeypatch):
     monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
     assert config.use_jacobi_block(64, 64, F32, False, "sm_90a") == config.JACOBI_BLOCK_VALIDATED
     assert config.use_jacobi_block(64, 64, F64, False, "sm_90a") == config.JACOBI_BLOCK_F64_VALIDATED
+    assert config.use_jacobi_block(64, 64, np.dtype(np.complex64), False, "sm_90a") == config.JACOBI_BLOCK_COMPLEX_VALIDATED
     assert (config.jacobi_warp_sweeps(F32) == "pairs") == config.JACOBI_PAIRS_VALIDATED
 
 

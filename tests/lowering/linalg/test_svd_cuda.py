@@ -126,7 +126,7 @@ def test_either_block_sweeps_where_the_slots_fit(sweeps, shape, monkeypatch):
     check_svd(a, s, u, vh)
 
 
-def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64():
+def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64(monkeypatch):
     rng = np.random.default_rng(5)
     ill = with_singular_values(rng, (16,), 96, 64, np.logspace(0, -6, 64)).astype(np.float32)
     u, s, vh = gpu_svd(ill)[1]
@@ -143,9 +143,13 @@ def test_block_kernel_ill_conditioned_rank_deficient_nan_and_float64():
     for i in (3, 6):
         assert np.all(np.isnan(s[i])) and np.all(np.isnan(u[i])) and np.all(np.isnan(vh[i]))
     check_svd(np.delete(bad, [3, 6], 0), *(np.delete(x, [3, 6], 0) for x in (s, u, vh)))
-    double = random(rng, (4, 64, 64), np.float64)  # float64 stays with cuSOLVER
-    f, (u, s, vh) = gpu_svd(double)
-    assert "jaxforge_svd_jacobi" not in f.lower(on_gpu(double)).as_text()
+    from jaxforge.lowering.linalg.svd import config
+
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "0")  # float64 with cuSOLVER until its flag
+    double = random(rng, (4, 64, 64), np.float64)
+    f = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered without the switch
+    u, s, vh = f(on_gpu(double))
+    assert ("jaxforge_svd_jacobi_block_f64" in f.lower(on_gpu(double)).as_text()) == config.JACOBI_BLOCK_F64_VALIDATED
     np.testing.assert_allclose(s, np.linalg.svd(double, compute_uv=False), rtol=1e-10)
 
 
@@ -172,21 +176,39 @@ def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
         check_svd(a, s, u, vh)
 
 
-@pytest.mark.parametrize("shape", [(256, 64, 64), (16, 100, 100), (20, 200, 37), (12, 45, 130), (9, 33, 33), (6, 256, 64)])
-def test_block_kernel_in_float64_matches_numpy(shape):
-    """float64 through the block kernel's shared-memory sweeps (config.JACOBI_BLOCK_F64_VALIDATED):
-    random, ill-conditioned (κ = 1e12), rank-deficient and NaN-holding matrices."""
+def _check_block_kernel(shape, dtype, smallest):
+    """The block kernel in ``dtype`` on random, ill-conditioned (singular values down to ``smallest``),
+    rank-deficient and NaN-holding matrices."""
     rng = np.random.default_rng(13)
-    a = random(rng, shape, np.float64)
+    a = random(rng, shape, dtype)
     k = min(shape[-2:])
-    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-12, k))
-    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)])
+    wide = np.result_type(dtype, np.float64)
+    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, smallest, k), wide).astype(dtype)
+    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
     a[3, 2, 1] = np.nan
     f, (u, s, vh) = gpu_svd(a)
-    assert "jaxforge_svd_jacobi_block_f64" in f.lower(on_gpu(a)).as_text()
+    names = {np.float64: "f64", np.complex64: "c64", np.complex128: "c128"}
+    assert f"@jaxforge_svd_jacobi_block_{names[dtype]}(" in f.lower(on_gpu(a)).as_text()
     assert all(np.isnan(x[3]).all() for x in (s, u, vh))
     keep = np.delete(np.arange(shape[0]), 3)
     check_svd(a[keep], *(np.asarray(x)[keep] for x in (s, u, vh)))
+
+
+@pytest.mark.parametrize("shape", [(256, 64, 64), (16, 100, 100), (20, 200, 37), (12, 45, 130), (9, 33, 33), (6, 256, 64)])
+def test_block_kernel_in_float64_matches_numpy(shape):
+    """config.JACOBI_BLOCK_F64_VALIDATED: the shared-memory sweeps with W in float64, κ = 1e12."""
+    _check_block_kernel(shape, np.float64, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((256, 64, 64), np.complex64), ((16, 90, 90), np.complex64), ((20, 200, 37), np.complex64), ((12, 40, 130), np.complex64),
+     ((128, 64, 64), np.complex128), ((8, 33, 80), np.complex128)],
+)  # fmt: skip
+def test_block_kernel_in_complex_matches_numpy(shape, dtype):
+    """config.JACOBI_BLOCK_COMPLEX_VALIDATED: unitary rotations, V in complex128; κ = 1e6 (complex64)
+    and 1e12 (complex128)."""
+    _check_block_kernel(shape, dtype, 1e-6 if dtype == np.complex64 else 1e-12)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 """Dispatch of svd_p on CUDA: which kernel serves which shape.
 
 The one-warp Jacobi kernel holds a matrix's rows in the 32 lanes of a warp, so both dims are at most
-32. The one-block kernel keeps a float32 or float64 matrix and its float64 rotations in a block's
-shared memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Larger
+32. The one-block kernel keeps a matrix (any of the four types) and its rotations, in double
+width, in a block's shared memory: max(m, n) <= 256, min(m, n) <= 128 and what the device lets a block opt in to. Larger
 shapes go to the method LARGE_SVD names for them, or else to the default lowering (cuSOLVER through
 jax.lax.linalg). The thresholds are measured on the H200, not guessed.
 """
+
+import numpy as np
 
 from jaxforge.lowering import build
 
@@ -31,6 +33,10 @@ JACOBI_BLOCK_VALIDATED = True
 # cuSOLVER over the batch. Off until its gpu tests pass and the bench (op "svd_f64", row
 # jaxforge-block) finds it faster than that loop.
 JACOBI_BLOCK_F64_VALIDATED = False
+# complex64 and complex128 in the same sweeps, each pair rotated by the one-warp kernel's unitary
+# rotation, V in complex128. Off until their gpu tests pass and the bench (op "svd_c64", row
+# jaxforge-block) finds it faster than cuSOLVER's loop.
+JACOBI_BLOCK_COMPLEX_VALIDATED = False
 # float32 with 32 < max(m, n) <= 128: the block kernel with its column pairs in registers
 # (jacobi_sweeps_slots: 4 or 8 threads a pair, 32 to 512 a block; V in float64 registers up to 64
 # columns, past them in shared memory), in place of the shared-memory sweeps. On the H200
@@ -79,13 +85,14 @@ def jacobi_warp_sweeps(dtype) -> str:
     return "lanes" if JACOBI_LANES else "rows"
 
 
-def jacobi_block_bytes(rows: int, cols: int, itemsize: int = 4) -> int:
-    """The block kernel's shared memory for an R x C work matrix of ``itemsize``-byte elements
-    (``block_layout<T>`` in csrc/svd_jacobi_block.cuh): V in float64, W, norms, 16 reduction slots,
-    perm, flag."""
-    v = (cols | 1) * cols * 8
-    w = (rows | 1) * cols * itemsize
-    return (v + w + cols * itemsize + 16 * itemsize + cols * 4 + 4 + 15) // 16 * 16
+def jacobi_block_bytes(rows: int, cols: int, dtype=np.dtype(np.float32)) -> int:
+    """The block kernel's shared memory for an R x C work matrix of ``dtype`` (``block_layout<T>`` in
+    csrc/svd_jacobi_block.cuh): V in double width, W, real norms, 16 real reduction slots, perm, flag."""
+    complex_ = dtype.kind == "c"
+    real = dtype.itemsize // 2 if complex_ else dtype.itemsize
+    v = (cols | 1) * cols * (16 if complex_ else 8)
+    w = (rows | 1) * cols * dtype.itemsize
+    return (v + w + cols * real + 16 * real + cols * 4 + 4 + 15) // 16 * 16
 
 
 def jacobi_slots_bytes(rows: int, cols: int) -> int:
@@ -125,17 +132,23 @@ def use_jacobi_values() -> bool:
 
 
 def use_jacobi_block(m: int, n: int, dtype, full_matrices: bool, arch: str | None) -> bool:
-    """For float32 (and float64) matrices past the warp kernel that fit the block kernel on GPU ``arch``."""
-    validated = {"float32": JACOBI_BLOCK_VALIDATED, "float64": JACOBI_BLOCK_F64_VALIDATED}
+    """For matrices past the warp kernel that fit the block kernel on GPU ``arch`` (float32; the other
+    types once validated)."""
+    validated = {
+        "float32": JACOBI_BLOCK_VALIDATED,
+        "float64": JACOBI_BLOCK_F64_VALIDATED,
+        "complex64": JACOBI_BLOCK_COMPLEX_VALIDATED,
+        "complex128": JACOBI_BLOCK_COMPLEX_VALIDATED,
+    }
     if dtype.name not in validated or not build.enabled(validated[dtype.name]):
         return False
-    return jacobi_block_fits(max(m, n), min(m, n), dtype.itemsize, arch) and _thin(m, n, full_matrices)
+    return jacobi_block_fits(max(m, n), min(m, n), dtype, arch) and _thin(m, n, full_matrices)
 
 
-def jacobi_block_fits(rows: int, cols: int, itemsize: int, arch: str | None) -> bool:
-    """Whether an R x C work matrix past the warp kernel fits the block kernel on GPU ``arch``."""
+def jacobi_block_fits(rows: int, cols: int, dtype, arch: str | None) -> bool:
+    """Whether an R x C work matrix of ``dtype`` past the warp kernel fits the block kernel on GPU ``arch``."""
     fits = 0 < cols <= JACOBI_BLOCK_MAX_COLS and JACOBI_WARP_MAX_DIM < rows <= JACOBI_BLOCK_MAX_ROWS
-    return fits and jacobi_block_bytes(rows, cols, itemsize) <= MAX_SHARED_BYTES.get(arch, 0)
+    return fits and jacobi_block_bytes(rows, cols, np.dtype(dtype)) <= MAX_SHARED_BYTES.get(arch, 0)
 
 
 # Past the kernels: cuSOLVER by jax's ``algorithm=`` (gesvd, gesvdj, gesvdp) or QDWH (polar.py),

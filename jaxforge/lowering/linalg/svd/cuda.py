@@ -35,7 +35,12 @@ WARP_TARGETS = {
 LANES_TARGET = "jaxforge_svd_jacobi_lanes_f32"
 PAIRS_TARGET = "jaxforge_svd_jacobi_pairs_f32"
 SWEEP_TARGETS = {"lanes": LANES_TARGET, "pairs": PAIRS_TARGET}
-BLOCK_TARGETS = {"float32": "jaxforge_svd_jacobi_block_f32", "float64": "jaxforge_svd_jacobi_block_f64"}  # config.use_jacobi_block
+BLOCK_TARGETS = {  # config.use_jacobi_block
+    "float32": "jaxforge_svd_jacobi_block_f32",
+    "float64": "jaxforge_svd_jacobi_block_f64",
+    "complex64": "jaxforge_svd_jacobi_block_c64",
+    "complex128": "jaxforge_svd_jacobi_block_c128",
+}
 SLOTS_TARGET = "jaxforge_svd_jacobi_slots_f32"  # the same with its column pairs in registers (config.use_jacobi_slots)
 # Each kernel's twin for the values alone: results s and info.
 VALUES_TARGETS = {
@@ -47,6 +52,8 @@ VALUES_TARGETS = {
     PAIRS_TARGET: "jaxforge_svd_jacobi_pairs_values_f32",
     BLOCK_TARGETS["float32"]: "jaxforge_svd_jacobi_block_values_f32",
     BLOCK_TARGETS["float64"]: "jaxforge_svd_jacobi_block_values_f64",
+    BLOCK_TARGETS["complex64"]: "jaxforge_svd_jacobi_block_values_c64",
+    BLOCK_TARGETS["complex128"]: "jaxforge_svd_jacobi_block_values_c128",
     SLOTS_TARGET: "jaxforge_svd_jacobi_slots_values_f32",
 }
 KERNEL = build.declare(
@@ -70,6 +77,8 @@ KERNEL = build.declare(
             PAIRS_TARGET: "JaxforgeSvdJacobiPairsF32",
             BLOCK_TARGETS["float32"]: "JaxforgeSvdJacobiBlockF32",
             BLOCK_TARGETS["float64"]: "JaxforgeSvdJacobiBlockF64",
+            BLOCK_TARGETS["complex64"]: "JaxforgeSvdJacobiBlockC64",
+            BLOCK_TARGETS["complex128"]: "JaxforgeSvdJacobiBlockC128",
             SLOTS_TARGET: "JaxforgeSvdJacobiSlotsF32",
             VALUES_TARGETS[WARP_TARGETS["float32"]]: "JaxforgeSvdJacobiF32Values",
             VALUES_TARGETS[WARP_TARGETS["float64"]]: "JaxforgeSvdJacobiF64Values",
@@ -79,6 +88,8 @@ KERNEL = build.declare(
             VALUES_TARGETS[PAIRS_TARGET]: "JaxforgeSvdJacobiPairsF32Values",
             VALUES_TARGETS[BLOCK_TARGETS["float32"]]: "JaxforgeSvdJacobiBlockF32Values",
             VALUES_TARGETS[BLOCK_TARGETS["float64"]]: "JaxforgeSvdJacobiBlockF64Values",
+            VALUES_TARGETS[BLOCK_TARGETS["complex64"]]: "JaxforgeSvdJacobiBlockC64Values",
+            VALUES_TARGETS[BLOCK_TARGETS["complex128"]]: "JaxforgeSvdJacobiBlockC128Values",
             VALUES_TARGETS[SLOTS_TARGET]: "JaxforgeSvdJacobiSlotsF32Values",
         },
     )

@@ -1,9 +1,10 @@
-// Batched thin SVD of medium float32 and float64 matrices (max(m, n) <= 256, min(m, n) <= 128,
-// within the shared memory a block may have) by one-sided (Hestenes) Jacobi, one thread block per
-// matrix, the column pairs in the round-robin parallel order. Same contract as svd_jacobi.cuh
-// (layout, descending s, info = sweeps used or -1 with NaN results, zero vectors for zero singular
-// values in the normalised factor). The slot sweeps (column pairs in registers) are float32's only:
-// float64's pairs would not fit a thread's registers.
+// Batched thin SVD of medium matrices (max(m, n) <= 256, min(m, n) <= 128, within the shared
+// memory a block may have; float32, float64, complex64, complex128) by one-sided (Hestenes) Jacobi,
+// one thread block per matrix, the column pairs in the round-robin parallel order. Same contract as
+// svd_jacobi.cuh (layout, descending real s, info = sweeps used or -1 with NaN results, zero vectors
+// for zero singular values in the normalised factor). The slot sweeps (column pairs in registers)
+// are float32's only: wider pairs would not fit a thread's registers. Complex pairs rotate by the
+// warp kernel's unitary rotation (svd_jacobi::jacobi_rotation), V then in complex double.
 //
 // W = A (m >= n) or A^T (m < n), R x C with R >= C, and the rotation accumulator V (C x C) live in
 // the block's shared memory, column-major. V is accumulated in float64, the rotations computed in
@@ -39,11 +40,22 @@ constexpr int kMaxCols = 128;  // C = min(m, n)
 // (C = 128) and 13-18 on rank-deficient matrices.
 constexpr int kMaxSweeps = 40;
 
-using Acc = double;  // V and the rotations
+using Acc = double;  // V and the rotations (their real parts, for complex T)
 
-// The block's dynamic shared memory, in bytes from its start: V (C x C of Acc; none for the values
-// alone) first, for its alignment, then W (R x C of T), the C column norms, a reduction slot a warp
-// (T), perm (C ints: perm[r] = column holding the r-th largest norm) and the flag (whether a sweep
+template <typename T>
+struct AccType {
+  using type = Acc;
+};
+template <typename R>
+struct AccType<Complex<R>> {
+  using type = Complex<Acc>;
+};
+template <typename T>
+using AccOf = typename AccType<T>::type;  // V's element
+
+// The block's dynamic shared memory, in bytes from its start: V (C x C of AccOf<T>; none for the
+// values alone) first, for its alignment, then W (R x C of T), the C column norms, a reduction slot
+// a warp (both real), perm (C ints: perm[r] = column holding the r-th largest norm) and the flag (whether a sweep
 // rotated). V and W are column-major with odd leading dims, as in the warp kernel: a column is
 // stride-1 across lanes, a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py
 // mirrors `bytes` (with V).
@@ -58,13 +70,55 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols, bool vec
   BlockLayout l;
   l.ldw = rows | 1;
   l.ldv = cols | 1;
-  l.w_byte = vectors ? l.ldv * cols * static_cast<int>(sizeof(Acc)) : 0;
+  l.w_byte = vectors ? l.ldv * cols * static_cast<int>(sizeof(AccOf<T>)) : 0;
   l.s_byte = l.w_byte + l.ldw * cols * static_cast<int>(sizeof(T));
-  l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(T));
-  l.perm_byte = l.red_byte + kMaxThreads / 32 * static_cast<int>(sizeof(T));
+  l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(RealOf<T>));
+  l.perm_byte = l.red_byte + kMaxThreads / 32 * static_cast<int>(sizeof(RealOf<T>));
   l.flag_byte = l.perm_byte + cols * static_cast<int>(sizeof(int));
   l.bytes = (l.flag_byte + static_cast<int>(sizeof(int)) + 15) & ~15;
   return l;
+}
+
+// rotate_pair for complex T: the Gram entries' butterfly as the warp kernel's, its unitary rotation
+// (computed in complex double), applied to W in T and to V in complex double.
+template <typename T, bool kV>
+__device__ void rotate_complex_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int p, int q,
+                                    RealOf<T> tol, int* flag, int lane) {
+  using R = RealOf<T>;
+  T* wp = W + p * ldw;
+  T* wq = W + q * ldw;
+  R alpha = R(0), beta = R(0);
+  T gamma = T(0);
+#pragma unroll 1
+  for (int i = lane; i < rows; i += 32) {
+    const T x = wp[i];
+    const T y = wq[i];
+    alpha += abs2(x);
+    beta += abs2(y);
+    gamma += conjugate(x) * y;
+  }
+  svd_jacobi::warp_sum_gram(alpha, beta, gamma);
+  if (!svd_jacobi::needs_rotation(alpha, beta, magnitude(gamma), tol)) return;
+  if (lane == 0) *flag = 1;
+  const auto rot = svd_jacobi::jacobi_rotation(Acc(alpha), Acc(beta), AccOf<T>(gamma.re, gamma.im));
+  const R c = static_cast<R>(rot.c);
+  const T sp(rot.sp), sq(rot.sq);
+#pragma unroll 1
+  for (int i = lane; i < rows; i += 32) {
+    const T x = wp[i], y = wq[i];
+    wp[i] = c * x - sq * y;
+    wq[i] = sp * x + c * y;
+  }
+  if constexpr (kV) {
+    AccOf<T>* vp = V + p * ldv;
+    AccOf<T>* vq = V + q * ldv;
+#pragma unroll 1
+    for (int i = lane; i < cols; i += 32) {
+      const AccOf<T> x = vp[i], y = vq[i];
+      vp[i] = rot.c * x - rot.sq * y;
+      vq[i] = rot.sp * x + rot.c * y;
+    }
+  }
 }
 
 // Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
@@ -96,10 +150,10 @@ __device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, 
 // Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V (kV). Block-uniform.
 // Returns the sweeps used (the last rotated nothing), or -1 at the cap.
 template <typename T, bool kV>
-__device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int* flag) {
+__device__ int jacobi_sweeps(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int* flag) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const T tol = svd_jacobi::jacobi_tolerance<T>(rows);
+  const RealOf<T> tol = svd_jacobi::jacobi_tolerance<RealOf<T>>(rows);
   const int players = cols + (cols & 1);
 #pragma unroll 1
   for (int sweep = 1; sweep <= kMaxSweeps; ++sweep) {
@@ -113,7 +167,11 @@ __device__ int jacobi_sweeps(T* W, int ldw, Acc* V, int ldv, int rows, int cols,
         const int y = svd_jacobi::player(players - 1 - pair, t, players);
         const int p = min(x, y);
         const int q = max(x, y);
-        if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+        if constexpr (std::is_floating_point_v<T>) {
+          if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+        } else {
+          if (q < cols) rotate_complex_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+        }
       }
       __syncthreads();  // the next step pairs these columns with others
     }
@@ -332,12 +390,13 @@ enum class BlockSweeps { kShared, kSlots, kSlotsSharedV };
 // One matrix, executed by the whole block. The factors as in svd_jacobi::svd_one; without kVectors,
 // s and info alone (no V in the layout; u and vt unused).
 template <typename T, BlockSweeps kSweeps, bool kVectors>
-__device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int n,
+__device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, int m, int n,
                         const BlockLayout& l, unsigned char* smem) {
-  Acc* V = reinterpret_cast<Acc*>(smem);
+  using R = RealOf<T>;
+  AccOf<T>* V = reinterpret_cast<AccOf<T>*>(smem);
   T* W = reinterpret_cast<T*>(smem + l.w_byte);
-  T* sv = reinterpret_cast<T*>(smem + l.s_byte);
-  T* red = reinterpret_cast<T*>(smem + l.red_byte);
+  R* sv = reinterpret_cast<R*>(smem + l.s_byte);
+  R* red = reinterpret_cast<R*>(smem + l.red_byte);
   int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
   int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
   const int tid = threadIdx.x;
@@ -351,14 +410,13 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   const int k = cols;
 
   // Scale by a power of two (exact) so that max |a_ij| lies in [0.5, 1): squared norms, at most
-  // 256, neither overflow nor lose the large entries to underflow.
-  T amax = T(0);
+  // 256 (512 complex), neither overflow nor lose the large entries to underflow.
+  R amax = R(0);
   bool finite = true;
 #pragma unroll 1
   for (int idx = tid; idx < m * n; idx += threads) {
-    const T x = fabs(a[idx]);
-    finite = finite && x <= Real<T>::kMax;  // false for NaN and Inf
-    amax = fmax(amax, x);
+    finite = finite && jaxforge::finite(a[idx]);
+    amax = fmax(amax, max_part(a[idx]));
   }
   finite = __syncthreads_and(finite);
   amax = warp_max(amax);
@@ -367,7 +425,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   int sweeps = -1;
   int e = 0;
   if (finite) {
-    T top = T(0);
+    R top = R(0);
     for (int w = 0; w < warps; ++w) top = fmax(top, red[w]);
     e = exponent(top);
     svd_jacobi::load_scaled(a, W, l.ldw, m, n, e, tid, threads);
@@ -375,7 +433,7 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
     for (int idx = tid; kVectors && idx < cols * cols; idx += threads) {
       const int j = idx / cols;
       const int i = idx % cols;
-      V[j * l.ldv + i] = Acc(i == j);
+      V[j * l.ldv + i] = AccOf<T>(Acc(i == j));
     }
     __syncthreads();
     if constexpr (kSweeps != BlockSweeps::kShared) {
@@ -389,21 +447,28 @@ __device__ void svd_one(const T* a, T* s, T* u, T* vt, int32_t* info, int m, int
   }
   if (tid == 0) *info = sweeps;
   if (sweeps < 0) {
-    svd_jacobi::fill(s, k, Real<T>::nan(), tid, threads);
+    svd_jacobi::fill(s, k, Real<R>::nan(), tid, threads);
     if constexpr (kVectors) {
-      svd_jacobi::fill(u, m * k, Real<T>::nan(), tid, threads);
-      svd_jacobi::fill(vt, k * n, Real<T>::nan(), tid, threads);
+      svd_jacobi::fill(u, m * k, splat<T>(Real<R>::nan()), tid, threads);
+      svd_jacobi::fill(vt, k * n, splat<T>(Real<R>::nan()), tid, threads);
     }
     return;
   }
 
 #pragma unroll 1
   for (int j = warp; j < cols; j += warps) {
-    T sum = T(0);
+    R sum = R(0);
 #pragma unroll 1
-    for (int i = lane; i < rows; i += 32) sum = Real<T>::fma_rn(W[j * l.ldw + i], W[j * l.ldw + i], sum);
+    for (int i = lane; i < rows; i += 32) {
+      const T x = W[j * l.ldw + i];
+      if constexpr (std::is_floating_point_v<T>) {
+        sum = Real<T>::fma_rn(x, x, sum);
+      } else {
+        sum = Real<R>::fma_rn(x.im, x.im, Real<R>::fma_rn(x.re, x.re, sum));
+      }
+    }
     sum = warp_sum(sum);
-    if (lane == 0) sv[j] = Real<T>::sqrt(sum);
+    if (lane == 0) sv[j] = Real<R>::sqrt(sum);
   }
   __syncthreads();
   svd_jacobi::rank_order(sv, perm, cols, tid, threads);
@@ -427,7 +492,7 @@ template <typename T, BlockSweeps kSweeps, bool kVectors>
 __global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV || (!kVectors && kSweeps == BlockSweeps::kSlots)
                                       ? kMaxThreads
                                       : kThreads)
-    svd_jacobi_block_kernel(const T* __restrict__ a, T* __restrict__ s, T* __restrict__ u,
+    svd_jacobi_block_kernel(const T* __restrict__ a, RealOf<T>* __restrict__ s, T* __restrict__ u,
                             T* __restrict__ vt, int32_t* __restrict__ info, int64_t batch, int m,
                             int n) {
   extern __shared__ __align__(16) unsigned char smem[];
@@ -446,7 +511,7 @@ __global__ void __launch_bounds__(kSweeps == BlockSweeps::kSlotsSharedV || (!kVe
 // problems); u and vt may be null without kVectors. Returns the first CUDA error, cudaSuccess
 // otherwise.
 template <typename T, bool kSlotSweeps = false, bool kVectors = true>
-cudaError_t launch(cudaStream_t stream, const T* a, T* s, T* u, T* vt, int32_t* info,
+cudaError_t launch(cudaStream_t stream, const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info,
                    int64_t batch, int m, int n) {
   static_assert(!kSlotSweeps || std::is_same_v<T, float>, "the slot sweeps are float32's");
   const int rows = std::max(m, n), cols = std::min(m, n);

@@ -1,6 +1,6 @@
 // XLA FFI handlers for the batched Jacobi SVDs: one warp per matrix (svd_jacobi.cuh, m, n <= 32,
 // float32, float64, complex64 and complex128 with a row a lane; float32 also with a column a lane or
-// two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, float32 and float64,
+// two lanes a column pair) and one block per matrix (svd_jacobi_block.cuh, all four types,
 // max(m, n) <= 256, min(m, n) <= 128, within the device's shared memory per block; the column pairs
 // in shared memory, or, for float32 with max(m, n) <= 128, in registers).
 //
@@ -75,7 +75,7 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
   T* vt_data = vectors ? KernelData((*vt)->typed_data()) : nullptr;
   const auto launch = [&](auto with_vectors) -> cudaError_t {
     constexpr bool kVectors = decltype(with_vectors)::value;
-    // Instantiates only this kernel's launcher (the block one is real only).
+    // Instantiates only this kernel's launcher.
     if constexpr (kOneWarp) {
       constexpr sj::Sweeps kSweeps = K == Kernel::kWarpLanes   ? sj::Sweeps::kLanes
                                      : K == Kernel::kWarpPairs ? sj::Sweeps::kPairs
@@ -84,7 +84,7 @@ ffi::Error SvdJacobiImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBuff
                                               vt_data, info->typed_data(), batch, static_cast<int>(m),
                                               static_cast<int>(n));
     } else {
-      return sjb::launch<T, K == Kernel::kBlockSlots, kVectors>(stream, a.typed_data(), s->typed_data(), u_data,
+      return sjb::launch<T, K == Kernel::kBlockSlots, kVectors>(stream, KernelData(a.typed_data()), s->typed_data(), u_data,
                                                                 vt_data, info->typed_data(), batch,
                                                                 static_cast<int>(m), static_cast<int>(n));
     }
@@ -167,6 +167,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF64, (SvdJacobiVectors<ffi::
                               SvdJacobiBinding<ffi::F64>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockF64Values, (SvdJacobiValues<ffi::F64, Kernel::kBlock>),
                               SvdJacobiValuesBinding<ffi::F64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockC64, (SvdJacobiVectors<ffi::C64, Kernel::kBlock>),
+                              SvdJacobiBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockC64Values, (SvdJacobiValues<ffi::C64, Kernel::kBlock>),
+                              SvdJacobiValuesBinding<ffi::C64>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockC128, (SvdJacobiVectors<ffi::C128, Kernel::kBlock>),
+                              SvdJacobiBinding<ffi::C128>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiBlockC128Values, (SvdJacobiValues<ffi::C128, Kernel::kBlock>),
+                              SvdJacobiValuesBinding<ffi::C128>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiSlotsF32, (SvdJacobiVectors<ffi::F32, Kernel::kBlockSlots>),
                               SvdJacobiBinding<ffi::F32>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxforgeSvdJacobiSlotsF32Values, (SvdJacobiValues<ffi::F32, Kernel::kBlockSlots>),
