@@ -176,16 +176,23 @@ def test_large_svd_methods_on_the_gpu_match_numpy(method, dtype, monkeypatch):
         check_svd(a, s, u, vh)
 
 
-def _check_block_kernel(shape, dtype, smallest):
-    """The block kernel in ``dtype`` on random, ill-conditioned (singular values down to ``smallest``),
-    rank-deficient and NaN-holding matrices."""
-    rng = np.random.default_rng(13)
+def hard_batch(seed: int, shape, dtype, smallest: float = 1e-6):
+    """Random matrices of ``dtype`` but for three: the second ill-conditioned (singular values down to
+    ``smallest``), the third rank-deficient (its smaller half zero), the fourth holding a NaN."""
+    rng = np.random.default_rng(seed)
     a = random(rng, shape, dtype)
     k = min(shape[-2:])
     wide = np.result_type(dtype, np.float64)
     a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, smallest, k), wide).astype(dtype)
     a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
     a[3, 2, 1] = np.nan
+    return a
+
+
+def _check_block_kernel(shape, dtype, smallest):
+    """The block kernel in ``dtype`` on random, ill-conditioned (singular values down to ``smallest``),
+    rank-deficient and NaN-holding matrices (hard_batch)."""
+    a = hard_batch(13, shape, dtype, smallest)
     f, (u, s, vh) = gpu_svd(a)
     names = {np.float64: "f64", np.complex64: "c64", np.complex128: "c128"}
     assert f"@jaxforge_svd_jacobi_block_{names[dtype]}(" in f.lower(on_gpu(a)).as_text()
@@ -220,14 +227,8 @@ def test_block_kernel_in_complex_matches_numpy(shape, dtype):
 def test_tall_batches_take_the_kernel_of_r_after_a_qr(shape, dtype, target):
     """Past the kernels' rows, R of A = QR (of Aᴴ when wide) through the kernel it fits
     (config.JACOBI_QR_FIRST_VALIDATED): random, ill-conditioned (κ = 1e6), rank-deficient and
-    NaN-holding matrices, with and without the vectors."""
-    rng = np.random.default_rng(14)
-    a = random(rng, shape, dtype)
-    k = min(shape[-2:])
-    wide = np.result_type(dtype, np.float64)
-    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-6, k), wide).astype(dtype)
-    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
-    a[3, 2, 1] = np.nan
+    NaN-holding matrices (hard_batch), with and without the vectors."""
+    a = hard_batch(14, shape, dtype)
     f, (u, s, vh) = gpu_svd(a)
     assert f"@{target}(" in f.lower(on_gpu(a)).as_text()
     assert all(np.isnan(x[3]).all() for x in (s, u, vh))
@@ -246,7 +247,7 @@ def test_tall_batches_take_the_kernel_of_r_after_a_qr(shape, dtype, target):
      ("jaxforge_svd_jacobi_c64", np.complex64, (100, 24, 24)), ("jaxforge_svd_jacobi_c128", np.complex128, (50, 31, 7)),
      ("jaxforge_svd_jacobi_lanes_f32", np.float32, (300, 32, 32)), ("jaxforge_svd_jacobi_pairs_f32", np.float32, (4096, 32, 32)),
      ("jaxforge_svd_jacobi_pairs_f32", np.float32, (100, 17, 30)), ("jaxforge_svd_jacobi_block_f32", np.float32, (64, 100, 40)),
-     ("jaxforge_svd_jacobi_block_f64", np.float64, (64, 100, 40)),
+     ("jaxforge_svd_jacobi_block_f64", np.float64, (64, 100, 40)), ("jaxforge_svd_jacobi_block_c64", np.complex64, (64, 60, 40)),
      ("jaxforge_svd_jacobi_slots_f32", np.float32, (1024, 64, 64)), ("jaxforge_svd_jacobi_slots_f32", np.float32, (64, 128, 128)),
      ("jaxforge_svd_jacobi_slots_f32", np.float32, (16, 70, 100))],
 )  # fmt: skip
@@ -257,13 +258,7 @@ def test_values_twins_match_numpy_and_their_kernels(target, dtype, shape):
     in case the compiler contracts the two instantiations' arithmetic differently)."""
     from jaxforge.lowering.linalg.svd import cuda
 
-    rng = np.random.default_rng(11)
-    a = random(rng, shape, dtype)
-    k = min(shape[-2:])
-    wide = np.result_type(dtype, np.float64)
-    a[1] = with_singular_values(rng, (), *shape[-2:], np.geomspace(1, 1e-6, k), wide).astype(dtype)
-    a[2] = with_singular_values(rng, (), *shape[-2:], np.r_[np.linspace(2, 1, k - k // 2), np.zeros(k // 2)], wide).astype(dtype)
-    a[3, 0, -1] = np.nan
+    a = hard_batch(11, shape, dtype)
     assert cuda.build.ensure_loaded(cuda.KERNEL)
     s = np.asarray(jax.jit(lambda a: cuda.jacobi_values(a, cuda.VALUES_TARGETS[target]))(on_gpu(a)))
     s_full = np.asarray(jax.jit(lambda a: cuda.jacobi_svd(a, target)[0])(on_gpu(a)))
