@@ -4,6 +4,7 @@ ahead, so the launch is the kernel's steady state; XLA's compilation happens on 
 
     python3 benchmarks/profile_kernels.py [NAME...]
     # NAME: qr_r qr_solve qr_solve_warp svd_rows svd_lanes svd_pairs svd_block svd_slots
+    #       svd_pairs_values svd_slots_values svd_block_f64 svd_block_c64
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ def _cases():
     a, b = _normal((8192, 64, 16)), _normal((8192, 64, 1))
     augmented = _normal((8192, 64, 17))
     svd = lambda target: lambda x: svd_cuda.jacobi_svd(x, target)  # noqa: E731
+    values = lambda target: lambda x: svd_cuda.jacobi_values(x, svd_cuda.VALUES_TARGETS[target])  # noqa: E731
+    typed = lambda dtype: jax.device_put(np.asarray(_normal((1024, 64, 64)), dtype))  # noqa: E731
     return {
         "qr_r": (lstsq_cuda.qr_r_kernel, (augmented,)),
         "qr_solve": (lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-5)[:3], (a, b)),
@@ -38,10 +41,15 @@ def _cases():
         "svd_pairs": (svd(svd_cuda.PAIRS_TARGET), (_normal((8192, 32, 32)),)),
         "svd_block": (svd(svd_cuda.BLOCK_TARGETS["float32"]), (_normal((1024, 64, 64)),)),
         "svd_slots": (svd(svd_cuda.SLOTS_TARGET), (_normal((1024, 64, 64)),)),
+        "svd_pairs_values": (values(svd_cuda.PAIRS_TARGET), (_normal((8192, 32, 32)),)),
+        "svd_slots_values": (values(svd_cuda.SLOTS_TARGET), (_normal((1024, 64, 64)),)),
+        "svd_block_f64": (svd(svd_cuda.BLOCK_TARGETS["float64"]), (typed(np.float64),)),
+        "svd_block_c64": (svd(svd_cuda.BLOCK_TARGETS["complex64"]), (typed(np.complex64),)),
     }
 
 
 def main(names: list[str]) -> int:
+    jax.config.update("jax_enable_x64", True)  # the float64 block kernel's input; the others are float32
     if not (build.ensure_loaded(lstsq_cuda.KERNEL) and build.ensure_loaded(svd_cuda.KERNEL)):
         print("the kernels could not be built or loaded here (no CUDA GPU, or no nvcc)", file=sys.stderr)
         return 1
