@@ -92,112 +92,97 @@ def test_the_one_warp_sweeps_of_float32(monkeypatch, pairs, lanes, expected):
     assert config.jacobi_warp_sweeps(F64) == config.jacobi_warp_sweeps(np.dtype(np.complex64)) == "rows"
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
-def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(monkeypatch, dtype):
-    import jax
-
-    import jaxforge as jf
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """An sm_90a GPU machine after the kernels' build, as the cuda lowering sees it; kernels run once
+    validated (JAXFORGE_UNVALIDATED_KERNELS unset). Returns svd's cuda lowering module."""
     from jaxforge.lowering.linalg.svd import cuda
 
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)
+    return cuda
+
+
+def custom_calls(f, shape, dtype, target=None) -> list[str]:
+    """The jaxforge_svd_jacobi custom calls of ``jit(f)`` exported for cuda at ``shape``, ``dtype``
+    (``f`` a new function each time: jit caches a function's lowering, made under other flags)."""
+    import jax
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(target)] if target else []
+    exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct(shape, dtype))
+    return [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call @jaxforge_svd_jacobi" in line]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.complex64])
+def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(gpu_machine, monkeypatch, dtype):
+    import jaxforge as jf
+
+    cuda = gpu_machine
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
-    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     sweeps = config.jacobi_warp_sweeps(np.dtype(dtype))
     target = cuda.SWEEP_TARGETS.get(sweeps, cuda.WARP_TARGETS[np.dtype(dtype).name])
-    checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
-    exported = jax.export.export(jax.jit(jf.linalg.svd), platforms=("cuda",), disabled_checks=checks)(
-        jax.ShapeDtypeStruct((8, 20, 12), dtype)
-    )
-    call = next(line for line in exported.mlir_module().splitlines() if target in line)
+    (call,) = custom_calls(lambda a: jf.linalg.svd(a), (8, 20, 12), dtype, target)
     element = {np.float32: "f32", np.complex64: "complex<f32>"}[dtype]
+    assert f"@{target}(" in call
     assert f"-> (tensor<8x12xf32>, tensor<8x20x12x{element}>, tensor<8x12x12x{element}>, tensor<8xi32>)" in call
 
 
 @pytest.mark.parametrize("slots", [True, False])
-def test_the_cuda_lowering_calls_the_block_kernel_with_its_slot_sweeps_where_they_fit(monkeypatch, slots):
-    import jax
-
+def test_the_cuda_lowering_calls_the_block_kernel_with_its_slot_sweeps_where_they_fit(gpu_machine, monkeypatch, slots):
     import jaxforge as jf
-    from jaxforge.lowering.linalg.svd import cuda
 
-    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    cuda = gpu_machine
     monkeypatch.setattr(config, "JACOBI_SLOTS_VALIDATED", slots)
-    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
-    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     for shape in ((8, 64, 64), (8, 40, 100)):
         target = cuda.SLOTS_TARGET if slots and max(shape) <= 128 else cuda.BLOCK_TARGETS["float32"]
-        checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
-        svd = jax.jit(lambda a: jf.linalg.svd(a))  # a new function: lowered with this flag
-        exported = jax.export.export(svd, platforms=("cuda",), disabled_checks=checks)(
-            jax.ShapeDtypeStruct(shape, np.float32)
-        )
-        assert target in exported.mlir_module()
+        (call,) = custom_calls(lambda a: jf.linalg.svd(a), shape, np.float32, target)
+        assert f"@{target}(" in call
 
 
 @pytest.mark.parametrize("validated", [True, False])
-def test_an_svd_without_vectors_calls_the_values_twin_once_validated(monkeypatch, validated):
+def test_an_svd_without_vectors_calls_the_values_twin_once_validated(gpu_machine, monkeypatch, validated):
     """compute_uv=False, asked for or left by svd_p's dead-code rule, runs the kernel's twin for the
     values alone (results s and info), else the kernel itself."""
-    import jax
-
     import jaxforge as jf
-    from jaxforge.lowering.linalg.svd import cuda
 
-    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    cuda = gpu_machine
     monkeypatch.setattr(config, "JACOBI_VALUES_VALIDATED", validated)
-    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
-    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     for shape, dtype, kernel in (((8, 32, 32), np.float32, cuda.PAIRS_TARGET), ((8, 20, 12), np.float64, cuda.WARP_TARGETS["float64"]),
                                  ((8, 64, 64), np.float32, cuda.SLOTS_TARGET), ((8, 40, 200), np.float32, cuda.BLOCK_TARGETS["float32"])):  # fmt: skip
         target = cuda.VALUES_TARGETS[kernel] if validated else kernel
-        checks = [jax.export.DisabledSafetyCheck.custom_call(target)]
         for values in (lambda a: jf.linalg.svd(a, compute_uv=False), lambda a: jf.linalg.svd(a)[1]):
-            exported = jax.export.export(jax.jit(values), platforms=("cuda",), disabled_checks=checks)(
-                jax.ShapeDtypeStruct(shape, dtype)
-            )
-            calls = [line for line in exported.mlir_module().splitlines() if "stablehlo.custom_call" in line]
+            calls = custom_calls(values, shape, dtype, target)
             assert len(calls) == 1 and f"@{target}(" in calls[0], calls
             k = min(shape[-2:])
             results = f"-> (tensor<8x{k}x{'f32' if dtype == np.float32 else 'f64'}>, tensor<8xi32>)"
             assert (results in calls[0]) == validated
 
 
-def test_values_alone_of_a_non_square_matrix_take_the_kernels_even_with_full_matrices(monkeypatch):
+def test_values_alone_of_a_non_square_matrix_take_the_kernels_even_with_full_matrices(gpu_machine):
     """full_matrices=True (numpy's default) changes no singular value: the call binds the thin SVD,
     which the kernels serve."""
-    import jax
-
     import jaxforge as jf
-    from jaxforge.lowering.linalg.svd import cuda
 
-    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
-    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
-    checks = [jax.export.DisabledSafetyCheck.custom_call(cuda.PAIRS_TARGET)]
-    values = jax.jit(lambda a: jf.linalg.svd(a, full_matrices=True, compute_uv=False))
-    exported = jax.export.export(values, platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct((8, 20, 12), np.float32))
-    assert cuda.PAIRS_TARGET in exported.mlir_module()
+    cuda = gpu_machine
+    (call,) = custom_calls(lambda a: jf.linalg.svd(a, full_matrices=True, compute_uv=False), (8, 20, 12), np.float32, cuda.PAIRS_TARGET)
+    assert f"@{cuda.PAIRS_TARGET}(" in call
 
 
 @pytest.mark.parametrize("validated", [True, False])
-def test_a_tall_batch_past_the_kernels_takes_the_kernel_of_r_after_a_qr(monkeypatch, validated):
-    import jax
-
+def test_a_tall_batch_past_the_kernels_takes_the_kernel_of_r_after_a_qr(gpu_machine, monkeypatch, validated):
     import jaxforge as jf
-    from jaxforge.lowering.linalg.svd import cuda
 
-    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    cuda = gpu_machine
     monkeypatch.setattr(config, "JACOBI_QR_FIRST_VALIDATED", validated)
-    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
-    monkeypatch.setitem(build._LOADED, cuda.KERNEL.name, True)  # as on a GPU machine after the build
     cases = [((8, 600, 40), np.float32, cuda.SLOTS_TARGET, 40),  # R 40 x 40
              ((8, 20, 700), np.float32, cuda.PAIRS_TARGET, 20),  # wide: R of Aᴴ, 20 x 20
              ((4, 300, 24), np.complex64, cuda.WARP_TARGETS["complex64"], 24),
              ((8, 600, 40), np.complex64, cuda.BLOCK_TARGETS["complex64"] if config.JACOBI_BLOCK_COMPLEX_VALIDATED else None, 40),
              ((2, 300, 300), np.float32, None, 0)]  # fmt: skip
     for shape, dtype, target, k in cases:
-        for f in (lambda a: jf.linalg.svd(a), lambda a: jf.linalg.svd(a, compute_uv=False)):  # new: lowered with this flag
-            checks = [jax.export.DisabledSafetyCheck.custom_call(target)] if target else []
-            exported = jax.export.export(jax.jit(f), platforms=("cuda",), disabled_checks=checks)(jax.ShapeDtypeStruct(shape, dtype))
-            calls = [line for line in exported.mlir_module().splitlines() if "jaxforge_svd_jacobi" in line]
+        for f in (lambda a: jf.linalg.svd(a), lambda a: jf.linalg.svd(a, compute_uv=False)):
+            calls = custom_calls(f, shape, dtype, target)
             if target is None or not validated:
                 assert not calls, calls
             else:

@@ -118,11 +118,11 @@ def r_target(a) -> str | None:
 
 def svd_cuda(a, *, full_matrices: bool, compute_uv: bool, grad_eps: float):
     target = _target(a, full_matrices)
-    after_qr_target = r_target(a) if config.use_jacobi_qr_first(*a.shape[-2:], full_matrices) else None
     if target is not None and build.ensure_loaded(KERNEL):
         return jacobi(a, target, compute_uv=compute_uv)
-    if after_qr_target is not None and build.ensure_loaded(KERNEL):
-        return after_qr(a, functools.partial(jacobi, target=after_qr_target), compute_uv=compute_uv)
+    of_r = r_target(a) if target is None and config.use_jacobi_qr_first(*a.shape[-2:], full_matrices) else None
+    if of_r is not None and build.ensure_loaded(KERNEL):
+        return after_qr(a, functools.partial(jacobi, target=of_r), compute_uv=compute_uv)
     large = config.large_svd_method(*a.shape[-2:], full_matrices)
     if large is not None:
         return large_svd(a, *large, compute_uv=compute_uv)

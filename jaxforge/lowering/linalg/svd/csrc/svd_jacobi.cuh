@@ -533,16 +533,17 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
   return sweeps;
 }
 
-// Rows i of two columns x, y (length len) become c x_i - s y_i and s x_i + c y_i; the threads of
-// one warp share the loop, this one being `lane`. W's columns rotate in T, V's in its own type.
+// Rows i of two columns x, y (length len) become c x_i - sq y_i and sp x_i + c y_i (a Rotation;
+// sp = sq = s for real S); the threads of one warp share the loop, this one being `lane`. W's
+// columns rotate in T, V's in its own type.
 template <typename S>
-__device__ __forceinline__ void rotate_columns(S* x, S* y, int len, S c, S s, int lane) {
+__device__ __forceinline__ void rotate_columns(S* x, S* y, int len, RealOf<S> c, S sp, S sq, int lane) {
 #pragma unroll 1
   for (int i = lane; i < len; i += 32) {
     const S xi = x[i];
     const S yi = y[i];
-    x[i] = c * xi - s * yi;
-    y[i] = s * xi + c * yi;
+    x[i] = c * xi - sq * yi;
+    y[i] = sp * xi + c * yi;
   }
 }
 

@@ -79,11 +79,14 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols, bool vec
   return l;
 }
 
-// rotate_pair for complex T: the Gram entries' butterfly as the warp kernel's, its unitary rotation
-// (computed in complex double), applied to W in T and to V in complex double.
+// Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
+// of V (cols long; kV); one warp, warp-uniform control flow (the butterfly gives every lane the same
+// sums). The rotation is the warp kernel's (svd_jacobi::jacobi_rotation: Rutishauser's, made unitary
+// by the Gram entry's phase for complex T), computed in AccOf<T> from W's sums. Sets *flag when it
+// rotates.
 template <typename T, bool kV>
-__device__ void rotate_complex_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int p, int q,
-                                    RealOf<T> tol, int* flag, int lane) {
+__device__ void rotate_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int p, int q,
+                            RealOf<T> tol, int* flag, int lane) {
   using R = RealOf<T>;
   T* wp = W + p * ldw;
   T* wq = W + q * ldw;
@@ -93,58 +96,23 @@ __device__ void rotate_complex_pair(T* W, int ldw, AccOf<T>* V, int ldv, int row
   for (int i = lane; i < rows; i += 32) {
     const T x = wp[i];
     const T y = wq[i];
-    alpha += abs2(x);
-    beta += abs2(y);
-    gamma += conjugate(x) * y;
+    if constexpr (std::is_floating_point_v<T>) {
+      alpha = Real<T>::fma_rn(x, x, alpha);
+      beta = Real<T>::fma_rn(y, y, beta);
+      gamma = Real<T>::fma_rn(x, y, gamma);
+    } else {
+      alpha += abs2(x);
+      beta += abs2(y);
+      gamma += conjugate(x) * y;
+    }
   }
   svd_jacobi::warp_sum_gram(alpha, beta, gamma);
   if (!svd_jacobi::needs_rotation(alpha, beta, magnitude(gamma), tol)) return;
   if (lane == 0) *flag = 1;
-  const auto rot = svd_jacobi::jacobi_rotation(Acc(alpha), Acc(beta), AccOf<T>(gamma.re, gamma.im));
-  const R c = static_cast<R>(rot.c);
+  const auto rot = svd_jacobi::jacobi_rotation(Acc(alpha), Acc(beta), AccOf<T>(gamma));
   const T sp(rot.sp), sq(rot.sq);
-#pragma unroll 1
-  for (int i = lane; i < rows; i += 32) {
-    const T x = wp[i], y = wq[i];
-    wp[i] = c * x - sq * y;
-    wq[i] = sp * x + c * y;
-  }
-  if constexpr (kV) {
-    AccOf<T>* vp = V + p * ldv;
-    AccOf<T>* vq = V + q * ldv;
-#pragma unroll 1
-    for (int i = lane; i < cols; i += 32) {
-      const AccOf<T> x = vp[i], y = vq[i];
-      vp[i] = rot.c * x - rot.sq * y;
-      vq[i] = rot.sp * x + rot.c * y;
-    }
-  }
-}
-
-// Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
-// of V (cols long; kV); one warp, warp-uniform control flow (the butterfly gives every lane the same
-// sums). Sets *flag when it rotates.
-template <typename T, bool kV>
-__device__ void rotate_pair(T* W, int ldw, Acc* V, int ldv, int rows, int cols, int p, int q, T tol,
-                            int* flag, int lane) {
-  T* wp = W + p * ldw;
-  T* wq = W + q * ldw;
-  T alpha = T(0), beta = T(0), gamma = T(0);
-#pragma unroll 1
-  for (int i = lane; i < rows; i += 32) {
-    const T x = wp[i];
-    const T y = wq[i];
-    alpha = Real<T>::fma_rn(x, x, alpha);
-    beta = Real<T>::fma_rn(y, y, beta);
-    gamma = Real<T>::fma_rn(x, y, gamma);
-  }
-  svd_jacobi::warp_sum3(alpha, beta, gamma);
-  if (!svd_jacobi::needs_rotation(alpha, beta, gamma, tol)) return;
-  if (lane == 0) *flag = 1;
-  Acc c, s;  // the warp kernel's rotation, computed in Acc
-  svd_jacobi::rutishauser(Acc(alpha), Acc(beta), Acc(gamma), c, s);
-  svd_jacobi::rotate_columns(wp, wq, rows, static_cast<T>(c), static_cast<T>(s), lane);
-  if constexpr (kV) svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, c, s, lane);
+  svd_jacobi::rotate_columns(wp, wq, rows, static_cast<R>(rot.c), sp, sq, lane);
+  if constexpr (kV) svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, rot.c, rot.sp, rot.sq, lane);
 }
 
 // Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V (kV). Block-uniform.
@@ -167,11 +135,7 @@ __device__ int jacobi_sweeps(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int 
         const int y = svd_jacobi::player(players - 1 - pair, t, players);
         const int p = min(x, y);
         const int q = max(x, y);
-        if constexpr (std::is_floating_point_v<T>) {
-          if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
-        } else {
-          if (q < cols) rotate_complex_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
-        }
+        if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
       }
       __syncthreads();  // the next step pairs these columns with others
     }
