@@ -9,7 +9,7 @@ import pytest
 
 import jaxforge as jf
 
-SVD_SEED, LSTSQ_SEED = 2, 6  # float64 with distinct singular values and a batch: every check runs
+SVD_SEED, LSTSQ_SEED, PINV_SEED = 2, 6, 9  # float64 with distinct singular values and a batch: every check runs
 
 
 @pytest.fixture(scope="module")
@@ -17,7 +17,7 @@ def fuzz():
     return importlib.import_module("tools.fuzz_linalg")  # tools/ is no package: a namespace one from the root
 
 
-@pytest.mark.parametrize("seed", [SVD_SEED, LSTSQ_SEED])
+@pytest.mark.parametrize("seed", [SVD_SEED, LSTSQ_SEED, PINV_SEED])
 def test_a_seed_of_each_op_passes(fuzz, seed):
     assert fuzz.main(["--seed", str(seed), "--count", "1"]) == 0
 
@@ -32,9 +32,9 @@ def _wrong_derivative(x, a):  # the same value, and a tangent that is off by 1e-
 
 
 @pytest.mark.parametrize("wrong", [_wrong_value, _wrong_derivative])
-@pytest.mark.parametrize("seed", [SVD_SEED, LSTSQ_SEED])
+@pytest.mark.parametrize("seed", [SVD_SEED, LSTSQ_SEED, PINV_SEED])
 def test_a_wrong_result_fails(fuzz, monkeypatch, capsys, seed, wrong):
-    svd, lstsq = jf.linalg.svd, jf.linalg.lstsq
+    svd, lstsq, pinv = jf.linalg.svd, jf.linalg.lstsq, jf.linalg.pinv
 
     def bad_svd(a, *args, **kwargs):
         out = svd(a, *args, **kwargs)
@@ -45,5 +45,6 @@ def test_a_wrong_result_fails(fuzz, monkeypatch, capsys, seed, wrong):
 
     monkeypatch.setattr(jf.linalg, "svd", bad_svd)
     monkeypatch.setattr(jf.linalg, "lstsq", bad_lstsq)
+    monkeypatch.setattr(jf.linalg, "pinv", lambda a, rtol=None: wrong(pinv(a, rtol), a))
     assert fuzz.main(["--seed", str(seed), "--count", "1"]) == 1
     assert f"seed {seed} failed" in capsys.readouterr().out

@@ -1,21 +1,22 @@
-"""Random ``svd`` and ``lstsq`` calls against numpy in float64, for minutes at a time: what the
+"""Random ``svd``, ``lstsq`` and ``pinv`` calls against numpy in float64, for minutes at a time: what the
 suite's fixed shapes may miss after a change to the rules, the batching or the lowerings.
 
 Each seed draws an op, a dtype (float64 or complex128 for derivatives; float32 or complex64 for
 values only), batch dims (none, or up to two of 0-3 items), a matrix shape (0-10 a side, one seed
 in five up to 40), its singular values (spread, clustered, repeated, zero, or spanning up to
 κ = 1e8) and the op's options (``full_matrices``, ``compute_uv``, ``grad_eps``; ``rcond``, a vector
-or ``k`` columns of ``b``, batch dims of ``b`` that broadcast). It checks
+or ``k`` columns of ``b``, batch dims of ``b`` that broadcast; pinv's ``rtol``). It checks
 
 * the values against ``numpy.linalg`` per matrix (singular values within Weyl's bound; ``u`` and
   ``vh`` by reconstruction and orthonormality; lstsq's rank where the singular values leave no
-  doubt, its solution within a bound that grows with κ, residuals), jitted against eager, vmapped
+  doubt, its solution within a bound that grows with κ, residuals; pinv's and matrix_rank's alike),
+  jitted against eager, vmapped
   over a batch axis against a loop, and a NaN in one matrix giving it NaN results and leaving the
   others' alone;
 * where derivatives are defined (float64 or complex128, distinct singular values; full rank for
   lstsq), the jvp of gauge-invariant results (``s``, ``u diag(w(s)) vh``, the projectors onto the
-  complements of a full decomposition; lstsq's solution, residuals and singular values) against central finite
-  differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
+  complements of a full decomposition; lstsq's solution, residuals and singular values; the
+  pseudo-inverse, also at repeated values) against central finite differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
   a scalar of them (forward over reverse against differences of the gradient, reverse over reverse
   against forward over reverse).
 
@@ -164,6 +165,31 @@ def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
         _check_derivatives(rng, differentiable, (a, b), s_true[0])
 
 
+def check_pinv(rng, dtype, a64, s_true, kind) -> None:
+    m, n = a64.shape[-2:]
+    batch = a64.shape[:-2]
+    rtol = rng.choice([None, None, 1e-3])
+    a = jnp.asarray(a64.astype(dtype))
+    call = lambda a: jf.linalg.pinv(a, rtol)  # noqa: E731
+    x, rank = call(a), jf.linalg.matrix_rank(a, rtol)
+    assert x.shape == (*batch, n, m) and x.dtype == dtype and rank.shape == batch
+    a_w = np.asarray(a, a64.dtype)
+    tol, cutoff = _tol(dtype, m, n), (np.finfo(dtype).eps * max(m, n) if rtol is None else rtol)
+    for idx in np.ndindex(*batch):
+        s_np = np.linalg.svd(a_w[idx], compute_uv=False) if a_w[idx].size else np.zeros(0)
+        relative = s_np / max(s_np[0], np.finfo(np.float64).tiny) if s_np.size else s_np
+        if np.any(np.abs(relative - cutoff) <= max(0.5 * cutoff, tol)):
+            continue  # a singular value at the cutoff, within rounding: either rank is right
+        rank_np = int(np.sum(relative > cutoff))
+        assert int(rank[idx]) == rank_np, (int(rank[idx]), rank_np)
+        want = np.linalg.pinv(a_w[idx], rcond=cutoff) if a_w[idx].size else np.zeros((n, m))
+        bound = tol * (s_np[0] / s_np[rank_np - 1] ** 2 if rank_np else 1.0)  # ‖ΔA⁺‖ ≲ κ ‖A⁺‖ ‖ΔA‖/‖A‖
+        np.testing.assert_allclose(x[idx], want, rtol=0, atol=bound)
+    _check_transforms(call, (a,), (True,), tol * 1e3, gauge=lambda out: out)
+    if dtype in (np.float64, np.complex128) and kind in ("distinct", "repeated") and min(m, n) > 0:
+        _check_derivatives(rng, lambda a: [call(a)], (a,), s_true[0])
+
+
 def _check_transforms(call, args, batched, tol, gauge) -> None:
     """jit against eager, vmap over the first batch axis against a loop (``batched[i]``: argument
     ``i`` has that axis), and a NaN in the first matrix: its results NaN, the others' unchanged."""
@@ -228,7 +254,8 @@ def _assert_central_difference(fn, args, tangents, derivative, h, tol=1e-6) -> N
 
 def run_seed(seed: int) -> None:
     rng = np.random.default_rng(seed)
-    op = check_svd if rng.random() < 0.5 else check_lstsq
+    draw = rng.random()
+    op = check_svd if draw < 0.5 else check_lstsq if draw < 0.8 else check_pinv
     op(rng, *random_problem(rng))
 
 

@@ -327,7 +327,7 @@ def _in_x64(fn):
 
 def _svdvals_implementations(backend: str) -> list[Implementation]:
     impls = [
-        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.svd(a, compute_uv=False),))),
+        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.svdvals(a),))),
         Implementation("jnp", jax.jit(lambda a: (jnp.linalg.svd(a, compute_uv=False),))),
     ]
     if backend == "cpu":
@@ -337,6 +337,20 @@ def _svdvals_implementations(backend: str) -> list[Implementation]:
         impls.append(_torch_implementation(torch, lambda a: (torch.linalg.svdvals(a),)))
     if backend == "gpu":
         impls += _svd_values_variants()
+    return impls
+
+
+def _pinv_implementations(backend: str) -> list[Implementation]:
+    """jf.linalg.pinv (an svd_p and two products) against jnp's, numpy's on CPU, torch's on GPU."""
+    impls = [
+        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.pinv(a),))),
+        Implementation("jnp", jax.jit(lambda a: (jnp.linalg.pinv(a),))),
+    ]
+    if backend == "cpu":
+        impls.append(Implementation("numpy", lambda a: (np.linalg.pinv(a),), prepare=_to_host))
+    torch = _cuda_torch() if backend == "gpu" else None
+    if torch is not None:
+        impls.append(_torch_implementation(torch, lambda a: (torch.linalg.pinv(a),)))
     return impls
 
 
@@ -553,6 +567,14 @@ def _svdvals_accuracy(inputs, outputs) -> dict[str, float]:
     return dict(values=float((np.abs(s - s64).max(-1) / s64[..., 0]).max()))
 
 
+def _pinv_accuracy(inputs, outputs) -> dict[str, float]:
+    """Max over the batch of ‖X − A⁺₆₄‖/‖A⁺₆₄‖ against float64 numpy's pseudo-inverse (κ = COND: none
+    of the inputs' singular values is cut)."""
+    (a,), (x,) = inputs, outputs
+    want = np.linalg.pinv(a)
+    return dict(relative=float((_frobenius(x - want) / _frobenius(want)).max()))
+
+
 def _lstsq_accuracy(inputs, outputs) -> dict[str, float]:
     """Max over the batch of the normal-equation residual ‖Aᵀ(Ax − b)‖/‖Aᵀb‖."""
     (a, b), (x,) = inputs, outputs
@@ -586,7 +608,8 @@ def _grad_shapes(shapes: dict) -> dict:
 
 
 # The benchmark entries, by the `bench_entry` name their primitive declares, lstsq's gradient, svd in
-# float64 and complex64 and svd without vectors (last: on a GPU the time budget falls on them first).
+# float64 and complex64, svd without vectors and the pseudo-inverse (last: on a GPU the time budget
+# falls on them first).
 OPS = {
     "svd": _Op("svd", {**SVD_SHAPES, **QUICK_SHAPES["svd"]}, _svd_inputs, _svd_implementations, _svd_accuracy),
     "lstsq": _Op(
@@ -616,4 +639,5 @@ OPS = {
         _svdvals_implementations,
         _svdvals_accuracy,
     ),
+    "pinv": _Op("pinv", _batched_shapes({**SVD_SHAPES, **QUICK_SHAPES["svd"]}), _svd_inputs, _pinv_implementations, _pinv_accuracy),
 }

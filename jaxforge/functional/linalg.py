@@ -1,8 +1,10 @@
-"""Differentiable linear algebra: ``svd`` and ``lstsq`` with numpy's conventions, batched.
+"""Differentiable linear algebra: ``svd`` and ``lstsq`` with numpy's conventions, batched, and
+what the SVD gives: ``svdvals``, ``pinv``, ``matrix_rank`` (torch.linalg's names and tolerances).
 
-Both validate their arguments at trace time, canonicalise them, and bind a primitive
+Each validates its arguments at trace time, canonicalises them, and binds a primitive
 (``jaxforge.primitives.linalg``) that carries its own JVP and batching rules, so ``jit``, ``grad``,
-``jvp``, ``vjp``, ``jacfwd``, ``jacrev``, ``hessian`` and ``vmap`` all apply.
+``jvp``, ``vjp``, ``jacfwd``, ``jacrev``, ``hessian`` and ``vmap`` all apply; on a GPU they run the
+batched SVD kernels the primitive lowers to.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from jaxforge.primitives.linalg import lstsq_p, svd_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
 
-__all__ = ["LstsqResult", "lstsq", "svd"]
+__all__ = ["LstsqResult", "lstsq", "matrix_rank", "pinv", "svd", "svdvals"]
 
 
 def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: float = 0.0):
@@ -48,9 +50,7 @@ def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: fl
       >>> jax.grad(lambda a: jf.linalg.svd(a, compute_uv=False)[0])(a)[1, 1]
       Array(1., dtype=float32)
     """
-    a = jnp.asarray(a)
-    check_dtype("svd", "a", a.dtype)
-    check_matrix("svd", "a", a.shape)
+    a = _matrix("svd", a)
     grad_eps = _check_grad_eps(grad_eps)
     # Without vectors full_matrices changes nothing but which lowerings serve: the kernels are thin.
     full_matrices = bool(full_matrices) and bool(compute_uv)
@@ -59,6 +59,132 @@ def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: fl
         return out[0]
     s, u, vh = out
     return u, s, vh
+
+
+def svdvals(a):
+    r"""Singular values :math:`s` of :math:`A = U \operatorname{diag}(s) V^H`, real and descending:
+    ``svd(a, compute_uv=False)`` under numpy's and torch's name.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+
+    Returns:
+      ``s``, ``(..., min(m, n))``. Its derivative ``ds_i = Re(u_iᴴ dA v_i)`` is finite at repeated
+      values.
+    """
+    return svd_p.bind(_matrix("svdvals", a), full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
+
+
+def pinv(a, rtol=None, *, atol=None):
+    r"""Moore–Penrose pseudo-inverse :math:`A^+ = V \operatorname{diag}(1/s_i)_{s_i > \tau} U^H`,
+    with :math:`\tau = \max(\mathrm{atol}, \mathrm{rtol} \cdot s_{\max})`, batched.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+      rtol, atol: the relative and absolute tolerances, torch.linalg.pinv's: each None, a number
+        >= 0, or a real array broadcasting against ``a.shape[:-2]`` (negative entries count as 0).
+        Both None: ``rtol = eps * max(m, n)`` (torch's, lstsq's; jax.numpy's is 10 times that);
+        ``atol`` alone: ``rtol = 0``.
+
+    Returns:
+      ``A⁺``, ``(..., n, m)``; NaN where ``a`` holds NaN.
+
+    Derivatives are Golub and Pereyra's, exact while the rank stays put:
+    ``dA⁺ = −A⁺ dA A⁺ + A⁺A⁺ᴴ dAᴴ (I − AA⁺) + (I − A⁺A) dAᴴ A⁺ᴴA⁺``, finite at repeated singular
+    values (an SVD's own derivatives are not) and zero for the tolerances.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxforge as jf
+      >>> jf.linalg.pinv(jnp.array([[2.0, 0.0], [0.0, 0.0]]))
+      Array([[0.5, 0. ],
+             [0. , 0. ]], dtype=float32)
+    """
+    a = _matrix("pinv", a)
+    return _pinv(a, *_tolerances("pinv", a, atol, rtol))
+
+
+def matrix_rank(a, rtol=None, *, atol=None):
+    r"""The number of singular values :math:`s_i > \max(\mathrm{atol}, \mathrm{rtol} \cdot s_{\max})`.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+      rtol, atol: as :func:`pinv`'s (torch.linalg.matrix_rank's); both None: ``rtol = eps * max(m, n)``.
+
+    Returns:
+      int32 ``(...)``; 0 where ``a`` holds NaN.
+    """
+    a = _matrix("matrix_rank", a)
+    atol, rtol = _tolerances("matrix_rank", a, atol, rtol)
+    s = svd_p.bind(a, full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
+    return jnp.sum(s > _cutoff(s, atol, rtol)[..., None], axis=-1, dtype=jnp.int32)
+
+
+@jax.custom_jvp
+def _pinv(a, atol, rtol):
+    s, u, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    kept = s > _cutoff(s, atol, rtol)[..., None]
+    inverse = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(a.dtype)
+    return _matmul(_adjoint(vh) * inverse[..., None, :], _adjoint(u))
+
+
+@_pinv.defjvp
+def _pinv_jvp(primals, tangents):
+    a, atol, rtol = primals
+    da = tangents[0]
+    p = _pinv(a, atol, rtol)
+    ph, dah = _adjoint(p), _adjoint(da)
+    left = _matmul(_matmul(p, ph), dah)  # A⁺A⁺ᴴ dAᴴ, then times (I − AA⁺)
+    right = _matmul(dah, _matmul(ph, p))  # dAᴴ A⁺ᴴA⁺, after (I − A⁺A)
+    dp = -_matmul(_matmul(p, da), p) + left - _matmul(_matmul(left, a), p) + right - _matmul(p, _matmul(a, right))
+    return p, dp
+
+
+def _matmul(x, y):  # the default precision of a GPU's float32 products is TF32's 10-bit mantissa
+    return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+
+
+def _adjoint(x):
+    return jnp.conj(jnp.swapaxes(x, -1, -2))
+
+
+def _cutoff(s, atol, rtol):
+    """``max(atol, rtol · s_max)`` per matrix; ``s`` descending, possibly empty."""
+    s_max = s[..., 0] if s.shape[-1] else jnp.zeros(s.shape[:-1], s.dtype)
+    return jnp.maximum(atol, rtol * s_max)
+
+
+def _tolerances(fn: str, a, atol, rtol):
+    """``(atol, rtol)`` as real arrays of ``a``'s batch shape, torch's defaults resolved."""
+    real, batch, (m, n) = np.finfo(a.dtype).dtype, a.shape[:-2], a.shape[-2:]
+    if rtol is None:
+        rtol = 0.0 if atol is not None else default_rcond(real, m, n)
+    values = []
+    for name, tol in (("atol", 0.0 if atol is None else atol), ("rtol", rtol)):
+        if isinstance(tol, (int, float, np.integer, np.floating)) and not isinstance(tol, bool):
+            if not tol >= 0:
+                raise ValueError(f"{fn}: `{name}` must be None, a number >= 0 or a real array; got {tol!r}")
+        elif not (hasattr(tol, "shape") and hasattr(tol, "dtype")) or not (
+            jnp.issubdtype(tol.dtype, jnp.floating) or jnp.issubdtype(tol.dtype, jnp.integer)
+        ):
+            raise TypeError(f"{fn}: `{name}` must be None, a number >= 0 or a real array; got {tol!r}")
+        tol = jnp.asarray(tol)
+        try:
+            shape = jnp.broadcast_shapes(tol.shape, batch)
+        except ValueError:
+            shape = None
+        if shape != tuple(batch):
+            raise ValueError(
+                f"{fn}: `{name}` must broadcast against the batch dims of `a` {tuple(batch)}; got shape {tol.shape}"
+            )
+        values.append(jnp.broadcast_to(jnp.maximum(jax.lax.stop_gradient(tol).astype(real), 0), batch))
+    return tuple(values)
+
+
+def _matrix(fn: str, a):
+    a = jnp.asarray(a)
+    check_dtype(fn, "a", a.dtype)
+    check_matrix(fn, "a", a.shape)
+    return a
 
 
 class LstsqResult(NamedTuple):
@@ -97,10 +223,8 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
       >>> jf.linalg.lstsq(a, jnp.array([1.0, 2.0, 3.0])).solution.round(4)
       Array([1., 2.], dtype=float32)
     """
-    a, b = jnp.asarray(a), jnp.asarray(b)
-    check_dtype("lstsq", "a", a.dtype)
+    a, b = _matrix("lstsq", a), jnp.asarray(b)
     check_dtype("lstsq", "b", b.dtype)
-    check_matrix("lstsq", "a", a.shape)
     *a_batch, m, n = a.shape
     # torch's rule: b is a (batch of) vector(s) iff it is 1-D or has exactly a's shape minus n.
     vector_b = b.ndim == 1 or b.shape == a.shape[:-1]

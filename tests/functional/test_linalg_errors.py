@@ -24,6 +24,32 @@ def test_lstsq_rejects_dtype_of_either_argument(dtype):
         jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3, dtype))
 
 
+@pytest.mark.parametrize("fn", ["svdvals", "pinv", "matrix_rank"])
+def test_the_svds_companions_check_a_as_svd_does(fn):
+    with pytest.raises(TypeError, match=rf"{fn}: `a` has dtype int32; accepted dtypes are float32"):
+        getattr(jf.linalg, fn)(jnp.ones((3, 3), jnp.int32))
+    with pytest.raises(ValueError, match=rf"{fn}: `a` must have rank >= 2, shape \(\.\.\., m, n\); got shape \(4,\)"):
+        getattr(jf.linalg, fn)(jnp.ones(4))
+
+
+@pytest.mark.parametrize("fn", ["pinv", "matrix_rank"])
+@pytest.mark.parametrize(
+    "tols, error, message",
+    [
+        (dict(rtol=-1e-3), ValueError, r"`rtol` must be None, a number >= 0 or a real array; got -0.001"),
+        (dict(atol=float("nan")), ValueError, r"`atol` must be None, a number >= 0 or a real array; got nan"),
+        (dict(atol="1e-3"), TypeError, r"`atol` must be None, a number >= 0 or a real array; got '1e-3'"),
+        (dict(rtol=True), TypeError, r"`rtol` must be None, .*; got True"),
+        (dict(rtol=jnp.ones(2, jnp.complex64)), TypeError, r"`rtol` must be None, .*; got Array"),
+        (dict(atol=jnp.ones(3)), ValueError, r"`atol` must broadcast against the batch dims of `a` \(2,\); got shape \(3,\)"),
+        (dict(rtol=jnp.ones((4, 2))), ValueError, r"`rtol` must broadcast against the batch dims of `a` \(2,\); got shape \(4, 2\)"),
+    ],
+)
+def test_bad_tolerances(fn, tols, error, message):
+    with pytest.raises(error, match=rf"{fn}: {message}"):
+        getattr(jf.linalg, fn)(jnp.ones((2, 3, 3)), **tols)
+
+
 @pytest.mark.parametrize("shape", [(), (4,)])
 def test_rank_below_two_is_rejected(shape):
     with pytest.raises(ValueError, match=r"svd: `a` must have rank >= 2, shape \(\.\.\., m, n\); got shape"):
