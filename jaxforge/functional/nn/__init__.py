@@ -4,6 +4,7 @@ its params as a plain dict, so optax optimisers, ``jax.tree`` and ``jf.shard`` s
 Signatures carry shapes (jaxtyping); the test suite checks them at run time with beartype.
 """
 
+from jaxforge.functional.nn.attention import dot_product_attention as dot_product_attention
 from jaxforge.functional.nn.attention import init_kv_cache as init_kv_cache
 from jaxforge.functional.nn.attention import init_multi_head_attention as init_multi_head_attention
 from jaxforge.functional.nn.attention import multi_head_attention as multi_head_attention
@@ -29,6 +30,7 @@ from jaxforge.functional.nn.transformer import transformer as transformer
 
 __all__ = [
     "cross_entropy",
+    "dot_product_attention",
     "embedding",
     "gru",
     "init_embedding",

@@ -1,7 +1,10 @@
-"""Multi-head attention on :func:`jf.attention <jaxforge.attention>`: GQA, masks, rotary embedding."""
+"""Multi-head attention on :func:`jf.attention <jaxforge.attention>`: GQA, masks, rotary embedding,
+and jax.nn.dot_product_attention's signature on it."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable
 
 import jax
@@ -12,7 +15,7 @@ from jaxforge.functional import masks
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.layers import Params, check_features
 
-__all__ = ["init_kv_cache", "init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
+__all__ = ["dot_product_attention", "init_kv_cache", "init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
 
 
 def rotary_embedding(
@@ -33,6 +36,119 @@ def rotary_embedding(
     first, second = jnp.split(x.astype(wide), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
     return rotated.astype(x.dtype)
+
+
+def dot_product_attention(
+    query: Float[ArrayLike, "*#batch q_len heads head_dim"],
+    key: Float[ArrayLike, "*#batch kv_len kv_heads head_dim"],
+    value: Float[ArrayLike, "*#batch kv_len kv_heads head_dim"],
+    bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    *,
+    scale: float | None = None,
+    is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, ...] | None = None,
+    implementation=None,
+    return_residual: bool = False,
+):
+    r""":math:`\operatorname{softmax}(\text{scale}\; QK^T + B)\, V` with jax.nn.dot_product_attention's
+    arguments and results, on :func:`jf.attention <jaxforge.attention>`: swap the name, keep the call,
+    and gain forward-mode derivatives, GPU kernels that skip the tiles the masks hide, and the
+    bias's gradient in them.
+
+    Args:
+      query, key, value: ``(B, T, N, H)``, ``(B, S, K, H)``, ``(B, S, K, H)``, or without ``B``;
+        ``N`` a multiple of ``K`` (GQA).
+      bias: added to the scaled logits, up to 4-D, broadcasting to ``(B, N, T, S)``; differentiable.
+      mask: boolean (True: visible), up to 4-D, broadcasting to ``(B, N, T, S)``.
+      scale: default ``1/sqrt(H)``.
+      is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as jax.nn).
+      query_seq_lengths, key_value_seq_lengths: int32 ``(B,)``: positions past them are padding
+        (a query's output 0).
+      local_window_size: ``(left, right)``: query ``i`` sees keys ``i - left ... i + right``; an int
+        ``w`` means ``(w, w)``.
+      implementation: None (the platform's best), ``"xla"``, ``"pallas_triton"``,
+        ``"pallas_mosaic_gpu"`` or a :class:`jf.attention.Implementation`; jax.nn's ``"cudnn"`` is
+        jax.nn's own.
+      return_residual: also return the log-sum-exp of each row, ``(B, T, N)`` (jax.nn's layout) in
+        float32 (float64 for float64 input), differentiable.
+
+    Returns:
+      the output, the shape of ``query``; and the log-sum-exp with ``return_residual``.
+
+    Where a row sees no key (a padded query, a key length of 0, a mask hiding the row) the output
+    and its gradients are 0 and its log-sum-exp ``-inf``; jax.nn's ``xla`` gives the mean of the
+    values over every key there (a padded query's output 0) and a finite log-sum-exp.
+    """
+    fn = "dot_product_attention"
+    if implementation == "cudnn":
+        raise ValueError(
+            f"{fn}: implementation='cudnn' is jax.nn's; call jax.nn.dot_product_attention for it, or "
+            "pass None, 'xla', 'pallas_triton' or 'pallas_mosaic_gpu'"
+        )
+    query, key, value = (jnp.asarray(x) for x in (query, key, value))
+    unbatched = query.ndim == 3
+    if unbatched:
+        query, key, value = (x[None] for x in (query, key, value))
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if x.ndim != 4:
+            raise ValueError(f"{fn}: `{name}` must have shape (B, T|S, N|K, H) or (T|S, N|K, H), got shape {x.shape}")
+    (batch, q_len, heads, _), kv_len = query.shape, key.shape[1]
+    full = (batch, heads, q_len, kv_len)
+    visible = [masks.from_array(_logits_shaped(fn, "mask", mask, full))] if mask is not None else []
+    if is_causal:
+        visible.append(masks.causal())
+    if local_window_size is not None:
+        left, right = _window(fn, local_window_size)
+        visible.append(masks.causal(right) & ~masks.causal(-left - 1))
+    q_lengths = _lengths(fn, "query_seq_lengths", query_seq_lengths, batch)
+    kv_lengths = _lengths(fn, "key_value_seq_lengths", key_value_seq_lengths, batch)
+    if q_lengths is not None or kv_lengths is not None:
+        visible.append(masks.padding(kv_len if kv_lengths is None else kv_lengths, q_lengths))
+    score_mod = None
+    if bias is not None:
+        bias = _logits_shaped(fn, "bias", bias, full)
+
+        def score_mod(score, b, h, i, j):  # a size-1 dim broadcasts: read at 0
+            index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), bias.shape))
+            return score + bias[index].astype(score.dtype)
+
+    mask = functools.reduce(operator.and_, visible) if visible else None
+    out = attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, return_lse=bool(return_residual), implementation=implementation)
+    if unbatched:
+        out = jax.tree.map(lambda x: x[0], out)
+    return out
+
+
+def _logits_shaped(fn: str, name: str, x, full: tuple[int, ...]):
+    """``x`` as jax.nn takes a mask or bias: up to 4-D (leading dims of 1 added), each dim 1 or
+    ``full``'s (B, N, T, S)."""
+    x = jnp.asarray(x)
+    if name == "mask" and x.dtype != jnp.bool_:
+        raise TypeError(f"{fn}: `mask` must be boolean (True: visible), got dtype {x.dtype}; an additive mask is a `bias`")
+    if name == "bias" and not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"{fn}: `bias` must be a float array, got dtype {x.dtype}")
+    if x.ndim > 4 or any(n not in (1, f) for n, f in zip(x.shape[::-1], full[::-1])):
+        raise ValueError(f"{fn}: `{name}` must broadcast to (B, N, T, S) = {full}, at most 4-D; got shape {x.shape}")
+    return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _window(fn: str, size) -> tuple[int, int]:
+    pair = (size, size) if isinstance(size, int) else size
+    if not (isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in pair)):
+        raise ValueError(f"{fn}: `local_window_size` must be an int >= 0 or a pair (left, right) of them, got {size!r}")
+    return pair
+
+
+def _lengths(fn: str, name: str, x, batch: int):
+    if x is None:
+        return None
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (batch,):
+        raise ValueError(f"{fn}: `{name}` must be an integer array of shape ({batch},), got {x.dtype} {x.shape}")
+    return x
 
 
 def init_multi_head_attention(
