@@ -68,6 +68,12 @@ PENDING = (
             for mode in ("fwd", "fwd+bwd", "jvp")  # the forward, tangent and dq kernels split
         ),
     ),
+    Pending(  # a decoding step's backward left unpacked: "jaxforge" runs it in XLA's tiles until then (its dv
+        # erred on the H200); tests alone decide: a bench row of those kernels would time the wrong dv
+        "jaxforge.lowering.attention.attention.config:TRITON_UNPACKED_DECODING_BWD_VALIDATED",
+        (ATTENTION + "test_attention_gpu.py::test_unpacked_decoding_gradients_are_as_accurate_as_packed",),
+        (),
+    ),
     Pending(  # return_max_scores: "jaxforge" runs the forward in XLA's tiles until then
         "jaxforge.lowering.attention.attention.config:TRITON_MAX_SCORES_VALIDATED",
         (ATTENTION + "test_attention_gpu.py::test_max_scores_in_the_triton_forward",),

@@ -94,9 +94,33 @@ def test_decoding_packs_gqa_heads_and_splits_keys_in_the_triton_forward_once_val
     got = grids("pallas_triton")
     assert len(got) == 5 and got[:4] == split and got[4][:2] == (2, 8)
     assert grids(jf.functional.attention.Implementation("pallas_triton", pack_gqa=False, kv_splits=1))[:4] == whole
-    assert grids()[:4] == whole
+    assert grids() == whole[:3]  # the forwards and the tangent; the backward in XLA's tiles (below)
     monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
     assert grids()[:4] == split
+
+
+def test_an_unpacked_decoding_backward_runs_xla_until_a_gpu_clears_its_dv(monkeypatch):
+    """config.TRITON_UNPACKED_DECODING_BWD_VALIDATED: a decoding step's backward that the default
+    would run in unpacked Triton tiles (one query a head, GQA 8:2) takes XLA's tiles, its forward
+    Triton's; a call naming "pallas_triton", a longer query sequence, the flag, or the packed
+    kernels once validated run the Triton backward."""
+
+    def kernels(sq, implementation=None):
+        q, kv = jax.ShapeDtypeStruct((2, sq, 8, 64), jnp.bfloat16), jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
+        grad = jax.grad(lambda *a: jnp.sum(jf.attention(*a, implementation=implementation).astype(jnp.float32)), (0, 1, 2))
+        triton = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+        text = jax.export.export(jax.jit(grad), platforms=("cuda",), disabled_checks=[triton])(q, kv, kv).mlir_module()
+        return set(re.findall(r'name = "(jaxforge_attention_\w+)"', text))
+
+    backward = {"jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"}
+    assert kernels(1) == {"jaxforge_attention_fwd"}
+    assert kernels(1, jf.functional.attention.Implementation("pallas_triton", pack_gqa=False)) == {"jaxforge_attention_fwd", *backward}
+    assert kernels(16) == {"jaxforge_attention_fwd", *backward}
+    monkeypatch.setattr(config, "TRITON_UNPACKED_DECODING_BWD_VALIDATED", True)
+    assert kernels(1) == {"jaxforge_attention_fwd", *backward}
+    monkeypatch.setattr(config, "TRITON_UNPACKED_DECODING_BWD_VALIDATED", False)
+    monkeypatch.setattr(config, "TRITON_DECODING_VALIDATED", True)
+    assert kernels(1) == {"jaxforge_attention_fwd", *backward}
 
 
 def test_masks_reading_captured_arrays_at_points_run_the_triton_kernels_once_validated(monkeypatch):

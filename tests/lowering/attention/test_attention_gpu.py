@@ -194,7 +194,9 @@ def test_unpacked_decoding_gradients_are_as_accurate_as_packed(dims, stages):
     interpret mode on CPU does not reproduce it, nor did b 4, 2048 keys, GQA 8:1 on the H200 (with
     or without Triton's software pipelining, ``stages=1``). The bench's shape tells whether the bug is
     in the kernels or in how the bench measured them; 32:4 at the small size whether it takes more
-    than one key/value head (each dkv program's block of 8 query heads then starts past head 0)."""
+    than one key/value head (each dkv program's block of 8 query heads then starts past head 0).
+    Until it passes, the default runs such a backward in XLA's tiles
+    (config.TRITON_UNPACKED_DECODING_BWD_VALIDATED)."""
     from jaxforge.functional.attention import Implementation
 
     b, skv, hq, hkv = dims

@@ -11,7 +11,9 @@ Mosaic GPU kernel (validated there: config.MOSAIC_VALIDATED, MOSAIC_TANGENT_VALI
 MOSAIC_BWD_VALIDATED; a forward returning max scores MOSAIC_MAX_SCORES_VALIDATED) runs where it can, but for decoding (config.decoding: fewer queries a
 head than Triton's smallest tile) and calls that pack GQA heads, which Triton's kernels do. The
 Triton default packs GQA heads and splits the forward's keys (decoding) once
-config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says.
+config.TRITON_DECODING_VALIDATED; a call naming "pallas_triton" does where config says. Until
+then a decoding-sized backward the default would run unpacked takes XLA's tiles, short of
+config.TRITON_UNPACKED_DECODING_BWD_VALIDATED.
 "pallas_mosaic_gpu" runs the Mosaic GPU forward (an error where it cannot), tangent and backward
 (Triton's where they cannot, and in interpret mode: a primitive's lowering cannot host Mosaic
 GPU's interpreter). Where ``XLA_FLAGS`` asks XLA for deterministic GPU programs
@@ -93,6 +95,8 @@ def _dispatch(prim, platform: str | None):
             mosaic = mosaic_why_not is None and _mosaic_by_default(prim, params) and not packs and not config.decoding(q.shape[-3])
             if name == "pallas_triton" and mosaic:
                 name = "pallas_mosaic_gpu"
+            elif name == "pallas_triton" and prim is attention_bwd_p and _unpacked_decoding_bwd_unchecked(q, packs):
+                name, implementation = "xla", asked
             elif prim is attention_fwd_p and params["max_scores"] and not build.enabled(config.TRITON_MAX_SCORES_VALIDATED):
                 name, implementation = "xla", asked  # the Triton forward's maxima wait for a GPU's check
         elif name in ("pallas_triton", "pallas_mosaic_gpu") and not pallas_triton.triton_can_run(mods):
@@ -142,6 +146,12 @@ def _triton_by_default(call: str, q, k, v, mods, implementation) -> bool:
         and (not pallas_triton.reads_captured_arrays(mods) or build.enabled(config.TRITON_POINT_READS_VALIDATED))
         and pallas_triton.triton_fits(call, q, k, v, implementation)
     )
+
+
+def _unpacked_decoding_bwd_unchecked(q, packs: bool) -> bool:
+    """Whether a backward would run the Triton kernels on decoding-sized tiles of one head each,
+    whose dv a GPU has yet to clear (config.TRITON_UNPACKED_DECODING_BWD_VALIDATED)."""
+    return not packs and config.decoding(q.shape[-3]) and not build.enabled(config.TRITON_UNPACKED_DECODING_BWD_VALIDATED)
 
 
 def _symbolic(*arrays) -> bool:
