@@ -97,6 +97,25 @@ def test_vmap_over_an_extra_axis_matches_a_loop():
     np.testing.assert_allclose(jax.vmap(attend)(*stacked), looped, rtol=1e-12, atol=1e-12)
 
 
+def test_a_batch_split_over_an_explicit_mesh_bias_included():
+    """Data parallel: q, k, v, a per-item bias and mask split along the batch over 2 devices (the
+    bias gathered whole, a score mod reads it at any point): values and gradients equal one
+    device's, the bias's gradient split back like the bias."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    q, k, v, bias, mask = operands(5)
+    attend = lambda q, k, v, bias, mask: jf.nn.dot_product_attention(q, k, v, bias, mask, is_causal=True)  # noqa: E731
+    loss = lambda *a: jnp.sum(jnp.sin(attend(*a)))  # noqa: E731
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    with jax.set_mesh(mesh):
+        split = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v, bias, mask)]
+        out, grads = jax.jit(attend)(*split), jax.jit(jax.grad(loss, (0, 1, 2, 3)))(*split)
+    np.testing.assert_allclose(out, attend(q, k, v, bias, mask), rtol=1e-12, atol=1e-12)
+    for g, w in zip(grads, jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias, mask)):
+        np.testing.assert_allclose(g, w, rtol=1e-11, atol=1e-12)
+        assert g.sharding.spec[0] == "data"
+
+
 def test_a_row_that_sees_no_key_gives_zeros_and_no_gradient():
     """An item whose keys are all padding: jaxforge's output 0 and lse -inf there (jax.nn's xla
     averages the values over every key), the other item unchanged, every gradient finite."""

@@ -62,6 +62,7 @@ def dot_product_attention(
       query, key, value: ``(B, T, N, H)``, ``(B, S, K, H)``, ``(B, S, K, H)``, or without ``B``;
         ``N`` a multiple of ``K`` (GQA).
       bias: added to the scaled logits, up to 4-D, broadcasting to ``(B, N, T, S)``; differentiable.
+        Split over an explicit mesh, it is gathered whole first.
       mask: boolean (True: visible), up to 4-D, broadcasting to ``(B, N, T, S)``.
       scale: default ``1/sqrt(H)``.
       is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as jax.nn).
@@ -109,7 +110,7 @@ def dot_product_attention(
         visible.append(masks.padding(kv_len if kv_lengths is None else kv_lengths, q_lengths))
     score_mod = None
     if bias is not None:
-        bias = _logits_shaped(fn, "bias", bias, full)
+        bias = _whole(_logits_shaped(fn, "bias", bias, full))
 
         def score_mod(score, b, h, i, j):  # a size-1 dim broadcasts: read at 0
             index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), bias.shape))
@@ -133,6 +134,14 @@ def _logits_shaped(fn: str, name: str, x, full: tuple[int, ...]):
     if x.ndim > 4 or any(n not in (1, f) for n, f in zip(x.shape[::-1], full[::-1])):
         raise ValueError(f"{fn}: `{name}` must broadcast to (B, N, T, S) = {full}, at most 4-D; got shape {x.shape}")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
+
+
+def _whole(x):
+    """``x`` gathered whole where an explicit mesh splits it: a score mod reads it at any point,
+    which jax's sharding types refuse a split array (its gradient is split back by the transpose)."""
+    if any(axes is not None for axes in getattr(jax.typeof(x).sharding, "spec", ())):
+        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    return x
 
 
 def _window(fn: str, size) -> tuple[int, int]:
