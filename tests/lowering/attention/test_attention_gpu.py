@@ -208,14 +208,55 @@ def test_unpacked_decoding_gradients_are_as_accurate_as_packed(dims, stages):
         return jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
 
     want = grads(lambda *a: dense_jnp(*a)[0], *(x.astype(jnp.float32) for x in (q, k, v, g_out)))
-    errors = {}
+    errors, got = {}, {}
     for pack in (True, False):
         impl = Implementation("pallas_triton", pack_gqa=pack, kv_splits=1, num_stages=stages)
-        got = grads(lambda *a: jf.attention(*a, implementation=impl), q, k, v, g_out)
-        errors[pack] = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w))) for g, w in zip(got, want)]
+        got[pack] = grads(lambda *a: jf.attention(*a, implementation=impl), q, k, v, g_out)
+        errors[pack] = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - w))) for g, w in zip(got[pack], want)]
     scales = [float(jnp.max(jnp.abs(w))) for w in want]
-    for name, unpacked, packed, scale in zip(("dq", "dk", "dv"), errors[False], errors[True], scales):
-        assert unpacked <= 2 * packed + 1e-3 * scale, (name, unpacked, packed, scale)
+    for name, unpacked, packed, scale, g, w in zip(("dq", "dk", "dv"), errors[False], errors[True], scales, got[False], want):
+        assert unpacked <= 2 * packed + 1e-3 * scale, (name, unpacked, packed, scale, _where_it_errs(g, w))
+
+
+def _where_it_errs(got, want, tile=64) -> dict:
+    """Where a key-side gradient ``(b, skv, hkv, d)`` errs, for the diagnosis: the worst element, the
+    max error per kv head and per batch item, and how many key tiles of ``tile`` keys err past
+    half the worst."""
+    err = np.abs(np.asarray(got, np.float32) - np.asarray(want, np.float32))
+    worst = np.unravel_index(int(np.argmax(err)), err.shape)
+    per_tile = err.reshape(err.shape[0], -1, tile, *err.shape[2:]).max(axis=(0, 2, 3, 4)) if err.shape[1] % tile == 0 else None
+    return dict(
+        worst=tuple(int(i) for i in worst),
+        per_head=np.round(err.max(axis=(0, 1, 3)), 6).tolist(),
+        per_item=np.round(err.max(axis=(1, 2, 3))[:8], 6).tolist(),
+        tiles_past_half=None if per_tile is None else int((per_tile > err.max() / 2).sum()),
+        tiles=None if per_tile is None else len(per_tile),
+    )
+
+
+def test_dot_product_attention_matches_jax_nn():
+    """jf.nn.dot_product_attention in bfloat16 on the default kernels — a bias (one per head, read a
+    score at a time), a mask array, causal and a (128, 0) window — against jax.nn's xla path in
+    float32: values and gradients, the bias's too."""
+    q, k, v = inputs(jnp.bfloat16)
+    rng, gpu = np.random.default_rng(8), jax.devices("gpu")[0]
+    mask = rng.random((2, 1, 300, 333)) < 0.9
+    mask[..., np.arange(300), np.arange(300)] = True  # each row sees a key: jax.nn averages rows that see none
+    bias, mask = (jax.device_put(jnp.asarray(x), gpu) for x in (rng.standard_normal((1, 4, 300, 333)).astype(np.float32), mask))
+    kw = dict(is_causal=True, local_window_size=(128, 0))
+
+    def run(attend, q, k, v, bias):
+        loss = lambda *a: jnp.sum(attend(*a).astype(jnp.float32) ** 2)  # noqa: E731
+        return attend(q, k, v, bias), *jax.grad(loss, (0, 1, 2, 3))(q, k, v, bias)
+
+    ours = jax.jit(lambda *a: run(lambda q, k, v, bias: jf.nn.dot_product_attention(q, k, v, bias, mask, **kw), *a))
+    assert "triton" in ours.lower(q, k, v, bias).as_text().lower()
+    got = ours(q, k, v, bias)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    want = jax.jit(lambda *a: run(lambda q, k, v, bias: jax.nn.dot_product_attention(q, k, v, bias, mask, implementation="xla", **kw), *a))(*f32, bias)
+    for g, w in zip(got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[jnp.bfloat16] * scale * 4, rtol=0)
 
 
 def test_captured_arrays_read_at_points_run_in_the_triton_kernels():
