@@ -14,7 +14,7 @@ Public surface::
     jf.parallel.column_parallel_linear, row_parallel_linear, sequence_parallel_rms_norm, ring_attention, all_gather_attention
     jf.linalg.svd(a, full_matrices=False, compute_uv=True, *, grad_eps=0.0)
     jf.linalg.lstsq(a, b, rcond=None) -> LstsqResult(solution, residuals, rank, singular_values)
-    jf.linalg.svdvals(a), pinv(a, rtol=None, *, atol=None), matrix_rank(a, rtol=None, *, atol=None)
+    jf.linalg.svdvals(a), pinv(a, rtol=None, hermitian=False, *, atol=None), matrix_rank(a, rtol=None, hermitian=False, *, atol=None)
 """
 
 __version__ = "0.1.0"  # before the imports: jaxforge.export records it

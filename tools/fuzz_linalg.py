@@ -5,7 +5,8 @@ Each seed draws an op, a dtype (float64 or complex128 for derivatives; float32 o
 values only), batch dims (none, or up to two of 0-3 items), a matrix shape (0-10 a side, one seed
 in five up to 40), its singular values (spread, clustered, repeated, zero, or spanning up to
 κ = 1e8) and the op's options (``full_matrices``, ``compute_uv``, ``grad_eps``; ``rcond``, a vector
-or ``k`` columns of ``b``, batch dims of ``b`` that broadcast; pinv's ``rtol``). It checks
+or ``k`` columns of ``b``, batch dims of ``b`` that broadcast; pinv's ``rtol`` and, for square
+matrices, ``hermitian``: the matrix's Hermitian part). It checks
 
 * the values against ``numpy.linalg`` per matrix (singular values within Weyl's bound; ``u`` and
   ``vh`` by reconstruction and orthonormality; lstsq's rank where the singular values leave no
@@ -169,9 +170,12 @@ def check_pinv(rng, dtype, a64, s_true, kind) -> None:
     m, n = a64.shape[-2:]
     batch = a64.shape[:-2]
     rtol = rng.choice([None, None, 1e-3])
+    hermitian = m == n and rng.random() < 0.3  # then its Hermitian part, read as such (values only)
+    if hermitian:
+        a64 = (a64 + np.conj(np.swapaxes(a64, -1, -2))) / 2
     a = jnp.asarray(a64.astype(dtype))
-    call = lambda a: jf.linalg.pinv(a, rtol)  # noqa: E731
-    x, rank = call(a), jf.linalg.matrix_rank(a, rtol)
+    call = lambda a: jf.linalg.pinv(a, rtol, hermitian)  # noqa: E731
+    x, rank = call(a), jf.linalg.matrix_rank(a, rtol, hermitian)
     assert x.shape == (*batch, n, m) and x.dtype == dtype and rank.shape == batch
     a_w = np.asarray(a, a64.dtype)
     tol, cutoff = _tol(dtype, m, n), (np.finfo(dtype).eps * max(m, n) if rtol is None else rtol)
@@ -186,7 +190,7 @@ def check_pinv(rng, dtype, a64, s_true, kind) -> None:
         bound = tol * (s_np[0] / s_np[rank_np - 1] ** 2 if rank_np else 1.0)  # ‖ΔA⁺‖ ≲ κ ‖A⁺‖ ‖ΔA‖/‖A‖
         np.testing.assert_allclose(x[idx], want, rtol=0, atol=bound)
     _check_transforms(call, (a,), (True,), tol * 1e3, gauge=lambda out: out)
-    if dtype in (np.float64, np.complex128) and kind in ("distinct", "repeated") and min(m, n) > 0:
+    if dtype in (np.float64, np.complex128) and kind in ("distinct", "repeated") and min(m, n) > 0 and not hermitian:
         _check_derivatives(rng, lambda a: [call(a)], (a,), s_true[0])
 
 

@@ -9,6 +9,7 @@ batched SVD kernels the primitive lowers to.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -75,7 +76,7 @@ def svdvals(a):
     return svd_p.bind(_matrix("svdvals", a), full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
 
 
-def pinv(a, rtol=None, *, atol=None):
+def pinv(a, rtol=None, hermitian: bool = False, *, atol=None):
     r"""Moore–Penrose pseudo-inverse :math:`A^+ = V \operatorname{diag}(1/s_i)_{s_i > \tau} U^H`,
     with :math:`\tau = \max(\mathrm{atol}, \mathrm{rtol} \cdot s_{\max})`, batched.
 
@@ -85,6 +86,8 @@ def pinv(a, rtol=None, *, atol=None):
         >= 0, or a real array broadcasting against ``a.shape[:-2]`` (negative entries count as 0).
         Both None: ``rtol = eps * max(m, n)`` (torch's, lstsq's; jax.numpy's is 10 times that);
         ``atol`` alone: ``rtol = 0``.
+      hermitian: ``a`` is Hermitian (square; its lower triangle is read): an eigendecomposition
+        ``A = W diag(λ) Wᴴ`` in place of the SVD, ``A⁺ = W diag(1/λ_i)_{|λ_i| > τ} Wᴴ``.
 
     Returns:
       ``A⁺``, ``(..., n, m)``; NaN where ``a`` holds NaN.
@@ -99,39 +102,48 @@ def pinv(a, rtol=None, *, atol=None):
       Array([[0.5, 0. ],
              [0. , 0. ]], dtype=float32)
     """
-    a = _matrix("pinv", a)
-    return _pinv(a, *_tolerances("pinv", a, atol, rtol))
+    a = _matrix("pinv", a, hermitian)
+    return _pinv(a, *_tolerances("pinv", a, atol, rtol), bool(hermitian))
 
 
-def matrix_rank(a, rtol=None, *, atol=None):
+def matrix_rank(a, rtol=None, hermitian: bool = False, *, atol=None):
     r"""The number of singular values :math:`s_i > \max(\mathrm{atol}, \mathrm{rtol} \cdot s_{\max})`.
 
     Args:
       a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
       rtol, atol: as :func:`pinv`'s (torch.linalg.matrix_rank's); both None: ``rtol = eps * max(m, n)``.
+      hermitian: ``a`` is Hermitian: its eigenvalues' magnitudes are its singular values.
 
     Returns:
       int32 ``(...)``; 0 where ``a`` holds NaN.
     """
-    a = _matrix("matrix_rank", a)
+    a = _matrix("matrix_rank", a, hermitian)
     atol, rtol = _tolerances("matrix_rank", a, atol, rtol)
-    s = svd_p.bind(a, full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
+    if hermitian:
+        s = jnp.abs(jnp.linalg.eigvalsh(a))
+    else:
+        s = svd_p.bind(a, full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
     return jnp.sum(s > _cutoff(s, atol, rtol)[..., None], axis=-1, dtype=jnp.int32)
 
 
-@jax.custom_jvp
-def _pinv(a, atol, rtol):
-    s, u, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    kept = s > _cutoff(s, atol, rtol)[..., None]
-    inverse = jnp.where(kept, 1 / jnp.where(kept, s, 1), 0).astype(a.dtype)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _pinv(a, atol, rtol, hermitian):
+    if hermitian:  # A = W diag(λ) Wᴴ, λ real and signed
+        d, w = jnp.linalg.eigh(a)
+        u, vh = w, _adjoint(w)
+    else:
+        d, u, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    kept = jnp.abs(d) > _cutoff(d, atol, rtol)[..., None]
+    # NaN values stay NaN: LAPACK's eigh of a NaN matrix may return finite vectors
+    inverse = jnp.where(kept, 1 / jnp.where(kept, d, 1), jnp.where(jnp.isnan(d), d, 0)).astype(a.dtype)
     return _matmul(_adjoint(vh) * inverse[..., None, :], _adjoint(u))
 
 
 @_pinv.defjvp
-def _pinv_jvp(primals, tangents):
+def _pinv_jvp(hermitian, primals, tangents):
     a, atol, rtol = primals
     da = tangents[0]
-    p = _pinv(a, atol, rtol)
+    p = _pinv(a, atol, rtol, hermitian)
     ph, dah = _adjoint(p), _adjoint(da)
     left = _matmul(_matmul(p, ph), dah)  # A⁺A⁺ᴴ dAᴴ, then times (I − AA⁺)
     right = _matmul(dah, _matmul(ph, p))  # dAᴴ A⁺ᴴA⁺, after (I − A⁺A)
@@ -147,10 +159,9 @@ def _adjoint(x):
     return jnp.conj(jnp.swapaxes(x, -1, -2))
 
 
-def _cutoff(s, atol, rtol):
-    """``max(atol, rtol · s_max)`` per matrix; ``s`` descending, possibly empty."""
-    s_max = s[..., 0] if s.shape[-1] else jnp.zeros(s.shape[:-1], s.dtype)
-    return jnp.maximum(atol, rtol * s_max)
+def _cutoff(d, atol, rtol):
+    """``max(atol, rtol · max |d|)`` per matrix, ``d`` its singular values or eigenvalues (possibly none)."""
+    return jnp.maximum(atol, rtol * jnp.max(jnp.abs(d), axis=-1, initial=0))
 
 
 def _tolerances(fn: str, a, atol, rtol):
@@ -180,10 +191,12 @@ def _tolerances(fn: str, a, atol, rtol):
     return tuple(values)
 
 
-def _matrix(fn: str, a):
+def _matrix(fn: str, a, hermitian: bool = False):
     a = jnp.asarray(a)
     check_dtype(fn, "a", a.dtype)
     check_matrix(fn, "a", a.shape)
+    if hermitian and a.shape[-1] != a.shape[-2]:
+        raise ValueError(f"{fn}: `a` must be square with hermitian=True; got shape {a.shape}")
     return a
 
 

@@ -55,6 +55,33 @@ def test_pinv_and_matrix_rank_match_numpy(name):
     np.testing.assert_allclose(jf.linalg.svdvals(a), np.linalg.svd(a, compute_uv=False), rtol=1e-12, atol=1e-12)
 
 
+def hermitian_with(rng, values, complex_=False):
+    """``W diag(values) Wᴴ``, ``W`` a random unitary."""
+    z = rng.standard_normal((len(values),) * 2) + (1j * rng.standard_normal((len(values),) * 2) if complex_ else 0)
+    w, _ = np.linalg.qr(z)
+    return (w * np.asarray(values)) @ np.conj(w.T)
+
+
+HERMITIAN = {
+    "positive definite batch": lambda r: np.stack([hermitian_with(r, r.random(5) + 0.5) for _ in range(3)]),
+    "indefinite, rank 3": lambda r: hermitian_with(r, [3.0, -2.0, 0.5, 0.0, 0.0]),
+    "complex, rank 2": lambda r: hermitian_with(r, [0.0, -1.5, 2.0, 0.0], complex_=True),
+}
+
+
+@pytest.mark.parametrize("name", list(HERMITIAN))
+def test_hermitian_input_takes_an_eigendecomposition_with_the_same_results(name):
+    a = HERMITIAN[name](np.random.default_rng(10))
+    n = a.shape[-1]
+    want = np.linalg.pinv(a, rcond=np.finfo(np.float64).eps * n, hermitian=True)
+    np.testing.assert_allclose(jf.linalg.pinv(a, hermitian=True), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(jf.linalg.pinv(a), want, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(jf.linalg.matrix_rank(a, hermitian=True), np.linalg.matrix_rank(a, hermitian=True))
+    np.testing.assert_array_equal(jf.linalg.matrix_rank(a, hermitian=True), jf.linalg.matrix_rank(a))
+    hermitian_part = lambda x: (x + jnp.conj(jnp.swapaxes(x, -1, -2))) / 2  # noqa: E731  tangents stay Hermitian
+    check_grads(lambda x: jf.linalg.pinv(hermitian_part(x), 1e-3, hermitian=True), (a,), order=2, modes=("fwd", "rev"), atol=1e-5, rtol=1e-5)
+
+
 def test_float32_pinv_is_accurate_to_its_precision():
     a = np.random.default_rng(1).standard_normal((8, 12, 10))
     got = jf.linalg.pinv(a.astype(np.float32))
@@ -126,12 +153,18 @@ def test_vmap_matches_a_loop_and_jit_matches_eager():
     np.testing.assert_allclose(grads, np.stack([jax.grad(lambda x: jnp.sum(jf.linalg.pinv(x) ** 2))(x) for x in a]), rtol=1e-12)
 
 
-def test_nan_input_gives_nan_and_rank_zero():
-    a = np.random.default_rng(7).standard_normal((2, 4, 3))
-    a[1, 2, 1] = np.nan
-    p = np.asarray(jf.linalg.pinv(a))
-    assert np.isfinite(p[0]).all() and np.isnan(p[1]).all()
-    np.testing.assert_array_equal(jf.linalg.matrix_rank(a), [3, 0])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("hermitian", [False, True])
+def test_nan_input_gives_nan_and_rank_zero(hermitian, dtype):
+    """A diagonal matrix with a NaN (LAPACK's eigh returns it finite vectors: the NaN must come
+    from the values) and a full one."""
+    a = np.random.default_rng(7).standard_normal((3, 4, 4))
+    a = (a + np.swapaxes(a, -1, -2)).astype(dtype)
+    a[1] = np.diag([1.0, 2.0, np.nan, 4.0])
+    a[2, 2, 2] = np.nan
+    p = np.asarray(jf.linalg.pinv(a, hermitian=hermitian))
+    assert np.isfinite(p[0]).all() and np.isnan(p[1:]).all()
+    np.testing.assert_array_equal(jf.linalg.matrix_rank(a, hermitian=hermitian), [4, 0, 0])
 
 
 def test_a_batch_split_over_an_explicit_mesh_stays_split():

@@ -33,6 +33,12 @@ def test_the_svds_companions_check_a_as_svd_does(fn):
 
 
 @pytest.mark.parametrize("fn", ["pinv", "matrix_rank"])
+def test_hermitian_needs_square_matrices(fn):
+    with pytest.raises(ValueError, match=rf"{fn}: `a` must be square with hermitian=True; got shape \(2, 3, 4\)"):
+        getattr(jf.linalg, fn)(jnp.ones((2, 3, 4)), hermitian=True)
+
+
+@pytest.mark.parametrize("fn", ["pinv", "matrix_rank"])
 @pytest.mark.parametrize(
     "tols, error, message",
     [
