@@ -86,8 +86,9 @@ def pinv(a, rtol=None, hermitian: bool = False, *, atol=None):
         >= 0, or a real array broadcasting against ``a.shape[:-2]`` (negative entries count as 0).
         Both None: ``rtol = eps * max(m, n)`` (torch's, lstsq's; jax.numpy's is 10 times that);
         ``atol`` alone: ``rtol = 0``.
-      hermitian: ``a`` is Hermitian (square; its lower triangle is read): an eigendecomposition
-        ``A = W diag(λ) Wᴴ`` in place of the SVD, ``A⁺ = W diag(1/λ_i)_{|λ_i| > τ} Wᴴ``.
+      hermitian: ``a`` is Hermitian (square; its Hermitian part ``(A + Aᴴ)/2`` is decomposed, as
+        jnp.linalg.eigh does): an eigendecomposition ``A = W diag(λ) Wᴴ`` in place of the SVD,
+        ``A⁺ = W diag(1/λ_i)_{|λ_i| > τ} Wᴴ``.
 
     Returns:
       ``A⁺``, ``(..., n, m)``; NaN where ``a`` holds NaN.
