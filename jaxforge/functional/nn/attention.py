@@ -116,8 +116,8 @@ def dot_product_attention(
             index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), bias.shape))
             return score + bias[index].astype(score.dtype)
 
-    mask = functools.reduce(operator.and_, visible) if visible else None
-    out = attention(query, key, value, mask=mask, score_mod=score_mod, scale=scale, return_lse=bool(return_residual), implementation=implementation)
+    combined = functools.reduce(operator.and_, visible) if visible else None
+    out = attention(query, key, value, mask=combined, score_mod=score_mod, scale=scale, return_lse=bool(return_residual), implementation=implementation)
     if unbatched:
         out = jax.tree.map(lambda x: x[0], out)
     return out
