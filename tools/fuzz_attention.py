@@ -23,9 +23,12 @@ scores too). ``context-parallel`` runs
 ``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4 devices,
 in contiguous chunks or the head–tail layout, under such a mask or none, causal or not, now and
 then with a score mod, softcap and sinks, and compares out and the gradient (the table's too;
-half the seeds with the rows' largest scores, in the loss too).
+half the seeds with the rows' largest scores, in the loss too). ``jax-nn`` calls
+``jf.nn.dot_product_attention`` and ``jax.nn.dot_product_attention`` with the same random
+arguments (a bias and a mask of broadcast shapes, causal, windows, sequence lengths) and compares
+out, lse, the gradient and the jvp.
 
-    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded|context-parallel] [--seconds 600] [--seed 0]
+    PYTHONPATH=. python tools/fuzz_attention.py [--mode first-order|second-order|sharded|context-parallel|jax-nn] [--seconds 600] [--seed 0]
 
 prints each failing seed with its error, and last the count of seeds run and failed (exit 1 if any
 failed). A seed reruns alone with ``--seed S --count 1``.
@@ -367,14 +370,77 @@ def _run_context_parallel_seed(seed: int) -> None:
         _assert_close(a, e, 1e-8)
 
 
+def _run_jax_nn_seed(seed: int) -> None:
+    """``jf.nn.dot_product_attention`` against ``jax.nn.dot_product_attention`` (xla) on the same
+    random arguments: out, the residual lse, the gradient (the bias's too) and the jvp, on the rows
+    that see a key or are query padding (a row that sees none and is not padding jax.nn averages
+    over every value: its weight in the loss is 0, its values are not compared). jax.nn computes
+    its softmax in float32 even for float64 input, hence the tolerance."""
+    rng = np.random.default_rng([seed, 3])
+    b, t, s, kv_heads = int(rng.integers(1, 3)), int(rng.integers(1, 40)), int(rng.integers(1, 40)), int(rng.integers(1, 3))
+    n, h = kv_heads * int(rng.integers(1, 3)), int(rng.choice([1, 4, 8]))
+    q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, t, n, h), (b, s, kv_heads, h), (b, s, kv_heads, h)))
+    full, visible, kw = (b, n, t, s), np.ones((b, n, t, s), bool), {}
+
+    def broadcast_shape():  # each dim 1 or full's; now and then without leading dims (jax.nn adds 1s)
+        shape = tuple(f if rng.random() < 0.6 else 1 for f in full)
+        return shape[int(rng.integers(1, 3)) :] if rng.random() < 0.3 else shape
+
+    bias = jnp.asarray(rng.standard_normal(broadcast_shape())) if rng.random() < 0.6 else None
+    if rng.random() < 0.4:
+        kw["mask"] = jnp.asarray(rng.random(broadcast_shape()) < 0.8)
+        visible &= np.asarray(kw["mask"])
+    q_idx, kv_idx = np.arange(t)[:, None], np.arange(s)[None, :]
+    if rng.random() < 0.4:
+        kw["is_causal"] = True
+        visible &= kv_idx <= q_idx
+    if rng.random() < 0.3:
+        left, right = (int(x) for x in rng.integers(0, 6, 2))
+        kw["local_window_size"] = (left, right) if rng.random() < 0.7 else left
+        left, right = (left, left) if isinstance(kw["local_window_size"], int) else (left, right)
+        visible &= (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+    q_padding = np.zeros((b, 1, t), bool)
+    if rng.random() < 0.3:
+        q_len, kv_len = rng.integers(0, t + 1, b), rng.integers(0, s + 1, b)
+        kw["query_seq_lengths"], kw["key_value_seq_lengths"] = (jnp.asarray(x, jnp.int32) for x in (q_len, kv_len))
+        q_padding = np.arange(t)[None, None, :] >= q_len[:, None, None]
+        visible &= ~q_padding[..., None] & (np.arange(s)[None, None, None, :] < kv_len[:, None, None, None])
+    seen = visible.any(-1)  # (b, n, t)
+    counted = np.swapaxes(seen | q_padding, 1, 2)  # (b, t, n): rows both compute alike
+    weights = jnp.asarray(rng.standard_normal((b, t, n, h)) * counted[..., None])
+    bias_arg = jnp.zeros(()) if bias is None else bias
+
+    def attend(fn):
+        def call(q, k, v, bias):
+            return fn(q, k, v, None if bias.ndim == 0 else bias, return_residual=True, **kw)
+
+        return call
+
+    ours, theirs = attend(jf.nn.dot_product_attention), attend(lambda *a, **kw: jax.nn.dot_product_attention(*a, implementation="xla", **kw))
+    args, tol = (q, k, v, bias_arg), 2e-6
+    (out, lse), (out_n, lse_n) = jax.jit(ours)(*args), theirs(*args)
+    rows = np.swapaxes(seen, 1, 2)
+    _assert_close(np.where(counted[..., None], out, 0), np.where(counted[..., None], out_n, 0), tol)
+    _assert_close(lse, lse_n, tol, rows)
+    assert np.isneginf(np.asarray(lse))[~rows].all()
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)[0]) * weights)  # noqa: E731
+    for a, e in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2, 3)))(*args), jax.grad(loss(theirs), (0, 1, 2, 3))(*args)):
+        _assert_close(a, e, tol)
+    tangents = tuple(jnp.asarray(rng.standard_normal(x.shape)) for x in args)
+    weighted = lambda f: lambda *a: f(*a)[0] * weights  # noqa: E731
+    _assert_close(jax.jvp(weighted(ours), args, tangents)[1], jax.jvp(weighted(theirs), args, tangents)[1], tol)
+
+
 def main(argv=None) -> int:
     parser = fuzz_loop.parser(__doc__.split("\n\n")[0])
-    parser.add_argument("--mode", choices=["first-order", "second-order", "sharded", "context-parallel"], default="first-order")
+    parser.add_argument("--mode", choices=["first-order", "second-order", "sharded", "context-parallel", "jax-nn"], default="first-order")
     args = parser.parse_args(argv)
     if args.mode in ("sharded", "context-parallel") and len(jax.devices()) < 8:
         print(f"{args.mode}: needs 8 devices, {len(jax.devices())} here (on a CPU, run this script: it asks for 8)")
         return 1
-    seeds = {"sharded": _run_sharded_seed, "context-parallel": _run_context_parallel_seed}.get(args.mode, lambda seed: run_seed(seed, args.mode))
+    seeds = {"sharded": _run_sharded_seed, "context-parallel": _run_context_parallel_seed, "jax-nn": _run_jax_nn_seed}.get(
+        args.mode, lambda seed: run_seed(seed, args.mode)
+    )
     return fuzz_loop.run(seeds, args, label=f"{args.mode}: ")
 
 
