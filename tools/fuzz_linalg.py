@@ -123,6 +123,12 @@ def _svd_invariants(k: int, full: bool):
     return invariants
 
 
+def _at_the_cutoff(s, cutoff: float, tol: float) -> bool:
+    """Whether a singular value lies at ``cutoff · s_max`` within rounding: either rank is right there."""
+    relative = s / max(s[0], np.finfo(np.float64).tiny) if s.size else s
+    return bool(np.any(np.abs(relative - cutoff) <= max(0.5 * cutoff, tol)))
+
+
 def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
     m, n = a64.shape[-2:]
     batch = a64.shape[:-2]
@@ -145,9 +151,8 @@ def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
     for idx in np.ndindex(*batch):
         x_np, _, rank_np, s_np = np.linalg.lstsq(a_w[idx], b_w[idx], rcond=cutoff if m and n else None)
         np.testing.assert_allclose(s[idx], s_np, rtol=0, atol=_tol(dtype, m, n) * (s_np[0] if s_np.size else 1))
-        relative = s_np / max(s_np[0], np.finfo(np.float64).tiny) if s_np.size else s_np
-        if np.any(np.abs(relative - cutoff) <= max(0.5 * cutoff, _tol(dtype, m, n))):
-            continue  # a singular value at the cutoff, within rounding: either rank is right
+        if _at_the_cutoff(s_np, cutoff, _tol(dtype, m, n)):
+            continue
         assert int(rank[idx]) == int(rank_np), (int(rank[idx]), int(rank_np))
         kept = s_np[: int(rank_np)]
         cond = kept[0] / kept[-1] if kept.size else 1.0
@@ -181,10 +186,9 @@ def check_pinv(rng, dtype, a64, s_true, kind) -> None:
     tol, cutoff = _tol(dtype, m, n), (np.finfo(dtype).eps * max(m, n) if rtol is None else rtol)
     for idx in np.ndindex(*batch):
         s_np = np.linalg.svd(a_w[idx], compute_uv=False) if a_w[idx].size else np.zeros(0)
-        relative = s_np / max(s_np[0], np.finfo(np.float64).tiny) if s_np.size else s_np
-        if np.any(np.abs(relative - cutoff) <= max(0.5 * cutoff, tol)):
-            continue  # a singular value at the cutoff, within rounding: either rank is right
-        rank_np = int(np.sum(relative > cutoff))
+        if _at_the_cutoff(s_np, cutoff, tol):
+            continue
+        rank_np = int(np.sum(s_np > cutoff * s_np[:1]))
         assert int(rank[idx]) == rank_np, (int(rank[idx]), rank_np)
         want = np.linalg.pinv(a_w[idx], rcond=cutoff) if a_w[idx].size else np.zeros((n, m))
         bound = tol * (s_np[0] / s_np[rank_np - 1] ** 2 if rank_np else 1.0)  # ‖ΔA⁺‖ ≲ κ ‖A⁺‖ ‖ΔA‖/‖A‖

@@ -260,19 +260,33 @@ def _matmul(x, y):
     return jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
 
 
-def _svd_anchored(backend: str) -> list[Implementation]:
-    """jaxforge's svd and its anchors: jnp's, numpy's on CPU, torch's on GPU where installed."""
-    impls = [
-        Implementation("jaxforge", jax.jit(jf.linalg.svd)),
-        Implementation("jnp", jax.jit(functools.partial(jnp.linalg.svd, full_matrices=False))),
-    ]
+def _anchored(backend: str, ours: Callable, jnp_fn: Callable, numpy_fn: Callable, torch_fn: Callable) -> list[Implementation]:
+    """``jaxforge`` running ``ours`` and its anchors: ``jnp`` (``jnp_fn``), ``numpy`` on CPU and, on a
+    GPU where installed, ``torch`` (``torch_fn(torch)``); each a function of the inputs."""
+    impls = [Implementation("jaxforge", jax.jit(ours)), Implementation("jnp", jax.jit(jnp_fn))]
     if backend == "cpu":
-        numpy_svd = functools.partial(np.linalg.svd, full_matrices=False)
-        impls.append(Implementation("numpy", numpy_svd, prepare=_to_host))
+        impls.append(Implementation("numpy", numpy_fn, prepare=_to_host))
     torch = _cuda_torch() if backend == "gpu" else None
     if torch is not None:
-        impls.append(_torch_implementation(torch, lambda a: torch.linalg.svd(a, full_matrices=False)))
+        impls.append(_torch_implementation(torch, torch_fn(torch)))
     return impls
+
+
+def _outputs(fn: Callable) -> Callable:
+    """``fn`` returning its one result as a tuple of outputs."""
+    return lambda *args: (fn(*args),)
+
+
+def _svd_anchored(backend: str) -> list[Implementation]:
+    """jaxforge's svd and its anchors: jnp's, numpy's on CPU, torch's on GPU where installed."""
+    thin = dict(full_matrices=False)
+    return _anchored(
+        backend,
+        jf.linalg.svd,
+        functools.partial(jnp.linalg.svd, **thin),
+        functools.partial(np.linalg.svd, **thin),
+        lambda torch: functools.partial(torch.linalg.svd, **thin),
+    )
 
 
 def _svd_implementations(backend: str) -> list[Implementation]:
@@ -326,32 +340,21 @@ def _in_x64(fn):
 
 
 def _svdvals_implementations(backend: str) -> list[Implementation]:
-    impls = [
-        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.svdvals(a),))),
-        Implementation("jnp", jax.jit(lambda a: (jnp.linalg.svd(a, compute_uv=False),))),
-    ]
-    if backend == "cpu":
-        impls.append(Implementation("numpy", lambda a: (np.linalg.svd(a, compute_uv=False),), prepare=_to_host))
-    torch = _cuda_torch() if backend == "gpu" else None
-    if torch is not None:
-        impls.append(_torch_implementation(torch, lambda a: (torch.linalg.svdvals(a),)))
-    if backend == "gpu":
-        impls += _svd_values_variants()
-    return impls
+    values = dict(compute_uv=False)
+    impls = _anchored(
+        backend,
+        _outputs(jf.linalg.svdvals),
+        _outputs(functools.partial(jnp.linalg.svd, **values)),
+        _outputs(functools.partial(np.linalg.svd, **values)),
+        lambda torch: _outputs(torch.linalg.svdvals),
+    )
+    return impls + (_svd_values_variants() if backend == "gpu" else [])
 
 
 def _pinv_implementations(backend: str) -> list[Implementation]:
-    """jf.linalg.pinv (an svd_p and two products) against jnp's, numpy's on CPU, torch's on GPU."""
-    impls = [
-        Implementation("jaxforge", jax.jit(lambda a: (jf.linalg.pinv(a),))),
-        Implementation("jnp", jax.jit(lambda a: (jnp.linalg.pinv(a),))),
-    ]
-    if backend == "cpu":
-        impls.append(Implementation("numpy", lambda a: (np.linalg.pinv(a),), prepare=_to_host))
-    torch = _cuda_torch() if backend == "gpu" else None
-    if torch is not None:
-        impls.append(_torch_implementation(torch, lambda a: (torch.linalg.pinv(a),)))
-    return impls
+    """jf.linalg.pinv (an svd_p and one product) against jnp's, numpy's on CPU, torch's on GPU."""
+    pinv = (jf.linalg.pinv, jnp.linalg.pinv, np.linalg.pinv)
+    return _anchored(backend, *map(_outputs, pinv), lambda torch: _outputs(torch.linalg.pinv))
 
 
 def _svd_values_variants() -> list[Implementation]:

@@ -120,10 +120,7 @@ def matrix_rank(a, rtol=None, hermitian: bool = False, *, atol=None):
     """
     a = _matrix("matrix_rank", a, hermitian)
     atol, rtol = _tolerances("matrix_rank", a, atol, rtol)
-    if hermitian:
-        s = jnp.abs(jnp.linalg.eigvalsh(a))
-    else:
-        s = svd_p.bind(a, full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
+    s = jnp.abs(jnp.linalg.eigvalsh(a)) if hermitian else svdvals(a)
     return jnp.sum(s > _cutoff(s, atol, rtol)[..., None], axis=-1, dtype=jnp.int32)
 
 
