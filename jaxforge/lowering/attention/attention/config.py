@@ -113,7 +113,10 @@ TRITON_DECODING_VALIDATED = False
 # head in a tile of its own: the default until TRITON_DECODING_VALIDATED). On the H200 (2026-12-04)
 # its dv erred 1.0e-2 and 1.0e-3 at the bench's decode_gqa_8to1 and decode_long_kv (max |dv| about
 # 0.04 and 0.006) where the packed kernels and torch's erred 2e-4 and 2e-5, with dq and dk alike;
-# interpret mode on CPU does not reproduce it. Until its gpu test
+# interpret mode on CPU does not reproduce it, and its kernels' Triton IR at the bench's shape is
+# that of b 4 x 2048 keys at 32:4 but for the shape's numbers (tools/triton_ir.py,
+# tests/test_triton_ir.py; the H200 cleared 8:1 there, whose one kv head changes the dkv kernel's
+# IR). Until its gpu test
 # (test_unpacked_decoding_gradients_are_as_accurate_as_packed) passes at the bench's shape, the
 # default runs such a backward in XLA's tiles; a call naming "pallas_triton" runs the kernels.
 TRITON_UNPACKED_DECODING_BWD_VALIDATED = False

@@ -1,0 +1,61 @@
+"""tools/triton_ir.py reads the Triton kernels a call would run on a GPU, here without one: their
+grids, products and loops follow the call's shape, and a kernel's IR does not depend on the batch
+or the number of keys but through constants."""
+
+import importlib
+import re
+
+import jax.numpy as jnp
+import pytest
+
+from jaxforge.functional.attention import Implementation
+
+
+@pytest.fixture(scope="module")
+def triton_ir():
+    return importlib.import_module("tools.triton_ir")  # tools/ is no package: a namespace one from the root
+
+
+def _lowered(triton_ir, dims, mode="fwd+bwd", **impl):
+    fn, args = triton_ir.attention_call(dims, mode, jnp.bfloat16, Implementation("pallas_triton", kv_splits=1, **impl) if impl else None)
+    return {k.name: k for k in triton_ir.kernels(fn, *args)}
+
+
+def test_a_gradient_lowers_to_the_forward_and_both_backward_kernels(triton_ir):
+    b, sq, skv, hq, hkv = 2, 40, 300, 8, 2
+    kernels = _lowered(triton_ir, (b, sq, skv, hq, hkv, 64, 64))
+    assert list(kernels) == ["jaxforge_attention_fwd", "jaxforge_attention_bwd_dq", "jaxforge_attention_bwd_dkv"]
+    fwd, dq, dkv = kernels.values()
+    # fwd and dq: a program per (item, query head, query tile); dkv per (item, kv head, key tile)
+    assert fwd.grid[:2] == dq.grid[:2] == (b, hq) and dkv.grid[:2] == (b, hkv)
+    assert fwd.grid[2] >= 1 and dkv.grid[2] >= 1
+    # Per loop body (one for the tiles at the sequences' ends, one for the rest): fwd q·kᵀ and
+    # p·v; dq the scores, g·vᵀ and ds·k; dkv those two and dsᵀ·q, pᵀ·g
+    dots = [k.ops()["tt.dot"] for k in kernels.values()]
+    assert dots == [4, 6, 8]
+    assert "tt.load" in dkv.ir and "scf.for" in dkv.ir
+
+
+def test_a_jvp_lowers_to_the_tangent_kernel(triton_ir):
+    kernels = _lowered(triton_ir, (1, 32, 64, 4, 4, 32, 32), mode="jvp")
+    assert "jaxforge_attention_tangent" in kernels
+
+
+def _without_constants(ir: str) -> str:
+    """The IR with its integer constants, SSA names and locations blanked."""
+    ir = re.sub(r"loc\([^)]*\)|#loc\d*( = .*)?", "", ir)
+    ir = re.sub(r"%[\w#:]+", "%", ir)
+    return re.sub(r"\b\d+\b", "N", ir)
+
+
+def test_the_decoding_backward_kernels_differ_between_shapes_only_in_constants(triton_ir):
+    """The unpacked decoding backward (config.TRITON_UNPACKED_DECODING_BWD_VALIDATED) erred on the
+    H200 at the bench's decode_gqa_8to1 (b 64, 8192 keys, GQA 32:4) and not at b 4, 2048 keys, 8:1.
+    At b 4, 2048 keys, 32:4 its kernels are the bench's program but for the shape's numbers (at 8:1
+    the dkv kernel differs: its one kv head folds the head's program id away), so whatever errs
+    at the bench's shape and not at the small 32:4 on a GPU lies outside the lowering."""
+    bench = _lowered(triton_ir, (64, 1, 8192, 32, 4, 128, 128), pack_gqa=False)
+    small = _lowered(triton_ir, (4, 1, 2048, 32, 4, 128, 128), pack_gqa=False)
+    for name in bench:
+        assert _without_constants(bench[name].ir) == _without_constants(small[name].ir), name
+    assert bench["jaxforge_attention_bwd_dkv"].grid == (64, 4, 8192 // 64)
