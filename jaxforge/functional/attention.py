@@ -62,8 +62,12 @@ def attention(
         bias, ...). Arrays it closes over get gradients and tangents like any input; read an
         element at a time (``slopes[h]``, ``bias[h, q_idx - kv_idx]``, ``bias[h][q_idx - kv_idx]``) they stay in the GPU
         kernels, other reads (a gather with ``mode="fill"``, a row's sum) run the XLA lowering.
-      scale: multiplies ``q·k``; default ``1/sqrt(D)``.
-      softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``.
+      scale: multiplies ``q·k``; default ``1/sqrt(D)``. A number (or a concrete scalar array)
+        the kernels take as a constant; a traced real scalar (a learned temperature,
+        ``1 / jnp.sqrt(d)`` under jit, as jax.nn takes) multiplies ``q`` instead, differentiable
+        (``(c q)·k = c (q·k)``: the same logits, lse and max scores, ``c q`` rounded to q's dtype).
+      softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``; a
+        number or a concrete scalar array (a traced cap: a ``score_mod``, see the error).
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
       return_max_scores: also return each row's largest score, ``(..., Sq, Hq)`` in the lse's
@@ -120,6 +124,7 @@ def attention(
         ) from None
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
+    q, scale = _scale_folded(q, scale)
     q_axes = _sequence_split(q)
     kv_axes = _key_split(q, k, v)
     if not kv_axes:
@@ -425,9 +430,30 @@ def _check_output(name, fn, dtype, what):
         )
 
 
+def _scale_folded(q, scale):
+    """``(q, scale)``: a traced ``scale`` multiplies ``q`` (in the accumulation dtype, rounded once)
+    and leaves 1, since the kernels take the scale as a constant; any other passes through."""
+    if not isinstance(scale, jax.core.Tracer):
+        return q, scale
+    if jnp.shape(scale) != () or not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+        raise TypeError(f"attention: a traced `scale` must be a real scalar, got {jax.typeof(scale).str_short()}")
+    acc = accumulation_dtype(q.dtype)
+    return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0
+
+
 def _positive_float(name, value) -> float:
-    if isinstance(value, (jax.core.Tracer, bool)) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"attention: `{name}` must be a Python float (static), got {type(value).__name__}")
+    """``value`` as a float: a number or a concrete real scalar array (not a traced one), positive
+    and finite."""
+    if isinstance(value, jax.core.Tracer):
+        hint = " or apply it as a score_mod, `lambda s, b, h, q, k: cap * jnp.tanh(s / cap)`" if name == "softcap" else ""
+        raise TypeError(
+            f"attention: `{name}` must be a number or a concrete scalar array, got a traced {jax.typeof(value).str_short()}: "
+            f"compute it outside jit (or with numpy){hint}"
+        )
+    if isinstance(value, (jax.Array, np.ndarray)) and value.shape == () and value.dtype.kind in "fiu":
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"attention: `{name}` must be a number or a concrete real scalar array, got {type(value).__name__} {value!r}")
     value = float(value)
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"attention: `{name}` must be a positive finite float, got {value}")

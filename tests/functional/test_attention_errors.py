@@ -312,14 +312,23 @@ def test_scale_and_softcap_must_be_positive_and_finite(name, value):
 
 
 @pytest.mark.parametrize("name", ["scale", "softcap"])
-def test_scale_and_softcap_must_be_static(name):
+def test_scale_and_softcap_must_be_real_scalars(name):
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=rf"attention: `{name}` must be a Python float \(static\), got"):
-        jax.jit(lambda x: jf.attention(q, k, v, **{name: x}))(0.5)
-    with pytest.raises(TypeError, match=rf"attention: `{name}` must be a Python float \(static\), got"):
-        jf.attention(q, k, v, **{name: jnp.float32(0.5)})
-    with pytest.raises(TypeError, match=rf"attention: `{name}` must be a Python float \(static\), got str"):
-        jf.attention(q, k, v, **{name: "0.5"})
+    for value, got in (("0.5", "str '0.5'"), (True, "bool True"), (np.ones(2), "ndarray"), (jnp.complex64(1), "ArrayImpl")):
+        with pytest.raises(TypeError, match=rf"attention: `{name}` must be a number or a concrete real scalar array, got {re.escape(got)}"):
+            jf.attention(q, k, v, **{name: value})
+
+
+def test_a_traced_softcap_is_refused_with_a_score_mod_to_use():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"`softcap` must be a number or a concrete scalar array, got a traced float32\[\]: .*score_mod"):
+        jax.jit(lambda c: jf.attention(q, k, v, softcap=c))(jnp.float32(20))
+
+
+def test_a_traced_scale_must_be_a_real_scalar():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"attention: a traced `scale` must be a real scalar, got float32\[2\]"):
+        jax.jit(lambda c: jf.attention(q, k, v, scale=c))(jnp.ones(2, jnp.float32))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "XLA", "cudnn", 3, ("xla",)])

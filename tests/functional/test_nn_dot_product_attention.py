@@ -65,6 +65,16 @@ def test_values_gradients_and_jvp_match_jax_nn(name):
     np.testing.assert_allclose(jax.jvp(ours, args, tangents)[1], jax.jvp(theirs, args, tangents)[1], **TOL)
 
 
+def test_a_traced_scale_and_its_gradient_match_jax_nn():
+    """``scale=1 / jnp.sqrt(H)`` under jit, or a learned temperature: traced, as jax.nn takes it."""
+    q, k, v, bias, mask = operands()
+    loss = lambda attend: lambda q, c: jnp.sum(jnp.sin(attend(q, k, v, bias, mask, scale=c)))  # noqa: E731
+    ours, theirs = loss(jf.nn.dot_product_attention), loss(lambda *a, **kw: jax.nn.dot_product_attention(*a, **kw, implementation="xla"))
+    np.testing.assert_allclose(jax.jit(lambda q: ours(q, 1 / jnp.sqrt(H)))(q), theirs(q, 1 / np.sqrt(H)), **TOL)
+    for g, w in zip(jax.grad(ours, (0, 1))(q, 0.3), jax.grad(theirs, (0, 1))(q, 0.3)):
+        np.testing.assert_allclose(g, w, **TOL)
+
+
 def test_the_residual_is_jax_nns_log_sum_exp_and_unbatched_inputs_work():
     q, k, v, bias, mask = operands(1)
     out, lse = jf.nn.dot_product_attention(q, k, v, bias, mask, is_causal=True, return_residual=True)

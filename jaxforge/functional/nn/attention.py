@@ -45,7 +45,7 @@ def dot_product_attention(
     bias: ArrayLike | None = None,
     mask: ArrayLike | None = None,
     *,
-    scale: float | None = None,
+    scale: float | ArrayLike | None = None,
     is_causal: bool = False,
     query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
@@ -64,7 +64,8 @@ def dot_product_attention(
       bias: added to the scaled logits, up to 4-D, broadcasting to ``(B, N, T, S)``; differentiable.
         Split over an explicit mesh, it is gathered whole first.
       mask: boolean (True: visible), up to 4-D, broadcasting to ``(B, N, T, S)``.
-      scale: default ``1/sqrt(H)``.
+      scale: default ``1/sqrt(H)``; traced (``1 / jnp.sqrt(H)`` under jit, a learned temperature)
+        it multiplies ``query`` (:func:`jf.attention <jaxforge.attention>`'s ``scale``).
       is_causal: query ``i`` sees keys ``j <= i`` (top-left aligned, as jax.nn).
       query_seq_lengths, key_value_seq_lengths: int32 ``(B,)``: positions past them are padding
         (a query's output 0).

@@ -514,6 +514,22 @@ def test_sinks_check_grads_order_2(impl):
     check_grads(f, (q, k, v, jnp.asarray([0.5, -0.3])), order=2, modes=("fwd", "rev"))
 
 
+def test_a_traced_scale_multiplies_q():
+    """A traced scale (a learned temperature; ``1 / jnp.sqrt(d)`` under jit) gives the constant
+    scale's out, lse and max scores, derivatives in it to order 2, and a vmap over scales a loop's."""
+    rng = np.random.default_rng(25)
+    q, k, v = qkv(rng, (B,), 13, 17, HQ, HKV, D, DV)
+    f = lambda q, k, c: jf.attention(q, k, v, mask=masks.causal(), scale=c, return_lse=True, return_max_scores=True)
+    for c in (0.37, 2.0):
+        for got, want in zip(jax.jit(f)(q, k, c), f(q, k, c)):  # traced, against the constant
+            assert_close(jnp.where(jnp.isfinite(want), got, 0), jnp.where(jnp.isfinite(want), want, 0))
+    check_grads(lambda q, k, c: f(q, k, c)[:2], (q, k, 0.37), order=2, modes=("fwd", "rev"))
+    scales = [0.2, 0.5, 1.5]
+    batched = jax.vmap(lambda c: f(q, k, c)[0])(jnp.asarray(scales))
+    for c, out in zip(scales, batched):
+        assert_close(out, f(q, k, c)[0])
+
+
 def test_vmapped_sinks_match_a_loop():
     rng = np.random.default_rng(24)
     q, k, v = qkv(rng, (B,), 13, 13, HQ, HKV, D, DV)
