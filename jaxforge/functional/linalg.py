@@ -215,7 +215,9 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
       b: ``(..., m, k)``, its batch dims broadcasting against those of ``a``; or a vector right-hand
         side per matrix: ``(m,)``, or exactly ``a.shape[:-1]``.
       rcond: singular values ``<= rcond * s_max`` count as zero. ``None`` (default) means
-        ``eps * max(m, n)`` (numpy's default); a negative value means ``eps``.
+        ``eps * max(m, n)`` (numpy's default); a negative value means ``eps``. A number or a
+        concrete scalar array: the kernels decide the rank by it (a traced tolerance:
+        :func:`pinv`'s ``rtol``).
 
     Returns:
       ``LstsqResult(solution, residuals, rank, singular_values)``: ``solution`` is ``(..., n)`` or
@@ -265,9 +267,18 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
 
 
 def _resolve_rcond(rcond, dtype, m: int, n: int) -> float:
+    """``rcond`` as the float the kernels take: None, a real number or a concrete real scalar array;
+    a traced one is refused (the rank is decided in the kernels) with pinv's traced tolerances."""
     if rcond is None:
         return default_rcond(dtype, m, n)
-    if not isinstance(rcond, (int, float, np.floating, np.integer)) or np.isnan(rcond):
+    if isinstance(rcond, jax.core.Tracer):
+        raise TypeError(
+            f"lstsq: `rcond` must be None, a number or a concrete scalar array; got a traced {jax.typeof(rcond).str_short()}: "
+            "compute it outside jit, or solve by `jf.linalg.pinv(a, rtol=rcond) @ b`, whose tolerances may be traced"
+        )
+    if isinstance(rcond, (jax.Array, np.ndarray)) and rcond.shape == () and rcond.dtype.kind in "fiu":
+        rcond = rcond.item()
+    if isinstance(rcond, (bool, np.bool_)) or not isinstance(rcond, (int, float, np.floating, np.integer)) or np.isnan(rcond):
         raise TypeError(f"lstsq: `rcond` must be None or a real number; got {rcond!r}")
     return float(np.finfo(dtype).eps) if rcond < 0 else float(rcond)
 

@@ -98,10 +98,22 @@ def test_bad_grad_eps(grad_eps):
         jf.linalg.svd(jnp.ones((2, 2)), grad_eps=grad_eps)
 
 
-@pytest.mark.parametrize("rcond", ["1e-3", float("nan"), [1e-3]])
+@pytest.mark.parametrize("rcond", ["1e-3", float("nan"), [1e-3], True, jnp.ones(2)])
 def test_bad_rcond(rcond):
     with pytest.raises(TypeError, match=r"lstsq: `rcond` must be None or a real number"):
         jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3), rcond=rcond)
+
+
+def test_a_traced_rcond_is_refused_with_pinv_to_use():
+    with pytest.raises(TypeError, match=r"lstsq: `rcond` must be None, a number or a concrete scalar array; got a traced float32\[\]: .*pinv"):
+        jax.jit(lambda r: jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3), rcond=r))(jnp.float32(1e-3))
+
+
+def test_a_concrete_rcond_array_is_a_number():
+    a = jnp.asarray([[1.0, 0.0], [0.0, 1e-4], [0.0, 0.0]])
+    for rcond in (jnp.float32(1e-3), np.float64(1e-3), np.asarray(1e-3)):
+        assert int(jf.linalg.lstsq(a, jnp.ones(3), rcond=rcond).rank) == 1
+    assert int(jf.linalg.lstsq(a, jnp.ones(3), rcond=jnp.float32(1e-5)).rank) == 2
 
 
 def test_mixed_dtypes_promote():
