@@ -1065,7 +1065,24 @@ def full() -> Mask:
     return _Full()
 
 
+# What a traced argument of these masks may be written as instead (causal's offsets may be traced).
+_TRACED_FORM = {
+    ("sliding_window", "window"): "causal(window - 1) & ~causal(-window)",
+    ("chunked", "chunk"): "document(jnp.arange(seq_len) // chunk)",
+}
+
+
 def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
+    """``value`` as an int: a Python or numpy int, or a concrete integer scalar array; a traced one
+    is refused (it sets the mask's span, static), with a form that takes it where there is one."""
+    if isinstance(value, jax.core.Tracer):
+        form = _TRACED_FORM.get((fn, name))
+        raise TypeError(
+            f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit"
+            + (f", or write the mask as `{form}`, which takes it traced" if form else "")
+        )
+    if isinstance(value, (jax.Array, np.ndarray)) and value.shape == () and value.dtype.kind in "iu":
+        value = value.item()
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:

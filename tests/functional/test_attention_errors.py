@@ -225,6 +225,27 @@ def test_causal_offset_must_be_an_int_or_integer_array(offset):
         jf.attention(*qkv(), mask=masks.causal(jnp.array([1, 2, 3])))
 
 
+@pytest.mark.parametrize(
+    "make, written, traced_form",
+    [
+        (masks.sliding_window, "causal(window - 1) & ~causal(-window)", lambda w: masks.causal(w - 1) & ~masks.causal(-w)),
+        (masks.chunked, "document(jnp.arange(seq_len) // chunk)", lambda c: masks.document(jnp.arange(9) // c)),
+    ],
+    ids=["sliding_window", "chunked"],
+)
+def test_a_traced_window_or_chunk_is_refused_with_the_form_that_takes_it(make, written, traced_form):
+    """A concrete integer array serves as the int; a traced one is refused, its error naming a mask
+    that takes it traced, which gives the static mask's attention."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in qkv(sq=9, skv=9))
+    want = jf.attention(q, k, v, mask=make(3))
+    np.testing.assert_array_equal(jf.attention(q, k, v, mask=make(jnp.int32(3))), want)
+    assert not np.allclose(jf.attention(q, k, v), want)  # the mask matters
+    with pytest.raises(TypeError, match=r"must be a Python int, got a traced int\d+\[\]: compute it outside jit, or write the mask as `" + re.escape(written) + "`"):
+        jax.jit(make)(3)
+    np.testing.assert_allclose(jax.jit(lambda n: jf.attention(q, k, v, mask=traced_form(n)))(3), want, rtol=1e-6, atol=1e-6)
+
+
 def test_chunked_must_be_a_positive_int():
     with pytest.raises(ValueError, match=r"chunked: `chunk` must be >= 1, got 0"):
         masks.chunked(0)
