@@ -12,6 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from jaxforge.functional._static import concrete_scalar
 from jaxforge.functional.collectives import all_reduce, permute
 from jaxforge.functional.masks import Mask, as_mask, sampled_keys, shifted
 from jaxforge.primitives import _core
@@ -450,8 +451,7 @@ def _positive_float(name, value) -> float:
             f"attention: `{name}` must be a number or a concrete scalar array, got a traced {jax.typeof(value).str_short()}: "
             f"compute it outside jit (or with numpy){hint}"
         )
-    if isinstance(value, (jax.Array, np.ndarray)) and value.shape == () and value.dtype.kind in "fiu":
-        value = value.item()
+    value = concrete_scalar(value, "fiu")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"attention: `{name}` must be a number or a concrete real scalar array, got {type(value).__name__} {value!r}")
     value = float(value)

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxforge.functional._static import concrete_scalar
 from jaxforge.primitives.linalg import lstsq_p, svd_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
@@ -276,14 +277,14 @@ def _resolve_rcond(rcond, dtype, m: int, n: int) -> float:
             f"lstsq: `rcond` must be None, a number or a concrete scalar array; got a traced {jax.typeof(rcond).str_short()}: "
             "compute it outside jit, or solve by `jf.linalg.pinv(a, rtol=rcond) @ b`, whose tolerances may be traced"
         )
-    if isinstance(rcond, (jax.Array, np.ndarray)) and rcond.shape == () and rcond.dtype.kind in "fiu":
-        rcond = rcond.item()
+    rcond = concrete_scalar(rcond, "fiu")
     if isinstance(rcond, (bool, np.bool_)) or not isinstance(rcond, (int, float, np.floating, np.integer)) or np.isnan(rcond):
         raise TypeError(f"lstsq: `rcond` must be None or a real number; got {rcond!r}")
     return float(np.finfo(dtype).eps) if rcond < 0 else float(rcond)
 
 
 def _check_grad_eps(grad_eps) -> float:
+    grad_eps = concrete_scalar(grad_eps, "fiu")
     if not isinstance(grad_eps, (int, float, np.floating, np.integer)) or not grad_eps >= 0:
         raise ValueError(f"svd: `grad_eps` must be a real number >= 0; got {grad_eps!r}")
     return float(grad_eps)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxforge.functional._static import concrete_scalar
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.mods import (
     AllVisible,
@@ -1081,8 +1082,7 @@ def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
             f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit"
             + (f", or write the mask as `{form}`, which takes it traced" if form else "")
         )
-    if isinstance(value, (jax.Array, np.ndarray)) and value.shape == () and value.dtype.kind in "iu":
-        value = value.item()
+    value = concrete_scalar(value, "iu")
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
     if minimum is not None and value < minimum:

@@ -109,6 +109,15 @@ def test_a_traced_rcond_is_refused_with_pinv_to_use():
         jax.jit(lambda r: jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3), rcond=r))(jnp.float32(1e-3))
 
 
+def test_a_concrete_grad_eps_array_is_a_number():
+    a = jnp.eye(3)
+    grad = lambda eps: jax.grad(lambda a: jnp.sum(jf.linalg.svd(a, grad_eps=eps)[0]))(a)  # noqa: E731  repeated values
+    np.testing.assert_array_equal(grad(jnp.float32(1e-3)), grad(1e-3))
+    assert np.isfinite(grad(jnp.float32(1e-3))).all()
+    with pytest.raises(ValueError, match=r"svd: `grad_eps` must be a real number >= 0"):
+        jax.jit(lambda e: jf.linalg.svd(a, grad_eps=e))(1e-3)
+
+
 def test_a_concrete_rcond_array_is_a_number():
     a = jnp.asarray([[1.0, 0.0], [0.0, 1e-4], [0.0, 0.0]])
     for rcond in (jnp.float32(1e-3), np.float64(1e-3), np.asarray(1e-3)):
