@@ -12,9 +12,10 @@ def fuzz():
     return importlib.import_module("tools.fuzz_attention")  # tools/ is no package: a namespace one from the root
 
 
-# the seeds of first-order, sharded and context-parallel ask for the rows' largest scores too
+# the seeds of first-order, sharded and context-parallel ask for the rows' largest scores too;
+# first-order's 5 a scale of the table (traced in the jvp and under jit)
 # jax-nn's seed 34: a bias (2, 1, 8, 1), a mask of every dim, a window of 1, sequence lengths, GQA 4:2
-@pytest.mark.parametrize("mode,seed", [("first-order", 3), ("second-order", 2), ("sharded", 3), ("context-parallel", 7), ("jax-nn", 34)])
+@pytest.mark.parametrize("mode,seed", [("first-order", 5), ("second-order", 2), ("sharded", 3), ("context-parallel", 7), ("jax-nn", 34)])
 def test_a_seed_of_each_mode_passes(fuzz, mode, seed):
     assert fuzz.main(["--mode", mode, "--seed", str(seed), "--count", "1"]) == 0
 

@@ -13,7 +13,8 @@ evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the ra
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
-the loss and the jvp, and beside a jitted gradient as ``has_aux``); ``second-order`` adds a score
+the loss and the jvp, and beside a jitted gradient as ``has_aux``; a third of the seeds a number
+for ``scale``, a third one traced where the call is); ``second-order`` adds a score
 mod (ALiBi, a captured relative-bias table or a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
@@ -248,10 +249,11 @@ def _run_seed(seed: int, mode: str) -> None:
             "head_scale": lambda table: lambda s, b, h, i, j: s * (1 + 0.1 * table[h, 0]),
         }[rng.choice(["alibi", "relative_bias", "head_scale"])]
     max_scores = mode == "first-order" and bool(np.random.default_rng([seed, 2]).random() < 0.5)  # apart: seeds keep their draws
+    scale = _random_scale(np.random.default_rng([seed, 3])) if mode == "first-order" else lambda table: None
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
-        q, k, v, mask=mask, score_mod=score_mod(table), return_lse=True, return_max_scores=max_scores, implementation=implementation
+        q, k, v, mask=mask, score_mod=score_mod(table), scale=scale(table), return_lse=True, return_max_scores=max_scores, implementation=implementation
     )
-    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), max_scores=max_scores)  # noqa: E731
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), scale=scale(table), max_scores=max_scores)  # noqa: E731
     args = (q, k, v, table)
     rows = _assert_attention_close(ours(*args), dense(*args))
     weights = rng.standard_normal((b, sq, hq, dv))  # like out
@@ -275,6 +277,18 @@ def _run_seed(seed: int, mode: str) -> None:
         hvps = [jax.jvp(jax.grad(_loss(f, weights), argnums=argnums), args, tangents)[1] for f in (ours, dense)]
         for a, e in zip(*hvps):
             _assert_close(a, e, 1e-7)
+
+
+def _random_scale(rng):
+    """``scale(table)``: the default, a number, or a function of the table (first-order seeds do
+    not differentiate the table, but their jvp moves it, and jit traces it: a traced scale)."""
+    kind = rng.choice(["default", "number", "of the table"])
+    number = float(rng.uniform(0.2, 2.0))
+    return {
+        "default": lambda table: None,
+        "number": lambda table: number,
+        "of the table": lambda table: 0.6 + 0.4 * jnp.tanh(table[0, 0]),
+    }[kind]
 
 
 def _run_sharded_seed(seed: int) -> None:
