@@ -214,7 +214,8 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
     Args:
       a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
       b: ``(..., m, k)``, its batch dims broadcasting against those of ``a``; or a vector right-hand
-        side per matrix: ``(m,)``, or exactly ``a.shape[:-1]``.
+        side per matrix: ``(m,)``, or exactly ``a.shape[:-1]``. Integer, boolean or half-precision
+        ``b`` is cast to ``a``'s dtype.
       rcond: singular values ``<= rcond * s_max`` count as zero. ``None`` (default) means
         ``eps * max(m, n)`` (numpy's default); a negative value means ``eps``. A number or a
         concrete scalar array: the kernels decide the rank by it (a traced tolerance:
@@ -238,6 +239,8 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
       Array([1., 2.], dtype=float32)
     """
     a, b = _matrix("lstsq", a), jnp.asarray(b)
+    if b.dtype.kind in "biu" or b.dtype in (jnp.float16, jnp.bfloat16):
+        b = b.astype(a.dtype)  # as numpy and jnp promote it: a's dtype decides the precision
     check_dtype("lstsq", "b", b.dtype)
     *a_batch, m, n = a.shape
     # torch's rule: b is a (batch of) vector(s) iff it is 1-D or has exactly a's shape minus n.

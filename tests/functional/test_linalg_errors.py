@@ -17,11 +17,16 @@ def test_svd_rejects_dtype(dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.float16])
-def test_lstsq_rejects_dtype_of_either_argument(dtype):
+def test_lstsq_rejects_such_an_a_and_casts_such_a_b_to_as_dtype(dtype):
+    """As numpy and jnp promote ``b``; an integer or half ``a`` leaves the precision undecided."""
     with pytest.raises(TypeError, match=r"lstsq: `a` has dtype"):
         jf.linalg.lstsq(jnp.ones((3, 2), dtype), jnp.ones(3))
-    with pytest.raises(TypeError, match=r"lstsq: `b` has dtype"):
-        jf.linalg.lstsq(jnp.ones((3, 2)), jnp.ones(3, dtype))
+    a, b = jnp.asarray([[1.0, 2.0], [3.0, 5.0], [4.0, -1.0]], jnp.float32), np.asarray([1, -2, 7])
+    got = jf.linalg.lstsq(a, b.astype(dtype))
+    assert got.solution.dtype == jnp.float32
+    np.testing.assert_array_equal(got.solution, jf.linalg.lstsq(a, b.astype(np.float32)).solution)
+    with pytest.raises(TypeError, match=r"lstsq: `b` has dtype float8_e4m3fn"):
+        jf.linalg.lstsq(a, jnp.ones(3, jnp.float8_e4m3fn))
 
 
 @pytest.mark.parametrize("fn", ["svdvals", "pinv", "matrix_rank"])
