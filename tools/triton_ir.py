@@ -8,6 +8,7 @@ and products without a GPU, or to diff the kernels of two shapes (where one errs
 other does not, identical IR up to the shape's constants puts the fault outside the lowering)::
 
     PYTHONPATH=. python tools/triton_ir.py --dims 64,1,8192,32,4,128,128 --mode fwd+bwd --out /tmp/ir
+    PYTHONPATH=. python tools/triton_ir.py --dims 64,1,8192,32,4,128,128 --against 4,1,2048,8,1,128,128
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class Kernel:
     num_warps: int
     num_stages: int
     ir: str  # the kernel's Triton IR, as text
+
+    def program(self) -> str:
+        """The IR with its integer constants, value names and locations blanked: two kernels with
+        one program differ in nothing else (tile shapes stay: they are types)."""
+        ir = re.sub(r"loc\([^)]*\)|#loc\d*( = .*)?", "", self.ir)
+        ir = re.sub(r"%[\w#:]+", "%", ir)
+        return re.sub(r"\b\d+\b", "N", ir)
 
     def ops(self) -> collections.Counter:
         """How many of each Triton / arith / scf operation the kernel's IR holds."""
@@ -99,13 +107,18 @@ def main(argv=None) -> int:
     parser.add_argument("--pack-gqa", action="store_true", help="pack each GQA group's query heads into one tile")
     parser.add_argument("--kv-splits", type=int, default=1)
     parser.add_argument("--out", help="a folder for one <kernel>.ttir a kernel")
+    parser.add_argument("--against", help="b,sq,skv,hq,hkv,d,dv: say which kernels are the same program at these dims")
     args = parser.parse_args(argv)
-    dims = tuple(int(x) for x in args.dims.split(","))
-    if len(dims) != 7:
-        parser.error(f"--dims takes 7 integers b,sq,skv,hq,hkv,d,dv; got {args.dims!r}")
     impl = Implementation("pallas_triton", pack_gqa=args.pack_gqa, kv_splits=args.kv_splits)
-    fn, call_args = attention_call(dims, args.mode, jnp.dtype(args.dtype), impl)
-    found = kernels(fn, *call_args)
+
+    def lowered(text: str, flag: str) -> list[Kernel]:
+        dims = tuple(int(x) for x in text.split(","))
+        if len(dims) != 7:
+            parser.error(f"{flag} takes 7 integers b,sq,skv,hq,hkv,d,dv; got {text!r}")
+        fn, call_args = attention_call(dims, args.mode, jnp.dtype(args.dtype), impl)
+        return kernels(fn, *call_args)
+
+    found = lowered(args.dims, "--dims")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
     for kernel in found:
@@ -115,6 +128,12 @@ def main(argv=None) -> int:
         if args.out:
             with open(os.path.join(args.out, f"{kernel.name}.ttir"), "w") as f:
                 f.write(kernel.ir)
+    if args.against:
+        others = {k.name: k for k in lowered(args.against, "--against")}
+        for kernel in found:
+            other = others.get(kernel.name)
+            same = other is not None and other.program() == kernel.program()
+            print(f"{kernel.name} at {args.against}: {'the same program' if same else 'another program' if other else 'absent'}")
     return 0
 
 
