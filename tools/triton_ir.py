@@ -55,6 +55,7 @@ def kernels(fn, *args) -> list[Kernel]:
     """The Pallas Triton kernels of ``jax.jit(fn)(*args)`` lowered for "cuda" (``args`` may be
     ``jax.ShapeDtypeStruct``\\ s), in program order."""
     module = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    triton_dialect.register_dialect(module.context)  # the kernels' "tt" ops, which lowering alone may leave unregistered
     found = []
 
     def visit(op):
@@ -72,7 +73,6 @@ def kernels(fn, *args) -> list[Kernel]:
 
 def _kernel(config, context) -> Kernel:
     integer = lambda key: mlir.ir.IntegerAttr(config[key]).value  # noqa: E731
-    triton_dialect.register_dialect(context)  # the kernel's "tt" ops, which lowering alone may leave unregistered
     ir = mlir.ir.Module.parse(mlir.ir.StringAttr(config["ir"]).value_bytes, context=context)
     return Kernel(
         mlir.ir.StringAttr(config["name"]).value,

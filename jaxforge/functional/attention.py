@@ -436,7 +436,7 @@ def _scale_folded(q, scale):
     and leaves 1, since the kernels take the scale as a constant; any other passes through."""
     if not isinstance(scale, jax.core.Tracer):
         return q, scale
-    if jnp.shape(scale) != () or not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+    if jnp.shape(scale) != () or scale.dtype.kind not in "fiu":
         raise TypeError(f"attention: a traced `scale` must be a real scalar, got {jax.typeof(scale).str_short()}")
     acc = accumulation_dtype(q.dtype)
     return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0

@@ -14,6 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from jaxforge.functional import masks
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.layers import Params, check_features
+from jaxforge.primitives import _core
 
 __all__ = ["dot_product_attention", "init_kv_cache", "init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
 
@@ -111,7 +112,9 @@ def dot_product_attention(
         visible.append(masks.padding(kv_len if kv_lengths is None else kv_lengths, q_lengths))
     score_mod = None
     if bias is not None:
-        bias = _whole(_logits_shaped(fn, "bias", bias, full))
+        # a score mod reads the bias at any point, which jax's sharding types refuse a split array:
+        # gathered whole (its gradient split back by the transpose)
+        bias = _core.gathered(_logits_shaped(fn, "bias", bias, full))
 
         def score_mod(score, b, h, i, j):  # a size-1 dim broadcasts: read at 0
             index = tuple(x if n > 1 else 0 for x, n in zip((b, h, i, j), bias.shape))
@@ -135,14 +138,6 @@ def _logits_shaped(fn: str, name: str, x, full: tuple[int, ...]):
     if x.ndim > 4 or any(n not in (1, f) for n, f in zip(x.shape[::-1], full[::-1])):
         raise ValueError(f"{fn}: `{name}` must broadcast to (B, N, T, S) = {full}, at most 4-D; got shape {x.shape}")
     return x.reshape((1,) * (4 - x.ndim) + x.shape)
-
-
-def _whole(x):
-    """``x`` gathered whole where an explicit mesh splits it: a score mod reads it at any point,
-    which jax's sharding types refuse a split array (its gradient is split back by the transpose)."""
-    if any(axes is not None for axes in getattr(jax.typeof(x).sharding, "spec", ())):
-        return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
-    return x
 
 
 def _window(fn: str, size) -> tuple[int, int]:
