@@ -145,9 +145,11 @@ def define_primitive(
 
 
 def _jvp_of_tangents_like_primals(jvp: Callable, primals, tangents, **params):
-    """``jvp`` with each tangent placed like its primal under explicit sharding: a replicated tangent
-    of a batch-sharded primal is resharded to it, as the rules' per-shard kernels take both in the
-    primal's blocks."""
+    """``jvp`` with each primal an array (``jax.jvp`` of a Python number hands it on as it is, and
+    the rules read dtypes) and each tangent placed like its primal under explicit sharding: a
+    replicated tangent of a batch-sharded primal is resharded to it, as the rules' per-shard
+    kernels take both in the primal's blocks."""
+    primals = [jnp.asarray(p) if isinstance(p, (bool, int, float, complex)) else p for p in primals]
 
     def like(primal, tangent):
         aval = jax.typeof(primal)

@@ -530,6 +530,18 @@ def test_a_traced_scale_multiplies_q():
         assert_close(out, f(q, k, c)[0])
 
 
+def test_a_python_number_a_score_mod_closes_over_has_forward_derivatives():
+    """``jax.jvp`` hands a Python number's primal to the rules as it is (not an array): jacfwd and
+    a Hessian in a temperature the score mod closes over match the dense softmax's."""
+    rng = np.random.default_rng(27)
+    q, k, v = qkv(rng, (B,), 9, 11, HQ, HKV, D, DV)
+    mod = lambda c: lambda s, b, h, i, j: s * c  # noqa: E731
+    ours = lambda c: jf.attention(q, k, v, score_mod=mod(c))  # noqa: E731
+    ref = lambda c: dense_jnp(q, k, v, score_fn=mod(c))[0]  # noqa: E731
+    assert_close(jax.jacfwd(ours)(1.5), jax.jacfwd(ref)(1.5), **DTOL)
+    assert_close(jax.hessian(lambda c: ours(c).sum())(1.5), jax.hessian(lambda c: ref(c).sum())(1.5), **DTOL)
+
+
 def test_vmapped_sinks_match_a_loop():
     rng = np.random.default_rng(24)
     q, k, v = qkv(rng, (B,), 13, 13, HQ, HKV, D, DV)
