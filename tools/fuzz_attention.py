@@ -3,7 +3,7 @@ suite's fixed cases may miss after a change to the masks, spans or tile loops.
 
 Each seed draws batch, lengths (1-39, one seed in five up to 71), GQA heads, head dims, an implementation (XLA's default
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
-a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window,
+a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window (static or per item),
 chunked, prefix LM, padding and document masks, masks of positions shifted to a block of the sequence
 (static, shared or per-item offsets: ``jf.masks.shifted``), blocks of any of these leaves drawn over
 a longer sequence (their per-position arrays sliced) and plain mask_mods evaluated by
@@ -14,7 +14,7 @@ all rows at once or a few at a time. The visible pairs are computed here from ea
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
 gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
 the loss and the jvp, and beside a jitted gradient as ``has_aux``; a third of the seeds a number
-for ``scale``, a third one traced where the call is); ``second-order`` adds a score
+for ``scale``, a third one traced where the call is; likewise ``softcap``); ``second-order`` adds a score
 mod (ALiBi, a captured relative-bias table or a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
 ``sharded`` runs the call under jit on an explicit mesh of 8 CPU devices ("data" × "seq" = 2 × 4),
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
@@ -128,9 +128,12 @@ def positions_mask(rng, kind, b, sq, skv, q, k):
     if kind in ("causal", "causal_per_item"):
         offset = int(rng.integers(-sq, skv + 1)) if kind == "causal" else rng.integers(-sq, skv + 1, b).astype(np.int32)
         return masks.causal(offset), k <= q + (offset if kind == "causal" else per_item(offset))
-    if kind == "window":
-        window = int(rng.integers(1, max(sq, skv) + 2))
-        return masks.sliding_window(window), np.abs(q - k) < window
+    if kind == "window":  # an int (a static band), or one window an item (runtime bounds; 0 sees nothing)
+        if rng.random() < 0.5:
+            window = int(rng.integers(1, max(sq, skv) + 2))
+            return masks.sliding_window(window), np.abs(q - k) < window
+        window = rng.integers(0, max(sq, skv) + 2, b).astype(np.int32)
+        return masks.sliding_window(window), np.abs(q - k) < per_item(window)
     if kind == "chunked":
         chunk = int(rng.integers(1, max(sq, skv) + 2))
         return masks.chunked(chunk), q // chunk == k // chunk
@@ -249,11 +252,13 @@ def _run_seed(seed: int, mode: str) -> None:
             "head_scale": lambda table: lambda s, b, h, i, j: s * (1 + 0.1 * table[h, 0]),
         }[rng.choice(["alibi", "relative_bias", "head_scale"])]
     max_scores = mode == "first-order" and bool(np.random.default_rng([seed, 2]).random() < 0.5)  # apart: seeds keep their draws
-    scale = _random_scale(np.random.default_rng([seed, 3])) if mode == "first-order" else lambda table: None
+    scale = _random_scale(np.random.default_rng([seed, 3]), 0.2, 2.0) if mode == "first-order" else lambda table: None
+    softcap = _random_scale(np.random.default_rng([seed, 4]), 0.5, 5.0) if mode == "first-order" else lambda table: None
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
-        q, k, v, mask=mask, score_mod=score_mod(table), scale=scale(table), return_lse=True, return_max_scores=max_scores, implementation=implementation
+        q, k, v, mask=mask, score_mod=score_mod(table), scale=scale(table), softcap=softcap(table), return_lse=True,
+        return_max_scores=max_scores, implementation=implementation,
     )
-    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), scale=scale(table), max_scores=max_scores)  # noqa: E731
+    dense = lambda q, k, v, table: dense_jnp(q, k, v, visible, score_mod(table), scale=scale(table), softcap=softcap(table), max_scores=max_scores)  # noqa: E731
     args = (q, k, v, table)
     rows = _assert_attention_close(ours(*args), dense(*args))
     weights = rng.standard_normal((b, sq, hq, dv))  # like out
@@ -279,15 +284,16 @@ def _run_seed(seed: int, mode: str) -> None:
             _assert_close(a, e, 1e-7)
 
 
-def _random_scale(rng):
-    """``scale(table)``: the default, a number, or a function of the table (first-order seeds do
-    not differentiate the table, but their jvp moves it, and jit traces it: a traced scale)."""
+def _random_scale(rng, low: float, high: float):
+    """``scale(table)`` (or softcap's): the default, a number in ``[low, high)``, or a function of
+    the table in that range (first-order seeds do not differentiate the table, but their jvp moves
+    it, and jit traces it: a traced scale or cap)."""
     kind = rng.choice(["default", "number", "of the table"])
-    number = float(rng.uniform(0.2, 2.0))
+    number = float(rng.uniform(low, high))
     return {
         "default": lambda table: None,
         "number": lambda table: number,
-        "of the table": lambda table: 0.6 + 0.4 * jnp.tanh(table[0, 0]),
+        "of the table": lambda table: low + (high - low) * (1 + jnp.tanh(table[0, 0])) / 2,
     }[kind]
 
 

@@ -67,8 +67,10 @@ def attention(
         the kernels take as a constant; a traced real scalar (a learned temperature,
         ``1 / jnp.sqrt(d)`` under jit, as jax.nn takes) multiplies ``q`` instead, differentiable
         (``(c q)·k = c (q·k)``: the same logits, lse and max scores, ``c q`` rounded to q's dtype).
-      softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``; a
-        number or a concrete scalar array (a traced cap: a ``score_mod``, see the error).
+      softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``: a
+        positive number (or a concrete scalar array) the kernels take as a constant, or a traced
+        real scalar, differentiable, which joins ``score_mod`` as an array it closes over (not
+        checked: a cap of 0 gives NaN).
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
       return_max_scores: also return each row's largest score, ``(..., Sq, Hq)`` in the lse's
@@ -126,6 +128,7 @@ def attention(
     q, k, v = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (q, k, v))
     check_operands("attention", q, k, v)
     q, scale = _scale_folded(q, scale)
+    score_mod, softcap = _softcap_folded(score_mod, softcap)
     q_axes = _sequence_split(q)
     kv_axes = _key_split(q, k, v)
     if not kv_axes:
@@ -442,15 +445,29 @@ def _scale_folded(q, scale):
     return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0
 
 
+def _softcap_folded(score_mod, softcap):
+    """``(score_mod, softcap)``: a traced ``softcap`` joins ``score_mod``, applied before it as
+    the kernels apply a constant one (whose derivative they leave out), so it is an array the
+    score mod closes over and gets its gradient; any other passes through."""
+    if not isinstance(softcap, jax.core.Tracer):
+        return score_mod, softcap
+    if jnp.shape(softcap) != () or softcap.dtype.kind not in "fiu":
+        raise TypeError(f"attention: a traced `softcap` must be a real scalar, got {jax.typeof(softcap).str_short()}")
+    if score_mod is not None and not callable(score_mod):
+        return score_mod, None  # refused by name where it is traced
+    cap = softcap
+
+    def capped(score, b, h, q_idx, kv_idx):
+        c = cap.astype(score.dtype)
+        score = c * jnp.tanh(score / c)
+        return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+
+    return capped, None
+
+
 def _positive_float(name, value) -> float:
-    """``value`` as a float: a number or a concrete real scalar array (not a traced one), positive
-    and finite."""
-    if isinstance(value, jax.core.Tracer):
-        hint = " or apply it as a score_mod, `lambda s, b, h, q, k: cap * jnp.tanh(s / cap)`" if name == "softcap" else ""
-        raise TypeError(
-            f"attention: `{name}` must be a number or a concrete scalar array, got a traced {jax.typeof(value).str_short()}: "
-            f"compute it outside jit (or with numpy){hint}"
-        )
+    """``value`` as a float: a number or a concrete real scalar array, positive and finite (a
+    traced scale or softcap was folded into q or the score mod before)."""
     value = concrete_scalar(value, "fiu")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
         raise TypeError(f"attention: `{name}` must be a number or a concrete real scalar array, got {type(value).__name__} {value!r}")

@@ -193,6 +193,8 @@ def as_mask(mask) -> Mask:
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Causal(Mask):
     offset: int | jnp.ndarray  # static, or one per batch item
+    fn: str = "causal"  # whose argument the offset came from, for errors
+    name: str = "offset"
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + _item(self.offset, b)
@@ -204,7 +206,7 @@ class _Causal(Mask):
         return (lambda b, h, q_idx, kv_idx, offset: kv_idx <= q_idx + offset), [rows], []
 
     def _per_batch(self, batch_shape):
-        return _per_batch(self.offset, batch_shape, "causal", "offset", trailing=0)
+        return _per_batch(self.offset, batch_shape, self.fn, self.name, trailing=0)
 
     def span(self):
         return Band(None, self.offset) if isinstance(self.offset, int) else OffsetBand()
@@ -213,7 +215,7 @@ class _Causal(Mask):
         return [] if isinstance(self.offset, int) else [self._per_batch(batch_shape)]
 
     def shifted(self, q_offset, kv_offset):
-        return _Causal(self.offset + q_offset - kv_offset)
+        return _Causal(self.offset + q_offset - kv_offset, self.fn, self.name)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -657,8 +659,19 @@ def causal(offset=0) -> Mask:
     return _Causal(_offset("causal", "offset", offset))
 
 
-def sliding_window(window: int) -> Mask:
-    """``|q_idx - kv_idx| < window``; ``causal() & sliding_window(w)`` sees the last ``w`` keys."""
+def sliding_window(window) -> Mask:
+    """``|q_idx - kv_idx| < window``; ``causal() & sliding_window(w)`` sees the last ``w`` keys.
+
+    ``window`` is a Python int >= 1 (or a concrete integer scalar array), whose band the kernels
+    bound statically; or an integer array, traced or not, of one window or one per batch item
+    (shape ``batch`` of q, or broadcastable to it; runtime values, a window below 1 sees no key):
+    then the band is ``causal(window - 1) & ~causal(-window)``, its tiles skipped by runtime bounds.
+    """
+    window = concrete_scalar(window, "iu")
+    if isinstance(window, (jax.Array, np.ndarray)):
+        window = _offset("sliding_window", "window", window)
+        # |q - kv| < w: kv <= q + w - 1, and not kv <= q - w
+        return _Causal(window - 1, "sliding_window", "window") & ~_Causal(-window, "sliding_window", "window")
     return _Window(_static_int("sliding_window", "window", window, minimum=1))
 
 
@@ -1066,9 +1079,9 @@ def full() -> Mask:
     return _Full()
 
 
-# What a traced argument of these masks may be written as instead (causal's offsets may be traced).
+# What a traced argument of these masks may be written as instead (causal's offsets, padding's and
+# prefix_lm's lengths and sliding_window's window may be traced themselves).
 _TRACED_FORM = {
-    ("sliding_window", "window"): "causal(window - 1) & ~causal(-window)",
     ("chunked", "chunk"): "document(jnp.arange(seq_len) // chunk)",
 }
 

@@ -225,25 +225,30 @@ def test_causal_offset_must_be_an_int_or_integer_array(offset):
         jf.attention(*qkv(), mask=masks.causal(jnp.array([1, 2, 3])))
 
 
-@pytest.mark.parametrize(
-    "make, written, traced_form",
-    [
-        (masks.sliding_window, "causal(window - 1) & ~causal(-window)", lambda w: masks.causal(w - 1) & ~masks.causal(-w)),
-        (masks.chunked, "document(jnp.arange(seq_len) // chunk)", lambda c: masks.document(jnp.arange(9) // c)),
-    ],
-    ids=["sliding_window", "chunked"],
-)
-def test_a_traced_window_or_chunk_is_refused_with_the_form_that_takes_it(make, written, traced_form):
+def test_a_traced_chunk_is_refused_with_the_form_that_takes_it():
     """A concrete integer array serves as the int; a traced one is refused, its error naming a mask
     that takes it traced, which gives the static mask's attention."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal(x.shape), jnp.float32) for x in qkv(sq=9, skv=9))
-    want = jf.attention(q, k, v, mask=make(3))
-    np.testing.assert_array_equal(jf.attention(q, k, v, mask=make(jnp.int32(3))), want)
+    want = jf.attention(q, k, v, mask=masks.chunked(3))
+    np.testing.assert_array_equal(jf.attention(q, k, v, mask=masks.chunked(jnp.int32(3))), want)
     assert not np.allclose(jf.attention(q, k, v), want)  # the mask matters
+    written = "document(jnp.arange(seq_len) // chunk)"
     with pytest.raises(TypeError, match=r"must be a Python int, got a traced int\d+\[\]: compute it outside jit, or write the mask as `" + re.escape(written) + "`"):
-        jax.jit(make)(3)
-    np.testing.assert_allclose(jax.jit(lambda n: jf.attention(q, k, v, mask=traced_form(n)))(3), want, rtol=1e-6, atol=1e-6)
+        jax.jit(masks.chunked)(3)
+    traced = jax.jit(lambda n: jf.attention(q, k, v, mask=masks.document(jnp.arange(9) // n)))(3)
+    np.testing.assert_allclose(traced, want, rtol=1e-6, atol=1e-6)
+
+
+def test_sliding_window_arguments():
+    with pytest.raises(ValueError, match=r"sliding_window: `window` must be >= 1, got 0"):
+        masks.sliding_window(0)
+    with pytest.raises(TypeError, match=r"sliding_window: `window` must be an int or an integer array, got dtype float32"):
+        masks.sliding_window(jnp.ones(2, jnp.float32))
+    with pytest.raises(TypeError, match=r"sliding_window: `window` must be a Python int, got float 2.0"):
+        masks.sliding_window(2.0)
+    with pytest.raises(ValueError, match=r"sliding_window: `window` has leading dims \(3,\), which do not broadcast to the batch dims \(2,\) of q"):
+        jf.attention(*qkv(), mask=masks.sliding_window(jnp.array([1, 2, 3])))
 
 
 def test_chunked_must_be_a_positive_int():
@@ -340,16 +345,13 @@ def test_scale_and_softcap_must_be_real_scalars(name):
             jf.attention(q, k, v, **{name: value})
 
 
-def test_a_traced_softcap_is_refused_with_a_score_mod_to_use():
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_a_traced_scale_or_softcap_must_be_a_real_scalar(name):
     q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"`softcap` must be a number or a concrete scalar array, got a traced float32\[\]: .*score_mod"):
-        jax.jit(lambda c: jf.attention(q, k, v, softcap=c))(jnp.float32(20))
-
-
-def test_a_traced_scale_must_be_a_real_scalar():
-    q, k, v = qkv()
-    with pytest.raises(TypeError, match=r"attention: a traced `scale` must be a real scalar, got float32\[2\]"):
-        jax.jit(lambda c: jf.attention(q, k, v, scale=c))(jnp.ones(2, jnp.float32))
+    with pytest.raises(TypeError, match=rf"attention: a traced `{name}` must be a real scalar, got float32\[2\]"):
+        jax.jit(lambda c: jf.attention(q, k, v, **{name: c}))(jnp.ones(2, jnp.float32))
+    with pytest.raises(TypeError, match=rf"attention: a traced `{name}` must be a real scalar, got complex64\[\]"):
+        jax.jit(lambda c: jf.attention(q, k, v, **{name: c}))(jnp.complex64(1))
 
 
 @pytest.mark.parametrize("implementation", ["triton", "XLA", "cudnn", 3, ("xla",)])

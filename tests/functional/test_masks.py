@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxforge as jf
+from jaxforge.functional.attention import Implementation
 from tests.attention_dense import visible_ranges
 
 B, SQ, SKV = 2, 13, 17
@@ -63,6 +64,10 @@ MASKS = {
     "numpy_array_or_window": (  # the array on the left: numpy defers to Mask.__ror__
         lambda: VISIBLE[0, 0] | jf.masks.sliding_window(2),
         lambda b, q, kv: VISIBLE[0, 0, q, kv] | (np.abs(q - kv) < 2),
+    ),
+    "causal&window_per_item": (  # a window below 1 sees nothing
+        lambda: jf.masks.causal() & jf.masks.sliding_window(jnp.asarray([0, 3])),
+        lambda b, q, kv: (kv <= q) & (np.abs(q - kv) < np.asarray([0, 3])[b]),
     ),
     "block_mask_per_item": (
         lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
@@ -252,6 +257,20 @@ def test_masks_that_differ_only_in_their_arrays_share_a_compile(backend_compiles
     assert backend_compiles == []
     jax.block_until_ready(attend(masks[2]))
     assert len(backend_compiles) == 1
+
+
+def test_a_traced_window_is_the_static_one():
+    """A window passed into jit (so traced, bounding tiles at run time) attends as the int does
+    (whose band is static), over several tiles; so does one window an item against a loop."""
+    q = jnp.asarray(rng.normal(size=(B, 40, 2, 4)))
+    k, v = (jnp.asarray(rng.normal(size=(B, 45, 2, 4))) for _ in range(2))
+    tiles = Implementation("xla", block_q=8, block_kv=16)
+    attend = lambda window: jf.attention(q, k, v, mask=jf.masks.causal(5) & jf.masks.sliding_window(window), implementation=tiles)  # noqa: E731
+    for window in (1, 7, 50):
+        np.testing.assert_allclose(jax.jit(attend)(window), attend(window), rtol=1e-12, atol=1e-12)
+    per_item = attend(jnp.asarray([3, 20]))
+    for b, window in enumerate((3, 20)):
+        np.testing.assert_allclose(per_item[b], attend(window)[b], rtol=1e-12, atol=1e-12)
 
 
 def test_a_mask_vmaps_with_the_queries():

@@ -530,6 +530,28 @@ def test_a_traced_scale_multiplies_q():
         assert_close(out, f(q, k, c)[0])
 
 
+def test_a_traced_softcap_joins_the_score_mod():
+    """A traced softcap (a hyperparameter passed into jit, or vmapped over) gives the constant cap's
+    out, lse and max scores, with a score mod after it or alone; derivatives in it to order 2 (the
+    constant's kernels leave its derivative out: here it is an array the score mod closes over);
+    a vmap over caps a loop's."""
+    rng = np.random.default_rng(26)
+    q, k, v = qkv(rng, (B,), 13, 17, HQ, HKV, D, DV)
+    q = 4 * q  # scores well past the caps, where tanh bends
+    alibi = lambda s, b, h, i, j: s - 0.25 * (h + 1) * abs(i - j)
+    f = lambda q, k, c, score_mod=alibi: jf.attention(q, k, v, mask=masks.causal(), softcap=c, score_mod=score_mod, return_lse=True, return_max_scores=True)
+    for score_mod in (alibi, None):
+        for c in (0.7, 3.0):
+            for got, want in zip(jax.jit(f, static_argnums=3)(q, k, c, score_mod), f(q, k, c, score_mod)):
+                assert_close(jnp.where(jnp.isfinite(want), got, 0), jnp.where(jnp.isfinite(want), want, 0))
+    assert not np.allclose(f(q, k, 0.7)[0], f(q, k, 3.0)[0])  # the cap matters
+    check_grads(lambda q, k, c: f(q, k, c)[:2], (q, k, 0.7), order=2, modes=("fwd", "rev"))  # c a Python float
+    caps = [0.5, 1.0, 4.0]
+    batched = jax.vmap(lambda c: f(q, k, c)[0])(jnp.asarray(caps))
+    for c, out in zip(caps, batched):
+        assert_close(out, f(q, k, c)[0])
+
+
 def test_a_python_number_a_score_mod_closes_over_has_forward_derivatives():
     """``jax.jvp`` hands a Python number's primal to the rules as it is (not an array): jacfwd and
     a Hessian in a temperature the score mod closes over match the dense softmax's."""
