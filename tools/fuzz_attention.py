@@ -3,8 +3,8 @@ suite's fixed cases may miss after a change to the masks, spans or tile loops.
 
 Each seed draws batch, lengths (1-39, one seed in five up to 71), GQA heads, head dims, an implementation (XLA's default
 tiles, small tiles with or without packed GQA, or the Triton kernels in interpret mode) and a mask:
-a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window (static or per item),
-chunked, prefix LM, padding and document masks, masks of positions shifted to a block of the sequence
+a random tree of ``&``, ``|`` and ``~`` over causal (static or per-item offsets), sliding window and
+chunked (static or per item), prefix LM, padding and document masks, masks of positions shifted to a block of the sequence
 (static, shared or per-item offsets: ``jf.masks.shifted``), blocks of any of these leaves drawn over
 a longer sequence (their per-position arrays sliced) and plain mask_mods evaluated by
 ``jf.masks.block_mask`` (frames, tables of visible pairs per item and head, sink keys and a window
@@ -134,9 +134,12 @@ def positions_mask(rng, kind, b, sq, skv, q, k):
             return masks.sliding_window(window), np.abs(q - k) < window
         window = rng.integers(0, max(sq, skv) + 2, b).astype(np.int32)
         return masks.sliding_window(window), np.abs(q - k) < per_item(window)
-    if kind == "chunked":
-        chunk = int(rng.integers(1, max(sq, skv) + 2))
-        return masks.chunked(chunk), q // chunk == k // chunk
+    if kind == "chunked":  # likewise
+        if rng.random() < 0.5:
+            chunk = int(rng.integers(1, max(sq, skv) + 2))
+            return masks.chunked(chunk), q // chunk == k // chunk
+        chunk = rng.integers(1, max(sq, skv) + 2, b).astype(np.int32)
+        return masks.chunked(chunk), q // per_item(chunk) == k // per_item(chunk)
     if kind in ("prefix", "prefix_per_item"):
         prefix = int(rng.integers(0, skv + 2)) if kind == "prefix" else rng.integers(0, skv + 2, b).astype(np.int32)
         return masks.prefix_lm(prefix), (k < (prefix if kind == "prefix" else per_item(prefix))) | (k <= q)

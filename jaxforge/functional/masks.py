@@ -249,6 +249,54 @@ class _Chunked(Mask):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class _ChunkedAt(Mask):
+    """:func:`chunked` of an array chunk (traced, or one per batch item), its positions shifted by
+    ``q_offset`` and ``kv_offset``: each position's chunk is an id, as a document's, computed at
+    each call, and so are the ranges of the positions holding it (contiguous: exact)."""
+
+    chunk: jnp.ndarray  # one, or one per batch item; below 1 counts as 1
+    q_offset: int | jnp.ndarray = 0
+    kv_offset: int | jnp.ndarray = 0
+
+    def mask_mod(self, b, h, q_idx, kv_idx):
+        chunk = jnp.maximum(_item(self.chunk, b), 1)
+        return (q_idx + _item(self.q_offset, b)) // chunk == (kv_idx + _item(self.kv_offset, b)) // chunk
+
+    def _per_batch(self, batch_shape):
+        chunk, q_offset, kv_offset = (
+            _per_batch(jnp.asarray(x, jnp.int32), batch_shape, "chunked", name, trailing=0)
+            for x, name in ((self.chunk, "chunk"), (self.q_offset, "q_offset"), (self.kv_offset, "kv_offset"))
+        )
+        return jnp.maximum(chunk, 1), q_offset, kv_offset
+
+    def _ids(self, batch_shape, sq, skv):
+        """Each query's and key's chunk, ``(prod(batch), sq)`` and ``(prod(batch), skv)``."""
+        chunk, q_offset, kv_offset = (x[:, None] for x in self._per_batch(batch_shape))
+        positions = lambda n, offset: jnp.arange(n, dtype=jnp.int32) + offset  # noqa: E731
+        return positions(sq, q_offset) // chunk, positions(skv, kv_offset) // chunk, chunk, q_offset, kv_offset
+
+    def bind_positional(self, batch_shape, sq, skv):
+        q_ids, kv_ids, *_ = self._ids(batch_shape, sq, skv)
+        return (lambda b, h, q_idx, kv_idx, q_id, kv_id: q_id == kv_id), [q_ids], [kv_ids]
+
+    def span(self):
+        return RangeSpan()
+
+    def span_arrays(self, batch_shape, sq, skv, num_heads=None):
+        q_ids, kv_ids, chunk, q_offset, kv_offset = self._ids(batch_shape, sq, skv)
+
+        def holding(ids, offset, size):  # RangeSpan's [lo, hi) and sure_hi of the positions in each id's chunk
+            lo, hi = (jnp.clip(ids * chunk + n - offset, 0, size) for n in (0, chunk))
+            lo, hi = jnp.where(lo < hi, lo, size), jnp.where(lo < hi, hi, 0)  # segment_ranges' empty [size, 0)
+            return lo, hi, hi
+
+        return [*holding(q_ids, kv_offset, skv), *holding(kv_ids, q_offset, sq)]
+
+    def shifted(self, q_offset, kv_offset):
+        return _ChunkedAt(self.chunk, self.q_offset + q_offset, self.kv_offset + kv_offset)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class _PrefixLM(Mask):
     prefix: int | jnp.ndarray  # static, or one length per batch item
 
@@ -675,8 +723,18 @@ def sliding_window(window) -> Mask:
     return _Window(_static_int("sliding_window", "window", window, minimum=1))
 
 
-def chunked(chunk: int) -> Mask:
-    """``q_idx // chunk == kv_idx // chunk``: attention within fixed chunks (Llama 4 style)."""
+def chunked(chunk) -> Mask:
+    """``q_idx // chunk == kv_idx // chunk``: attention within fixed chunks (Llama 4 style).
+
+    ``chunk`` is a Python int >= 1 (or a concrete integer scalar array), whose chunks the kernels
+    bound statically; or an integer array, traced or not, of one chunk or one per batch item
+    (shape ``batch`` of q, or broadcastable to it; runtime values, below 1 counting as 1): then
+    each position's chunk is an id computed at each call, its tiles skipped by runtime ranges, as
+    a document's.
+    """
+    chunk = concrete_scalar(chunk, "iu")
+    if isinstance(chunk, (jax.Array, np.ndarray)):
+        return _ChunkedAt(_offset("chunked", "chunk", chunk))
     return _Chunked(_static_int("chunked", "chunk", chunk, minimum=1))
 
 
@@ -1079,22 +1137,11 @@ def full() -> Mask:
     return _Full()
 
 
-# What a traced argument of these masks may be written as instead (causal's offsets, padding's and
-# prefix_lm's lengths and sliding_window's window may be traced themselves).
-_TRACED_FORM = {
-    ("chunked", "chunk"): "document(jnp.arange(seq_len) // chunk)",
-}
-
-
 def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
     """``value`` as an int: a Python or numpy int, or a concrete integer scalar array; a traced one
-    is refused (it sets the mask's span, static), with a form that takes it where there is one."""
+    is refused (it sets a size or the mask's static span)."""
     if isinstance(value, jax.core.Tracer):
-        form = _TRACED_FORM.get((fn, name))
-        raise TypeError(
-            f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit"
-            + (f", or write the mask as `{form}`, which takes it traced" if form else "")
-        )
+        raise TypeError(f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit")
     value = concrete_scalar(value, "iu")
     if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
         raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")

@@ -69,6 +69,10 @@ MASKS = {
         lambda: jf.masks.causal() & jf.masks.sliding_window(jnp.asarray([0, 3])),
         lambda b, q, kv: (kv <= q) & (np.abs(q - kv) < np.asarray([0, 3])[b]),
     ),
+    "chunked_per_item|causal": (
+        lambda: jf.masks.chunked(jnp.asarray([3, 5])) | jf.masks.causal(-6),
+        lambda b, q, kv: (q // np.asarray([3, 5])[b] == kv // np.asarray([3, 5])[b]) | (kv <= q - 6),
+    ),
     "block_mask_per_item": (
         lambda: jf.masks.block_mask(lambda b, h, q, kv: KV_IDS[b, kv] <= Q_IDS[b, q], SQ, SKV, batch_shape=(B,)),
         lambda b, q, kv: KI[b, kv] <= QI[b, q],
@@ -81,6 +85,10 @@ MASKS = {
     "shifted_window_per_item": (
         lambda: jf.masks.shifted(jf.masks.sliding_window(4), jnp.asarray([0, 20]), jnp.asarray(11)),
         lambda b, q, kv: np.abs(q + np.asarray([0, 20])[b] - kv - 11) < 4,
+    ),
+    "shifted_chunked_per_item": (  # a chunk below 1 counts as 1
+        lambda: jf.masks.shifted(jf.masks.chunked(jnp.asarray([4, 0])), jnp.asarray([0, 5]), 3),
+        lambda b, q, kv: (q + np.asarray([0, 5])[b]) // np.asarray([4, 1])[b] == (kv + 3) // np.asarray([4, 1])[b],
     ),
     "shifted_chunked|prefix": (
         lambda: jf.masks.shifted(jf.masks.chunked(5) | jf.masks.prefix_lm(jnp.asarray(PREFIX)), jnp.asarray(7), 3),
@@ -259,18 +267,20 @@ def test_masks_that_differ_only_in_their_arrays_share_a_compile(backend_compiles
     assert len(backend_compiles) == 1
 
 
-def test_a_traced_window_is_the_static_one():
-    """A window passed into jit (so traced, bounding tiles at run time) attends as the int does
-    (whose band is static), over several tiles; so does one window an item against a loop."""
+@pytest.mark.parametrize("make", [jf.masks.sliding_window, jf.masks.chunked], ids=["sliding_window", "chunked"])
+def test_a_traced_window_or_chunk_is_the_static_one(make):
+    """A window or chunk passed into jit (so traced, bounding tiles at run time) attends as the int
+    does (whose span is static), over several tiles; so does one an item against a loop."""
     q = jnp.asarray(rng.normal(size=(B, 40, 2, 4)))
     k, v = (jnp.asarray(rng.normal(size=(B, 45, 2, 4))) for _ in range(2))
     tiles = Implementation("xla", block_q=8, block_kv=16)
-    attend = lambda window: jf.attention(q, k, v, mask=jf.masks.causal(5) & jf.masks.sliding_window(window), implementation=tiles)  # noqa: E731
-    for window in (1, 7, 50):
-        np.testing.assert_allclose(jax.jit(attend)(window), attend(window), rtol=1e-12, atol=1e-12)
+    attend = lambda n: jf.attention(q, k, v, mask=jf.masks.causal(5) & make(n), implementation=tiles)  # noqa: E731
+    for n in (1, 7, 50):
+        np.testing.assert_allclose(jax.jit(attend)(n), attend(n), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(attend(7), attend(50))  # the mask matters
     per_item = attend(jnp.asarray([3, 20]))
-    for b, window in enumerate((3, 20)):
-        np.testing.assert_allclose(per_item[b], attend(window)[b], rtol=1e-12, atol=1e-12)
+    for b, n in enumerate((3, 20)):
+        np.testing.assert_allclose(per_item[b], attend(n)[b], rtol=1e-12, atol=1e-12)
 
 
 def test_a_mask_vmaps_with_the_queries():

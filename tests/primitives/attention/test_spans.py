@@ -210,6 +210,29 @@ def test_per_batch_causal_offset_spans(combine):
         assert tuple(int(x) for x in got) == tuple(int(x) for x in getattr(static, method)(4, 12, size)), method
 
 
+@pytest.mark.parametrize("make", ["window", "chunked"])
+@pytest.mark.parametrize("combine", ["alone", "&causal", "|prefix", "~", "shifted"])
+def test_per_batch_window_and_chunk_spans(make, combine):
+    """A window or chunk given as an array (one per item; traced alike) reads its spans' data at
+    run time; a chunk's ranges are exact: a query's [lo, hi) holds just its chunk's keys."""
+    mask = {"window": jf.masks.sliding_window, "chunked": jf.masks.chunked}[make](jnp.asarray([5, 9]))
+    mask = {
+        "alone": mask,
+        "&causal": mask & jf.masks.causal(),
+        "|prefix": mask | jf.masks.prefix_lm(3),
+        "~": ~mask,
+        "shifted": jf.masks.shifted(mask, jnp.asarray([0, 25]), jnp.asarray(14)),
+    }[combine]
+    span, arrays = mask.span(), mask.span_arrays((2,), SQ, SKV)
+    assert len(arrays) == span.num_arrays
+    for b in range(2):
+        visible = dense(mask, (2,), b)
+        check_span(f"{make}_per_item/{combine}/b{b}", span, visible, tuple(a[b] for a in arrays))
+        if make == "chunked" and combine in ("alone", "shifted"):
+            lo, hi = (np.asarray(a[b]) for a in arrays[:2])
+            np.testing.assert_array_equal(np.maximum(hi - lo, 0), visible.sum(1))
+
+
 def test_padding_spans_are_tight():
     """The keys past the length, and the queries past theirs, are never visited."""
     span = jf.masks.padding(jnp.asarray([10]), jnp.asarray([5])).span()
