@@ -70,7 +70,7 @@ def attention(
       softcap: ``score -> softcap * tanh(score / softcap)``, applied before ``score_mod``: a
         positive number (or a concrete scalar array) the kernels take as a constant, or a traced
         real scalar, differentiable, which joins ``score_mod`` as an array it closes over (not
-        checked: a cap of 0 gives NaN).
+        checked: the formula as written, NaN at a cap of 0 where a score is 0).
       return_lse: also return the log-sum-exp of each row, ``(..., Sq, Hq)``, float32 (float64
         for float64 input); ``-inf`` for a fully masked row, whose output is 0.
       return_max_scores: also return each row's largest score, ``(..., Sq, Hq)`` in the lse's
@@ -447,14 +447,14 @@ def _scale_folded(q, scale):
 
 def _softcap_folded(score_mod, softcap):
     """``(score_mod, softcap)``: a traced ``softcap`` joins ``score_mod``, applied before it as
-    the kernels apply a constant one (whose derivative they leave out), so it is an array the
-    score mod closes over and gets its gradient; any other passes through."""
+    the kernels apply a constant cap, so that it is an array the score mod closes over (an
+    operand, with tangents and a gradient); any other passes through."""
     if not isinstance(softcap, jax.core.Tracer):
         return score_mod, softcap
     if jnp.shape(softcap) != () or softcap.dtype.kind not in "fiu":
         raise TypeError(f"attention: a traced `softcap` must be a real scalar, got {jax.typeof(softcap).str_short()}")
     if score_mod is not None and not callable(score_mod):
-        return score_mod, None  # refused by name where it is traced
+        return score_mod, None  # _traced_score_mod refuses it by name
     cap = softcap
 
     def capped(score, b, h, q_idx, kv_idx):
