@@ -363,6 +363,44 @@ def test_transformer_is_causal_and_respects_documents():
     np.testing.assert_array_equal(moved, np.isin(np.arange(10), [3, 4]))
 
 
+def unrolled_transformer(params, tokens, block_masks):
+    """:func:`nn.transformer` written out block by block from the public layers, block ``i`` under
+    ``block_masks[i]`` (static masks: no scan)."""
+    x = nn.embedding(params["embedding"], tokens)
+    for i, mask in enumerate(block_masks):
+        p = jax.tree.map(lambda a: a[i], params["blocks"])
+        x = x + nn.multi_head_attention(p["attention"], nn.rms_norm(p["attention_norm"], x), mask=mask)
+        x = x + nn.mlp(p["mlp"], nn.rms_norm(p["mlp_norm"], x))
+    return nn.linear(params["head"], nn.rms_norm(params["norm"], x))
+
+
+@pytest.mark.parametrize("windows", [(2, 0), (0, 3), (1, 1)], ids=str)
+def test_sliding_windows_per_block(windows):
+    """``windows``: block ``i`` under ``mask & sliding_window(windows[i])`` (0: none), read from the
+    layers' scan: logits and gradients as the unrolled blocks' with static masks; decoding over a
+    cache keeps each block's window; a bad ``windows`` is an error naming it."""
+    params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
+    mask = jf.masks.causal() & jf.masks.document(SEGMENTS_10)
+    static = [mask if w == 0 else mask & jf.masks.sliding_window(w) for w in windows]
+    got = nn.transformer(params, TOKENS, mask=mask, windows=jnp.asarray(windows))
+    np.testing.assert_allclose(got, unrolled_transformer(params, TOKENS, static), rtol=1e-12, atol=1e-12)
+    assert not np.allclose(got, nn.transformer(params, TOKENS, mask=mask))  # the windows matter
+    grads = [jax.grad(lambda p: jnp.sum(f(p) ** 2))(params) for f in (
+        lambda p: nn.transformer(p, TOKENS, mask=mask, windows=windows), lambda p: unrolled_transformer(p, TOKENS, static))]
+    for a, b in zip(*(jax.tree.leaves(g) for g in grads)):
+        np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    full = nn.transformer(params, TOKENS, windows=windows)  # causal alone, as decoding attends
+    cache = nn.init_kv_cache(params["blocks"]["attention"], TOKENS.shape[:1], 12)
+    logits, cache = nn.transformer(params, TOKENS[:, :4], cache=cache, windows=windows)
+    np.testing.assert_allclose(logits, full[:, :4], rtol=1e-12, atol=1e-12)
+    step = jax.jit(lambda params, token, cache: nn.transformer(params, token, cache=cache, windows=windows))
+    for i in range(4, 7):
+        logits, cache = step(params, TOKENS[:, i : i + 1], cache)
+        np.testing.assert_allclose(logits[:, 0], full[:, i], rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match=r"transformer: `windows` must be an int or 2 ints \(one per block\), got int\d+\[3\]"):
+        nn.transformer(params, TOKENS, windows=[1, 2, 3])
+
+
 def test_decoding_with_a_kv_cache_matches_the_full_forward():
     """A prompt prefilled into the per-block caches, then one token a step under jit (GQA heads
     packed, causal over the cache): every step's logits are the full forward's at that position."""

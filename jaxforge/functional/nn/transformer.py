@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +76,7 @@ def transformer(
     cache: NestedParams | None = None,
     remat: bool | Callable = False,
     return_max_scores: bool = False,
+    windows: int | Sequence[int] | Int[ArrayLike, " depth"] | None = None,
 ):
     r"""Next-token logits of a pre-norm decoder: for each block,
     :math:`x \mathrel{+}= \text{attn}(\text{rms}(x))`, :math:`x \mathrel{+}= \text{mlp}(\text{rms}(x))`.
@@ -97,6 +98,11 @@ def transformer(
         the backward recomputes the projections and MLP but not the attention.
       return_max_scores: also each block's largest attention logit per query head, ``(depth,
         Hq)``: MuonClip's statistic, for :func:`qk_clip` on ``params["blocks"]["attention"]``.
+      windows: sliding windows, one per block (``(depth,)`` ints) or one for all: block ``i``
+        attends under ``mask & jf.masks.sliding_window(windows[i])`` (with a cache, to its last
+        ``windows[i]`` positions), 0 for no window: gpt-oss alternates 128 and 0, Gemma 3 five
+        blocks of 1024 to one of 0. Runtime values (the scan's), so their tiles are skipped by
+        runtime bounds.
 
     Returns:
       ``(..., seq, vocab)`` logits; with a cache, ``(logits, cache)``; with ``return_max_scores``,
@@ -107,11 +113,13 @@ def transformer(
     if cache is None:
         mask = masks.causal() if mask is None else mask
     mask = None if mask is None else masks.as_mask(mask)  # a pytree, so a jit argument
+    windows = None if windows is None else _windows(windows, jax.tree.leaves(params["blocks"])[0].shape[0])
     x = embedding(params["embedding"], tokens)
     kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
     length = None if cache is None else cache["length"]
     x, (kv, top) = _blocks(
-        params["blocks"], x, kv, length, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat, max_scores=return_max_scores
+        params["blocks"], x, kv, length, windows, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat,
+        max_scores=return_max_scores,
     )
     logits = linear(params["head"], rms_norm(params["norm"], x))
     extra = [] if cache is None else [{**kv, "length": cache["length"] + jnp.shape(tokens)[-1]}]
@@ -122,16 +130,18 @@ def transformer(
 # Jitted (masks are pytrees): an eager call compiles once per shape, where a scan over a fresh
 # closure would trace and compile at every call.
 @functools.partial(jax.jit, static_argnames=("attention_fn", "remat", "max_scores"))
-def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat, max_scores):
+def _blocks(blocks, x, kv, length, windows, *, mask, positions, attention_fn, remat, max_scores):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
-    without one, else {"k", "v"} stacked over blocks, all at ``length``); ``remat`` as there.
-    Returns ``x`` and, stacked over blocks, ``(cache, max_scores)`` (None where not asked for)."""
+    without one, else {"k", "v"} stacked over blocks, all at ``length``) and of ``windows`` (None,
+    or one per block); ``remat`` as there. Returns ``x`` and, stacked over blocks, ``(cache,
+    max_scores)`` (None where not asked for)."""
 
     def block(x, layer):
-        p, kv = layer
+        p, kv, window = layer
         layer_cache = None if kv is None else {**kv, "length": length}
+        layer_mask = mask if window is None else _windowed(mask, window, None if kv is None else length)
         results = multi_head_attention(
-            p["attention"], rms_norm(p["attention_norm"], x), mask=mask, positions=positions, attention_fn=attention_fn,
+            p["attention"], rms_norm(p["attention_norm"], x), mask=layer_mask, positions=positions, attention_fn=attention_fn,
             cache=layer_cache, return_max_scores=max_scores,
         )  # fmt: skip
         attended, *extra = results if kv is not None or max_scores else (results,)
@@ -143,7 +153,30 @@ def _blocks(blocks, x, kv, length, *, mask, positions, attention_fn, remat, max_
     if remat:
         block = jax.checkpoint(block, policy=None if remat is True else remat)
 
-    return jax.lax.scan(block, x, (blocks, kv))
+    return jax.lax.scan(block, x, (blocks, kv, windows))
+
+
+# A window that no sequence outgrows (the band's offsets stay within int32 for positions < 2**30)
+_UNBOUNDED = 1 << 30
+
+
+def _windows(windows, depth: int):
+    """``windows`` checked, as ``(depth,)`` int32."""
+    windows = jnp.asarray(windows)
+    if not jnp.issubdtype(windows.dtype, jnp.integer) or windows.shape not in ((), (depth,)):
+        raise TypeError(
+            f"transformer: `windows` must be an int or {depth} ints (one per block), got {windows.dtype}{list(windows.shape)}"
+        )
+    return jnp.broadcast_to(windows.astype(jnp.int32), (depth,))
+
+
+def _windowed(mask, window, length):
+    """``mask`` and the band of a query's last ``window`` keys (0: every key): over the call's own
+    positions, or (``length`` not None) over a cache filled to ``length`` ahead of the queries,
+    where ``multi_head_attention`` adds the causal part."""
+    window = jnp.where(window > 0, window, _UNBOUNDED)
+    band = masks.sliding_window(window) if length is None else ~masks.causal(length - window)
+    return band if mask is None else mask & band
 
 
 def cross_entropy(
