@@ -56,6 +56,8 @@ CASES = {  # (b, sq, skv, hq, hkv, d, dv), attention keywords
         mask=jf.masks.document(_Q_DOCS, _KV_DOCS) | jf.masks.prefix_lm(np.array([3, 40], np.int32)))),
     "padding_causal": ((2, 200, 200, 2, 2, 64, 64), dict(
         mask=jf.masks.padding(np.array([200, 77], np.int32), np.array([130, 200], np.int32)) & jf.masks.causal())),
+    "window_or_chunk_per_item": ((2, 300, 257, 4, 2, 64, 64), dict(
+        mask=jf.masks.sliding_window(np.array([100, 37], np.int32)) & jf.masks.causal() | jf.masks.chunked(np.array([64, 48], np.int32)))),
     # a plain function of the indices and the head, its spans evaluated (jf.masks.block_mask)
     "block_mask_frames_per_head": ((2, 300, 257, 4, 2, 64, 64), dict(mask=jf.masks.block_mask(
         lambda b, h, i, j: (i // 64 >= j // 64) & (j > i - 100 * (h + 1)), 300, 257, num_heads=4))),

@@ -32,6 +32,9 @@ MASKS = {
     "causal_per_item": lambda: jf.masks.causal(jnp.asarray([SKV - SQ, -4])),
     "padding_per_item": lambda: jf.masks.padding(jnp.asarray([29, 7]), jnp.asarray([12, 19])),
     "chunked_or_window": lambda: jf.masks.chunked(8) | jf.masks.sliding_window(3),
+    "window_or_chunk_per_item": lambda: (  # runtime bands and chunk ids, one an item
+        jf.masks.sliding_window(jnp.asarray([4, 9])) & jf.masks.causal() | jf.masks.chunked(jnp.asarray([5, 8]))
+    ),
     "fully_masked_rows": lambda: jf.masks.from_mask_mod(lambda b, h, i, j: (i % 5 != 0) & (j <= i + 3)),
     "block_mask_per_head": lambda: jf.masks.block_mask(  # frame-causal over a window per head: RangeSpan's tiles
         lambda b, h, i, j: (i // 5 >= j // 5) & (j > i - 6 * (h + 1)), SQ, SKV, num_heads=HQ
