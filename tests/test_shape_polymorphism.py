@@ -44,6 +44,12 @@ CASES = {
     "attention cross": (attend(jf.masks.causal(3)), spec(2, L, H, D), spec(2, M, 1, D)),
     "attention batch and length": (attend(jf.masks.sliding_window(4) & _CAUSAL), spec(b, L, H, D), spec(b, L, 2, D)),
     "attention chunked | prefix": (attend(jf.masks.chunked(5) | jf.masks.prefix_lm(3)), spec(2, L, H, D), spec(2, L, H, D)),
+    "attention per-item window | chunk, traced softcap": (
+        lambda q, k, n: jf.attention(q, k, k, mask=jf.masks.sliding_window(n) & _CAUSAL | jf.masks.chunked(n + 2), softcap=1.0 + 0.5 * n[0]),
+        spec(b, L, H, D),
+        spec(b, L, 2, D),
+        ids(b),
+    ),
     "attention decoding": (attend(sinks=jnp.arange(H, dtype=jnp.float64)), spec(b, 1, H, D), spec(b, M, 1, D)),
     "attention score_mod": (
         attend(score_mod=lambda s, _, h, q_idx, kv_idx: s + _BIAS[h, jnp.clip(q_idx - kv_idx + 49, 0, 98)]),
