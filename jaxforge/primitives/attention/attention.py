@@ -463,6 +463,27 @@ def _fwd_jvp(primals, tangents, *, mods: Mods, scale: float, max_scores: bool, f
     return (out, lse, top, first), (dout, dlse, dtop, _core.zero_tangent(first))
 
 
+def _fwd_transpose(cts, q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation):
+    """``out = p v`` is linear in ``v`` (the lse and the maxima do not move with it), so where
+    ``v`` alone is a linear input (``jax.linear_transpose`` in ``v``; a custom JVP rule whose
+    tangent is an attention of a tangent ``v``, differentiated) its cotangent is the backward's
+    ``g_v = p^T g_o``, which reads neither ``v`` nor ``out``: both go in as zeros."""
+    nonlinear = [name for name, x in (("q", q), ("k", k)) if _core.is_linear_input(x)]
+    nonlinear += ["the arrays a mask or score mod closes over"] * any(_core.is_linear_input(c) for c in consts)
+    if nonlinear:
+        raise NotImplementedError(f"attention: its output is linear in v, not in {' or '.join(nonlinear)}: it cannot be transposed in them")
+    if _core.is_symbolic_zero(cts[0]):
+        return [None] * (3 + len(consts))
+    zeros_v = jnp.zeros(v.aval.shape, v.aval.dtype)
+    zero_out, lse = attention_fwd_p.bind(q, k, zeros_v, *consts, mods=mods, scale=scale, max_scores=False, first_keys=False, implementation=implementation)
+    _, score_c = _split(consts, mods)
+    _, _, gv, *_ = attention_bwd_p.bind(
+        q, k, zeros_v, zero_out, lse, *consts, _core.instantiate_zeros(cts[0]), jnp.zeros_like(lse),
+        mods=mods, scale=scale, const_grads=(False,) * len(float_consts(score_c)), implementation=implementation,
+    )  # fmt: skip
+    return [None, None, gv] + [None] * len(consts)
+
+
 def _fwd_fewer_outputs(used, *, max_scores: bool, first_keys: bool, **params):
     """A forward without the first keys, or the maxima, where none uses them (dead-code
     elimination: the JVP binds the first keys, which a gradient whose maxima are auxiliary never
@@ -733,6 +754,7 @@ attention_fwd_p = _core.define_primitive(
     "jaxforge_attention_fwd",
     abstract_eval=_fwd_abstract_eval,
     jvp=_fwd_jvp,
+    transpose=_fwd_transpose,
     reference=attention_reference,
     example_args=_example_args,
     example_params=dict(mods=Mods(), scale=0.5, max_scores=False, first_keys=False, implementation=Implementation()),

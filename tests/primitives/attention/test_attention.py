@@ -564,6 +564,28 @@ def test_a_python_number_a_score_mod_closes_over_has_forward_derivatives():
     assert_close(jax.hessian(lambda c: ours(c).sum())(1.5), jax.hessian(lambda c: ref(c).sum())(1.5), **DTOL)
 
 
+@over_impls
+def test_attention_transposes_in_v(impl):
+    """``out = p v`` is linear in v: ``jax.linear_transpose`` in v equals the vjp (captured bias,
+    per-item window, GQA), and so does the gradient of a custom JVP whose tangent is an attention
+    of the tangent v; in q it is refused by name."""
+    rng = np.random.default_rng(28)
+    q, k, v = qkv(rng, (B,), 13, 17, HQ, HKV, D, DV)
+    bias = jnp.asarray(rng.standard_normal((HQ, 30)))
+    f = lambda v: jf.attention(  # noqa: E731
+        q, k, v, mask=masks.causal(4) & masks.sliding_window(jnp.asarray([3, 8])),
+        score_mod=lambda s, b, h, i, j: s + bias[h, i - j + 17], implementation=impl,
+    )
+    g = jnp.asarray(rng.standard_normal((B, 13, HQ, DV)))
+    want = jax.vjp(f, v)[1](g)[0]
+    assert_close(jax.linear_transpose(f, v)(g)[0], want, **DTOL)
+    attend = jax.custom_jvp(f)
+    attend.defjvp(lambda primals, tangents: (f(*primals), f(*tangents)))
+    assert_close(jax.grad(lambda v: jnp.sum(attend(v) * g))(v), want, **DTOL)
+    with pytest.raises(NotImplementedError, match=r"attention: its output is linear in v, not in q"):
+        jax.linear_transpose(lambda q: jf.attention(q, k, v, implementation=impl), q)(g)
+
+
 def test_vmapped_sinks_match_a_loop():
     rng = np.random.default_rng(24)
     q, k, v = qkv(rng, (B,), 13, 13, HQ, HKV, D, DV)
