@@ -255,8 +255,8 @@ def _run_seed(seed: int, mode: str) -> None:
             "head_scale": lambda table: lambda s, b, h, i, j: s * (1 + 0.1 * table[h, 0]),
         }[rng.choice(["alibi", "relative_bias", "head_scale"])]
     max_scores = mode == "first-order" and bool(np.random.default_rng([seed, 2]).random() < 0.5)  # apart: seeds keep their draws
-    scale = _random_scale(np.random.default_rng([seed, 3]), 0.2, 2.0) if mode == "first-order" else lambda table: None
-    softcap = _random_scale(np.random.default_rng([seed, 4]), 0.5, 5.0) if mode == "first-order" else lambda table: None
+    scale = _random_positive(np.random.default_rng([seed, 3]), 0.2, 2.0) if mode == "first-order" else lambda table: None
+    softcap = _random_positive(np.random.default_rng([seed, 4]), 0.5, 5.0) if mode == "first-order" else lambda table: None
     ours = lambda q, k, v, table: jf.attention(  # noqa: E731
         q, k, v, mask=mask, score_mod=score_mod(table), scale=scale(table), softcap=softcap(table), return_lse=True,
         return_max_scores=max_scores, implementation=implementation,
@@ -287,8 +287,8 @@ def _run_seed(seed: int, mode: str) -> None:
             _assert_close(a, e, 1e-7)
 
 
-def _random_scale(rng, low: float, high: float):
-    """``scale(table)`` (or softcap's): the default, a number in ``[low, high)``, or a function of
+def _random_positive(rng, low: float, high: float):
+    """``scale(table)`` or ``softcap(table)``: the default, a number in ``[low, high)``, or a function of
     the table in that range (first-order seeds do not differentiate the table, but their jvp moves
     it, and jit traces it: a traced scale or cap)."""
     kind = rng.choice(["default", "number", "of the table"])

@@ -439,8 +439,7 @@ def _scale_folded(q, scale):
     and leaves 1, since the kernels take the scale as a constant; any other passes through."""
     if not isinstance(scale, jax.core.Tracer):
         return q, scale
-    if jnp.shape(scale) != () or scale.dtype.kind not in "fiu":
-        raise TypeError(f"attention: a traced `scale` must be a real scalar, got {jax.typeof(scale).str_short()}")
+    _check_real_scalar("scale", scale)
     acc = accumulation_dtype(q.dtype)
     return (q.astype(acc) * scale.astype(acc)).astype(q.dtype), 1.0
 
@@ -451,18 +450,21 @@ def _softcap_folded(score_mod, softcap):
     operand, with tangents and a gradient); any other passes through."""
     if not isinstance(softcap, jax.core.Tracer):
         return score_mod, softcap
-    if jnp.shape(softcap) != () or softcap.dtype.kind not in "fiu":
-        raise TypeError(f"attention: a traced `softcap` must be a real scalar, got {jax.typeof(softcap).str_short()}")
+    _check_real_scalar("softcap", softcap)
     if score_mod is not None and not callable(score_mod):
         return score_mod, None  # _traced_score_mod refuses it by name
-    cap = softcap
 
     def capped(score, b, h, q_idx, kv_idx):
-        c = cap.astype(score.dtype)
-        score = c * jnp.tanh(score / c)
+        cap = softcap.astype(score.dtype)
+        score = cap * jnp.tanh(score / cap)
         return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
 
     return capped, None
+
+
+def _check_real_scalar(name: str, traced):
+    if jnp.shape(traced) != () or traced.dtype.kind not in "fiu":
+        raise TypeError(f"attention: a traced `{name}` must be a real scalar, got {jax.typeof(traced).str_short()}")
 
 
 def _positive_float(name, value) -> float:

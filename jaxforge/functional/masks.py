@@ -231,10 +231,7 @@ class _Window(Mask):
 
     def shifted(self, q_offset, kv_offset):
         d = self.shift + q_offset - kv_offset
-        if isinstance(d, int):
-            return _Window(self.window, d)
-        # |q - kv + d| < w: kv <= q + d + w - 1 and not kv <= q + d - w, two causal bands
-        return _Causal(d + self.window - 1) & ~_Causal(d - self.window)
+        return _Window(self.window, d) if isinstance(d, int) else _band(self.window, d)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -717,10 +714,15 @@ def sliding_window(window) -> Mask:
     """
     window = concrete_scalar(window, "iu")
     if isinstance(window, (jax.Array, np.ndarray)):
-        window = _offset("sliding_window", "window", window)
-        # |q - kv| < w: kv <= q + w - 1, and not kv <= q - w
-        return _Causal(window - 1, "sliding_window", "window") & ~_Causal(-window, "sliding_window", "window")
+        return _band(_offset("sliding_window", "window", window), 0, "sliding_window", "window")
     return _Window(_static_int("sliding_window", "window", window, minimum=1))
+
+
+def _band(window, shift, fn: str = "causal", name: str = "offset") -> Mask:
+    """``|q_idx - kv_idx + shift| < window`` where either is an array (runtime bounds): ``kv <= q +
+    shift + window - 1`` and not ``kv <= q + shift - window``, two causal bands (errors naming
+    ``fn``'s ``name``)."""
+    return _Causal(shift + window - 1, fn, name) & ~_Causal(shift - window, fn, name)
 
 
 def chunked(chunk) -> Mask:
