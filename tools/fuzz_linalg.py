@@ -133,7 +133,7 @@ def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
     m, n = a64.shape[-2:]
     batch = a64.shape[:-2]
     vector = rng.random() < 0.4
-    cols = 1 if vector else int(rng.integers(1, 4))
+    cols = 1 if vector else int(rng.integers(0 if rng.random() < 0.1 else 1, 4))  # 0: no right-hand side
     b_batch = batch
     if vector and rng.random() < 0.3:  # one vector for every matrix
         b_batch = ()

@@ -67,6 +67,8 @@ def after(x, dep):
     and lowerings chain their LAPACK calls through this tie so that none of them run concurrently.
     It adds ``0 * f(dep)`` with ``f`` finite, which XLA cannot fold away (0·x is not 0 for NaN).
     """
+    if 0 in dep.shape[-2:]:  # nothing computed to wait for (an lstsq with no right-hand side)
+        return x
     d = jnp.abs(dep[..., :1, :1]).astype(jnp.finfo(x.dtype).dtype)
     tie = 0 * jnp.where(jnp.isnan(d), 0, jnp.minimum(d, 1))
     return x + tie.astype(x.dtype)

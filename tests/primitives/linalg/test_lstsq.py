@@ -131,6 +131,20 @@ def test_empty_matrices_like_numpy(m, n, vector_b):
         np.testing.assert_array_equal(o, t)
 
 
+@pytest.mark.parametrize("m,n", [(6, 3), (3, 6), (4, 4)])
+def test_no_right_hand_sides_like_numpy(m, n):
+    """``b`` of zero columns: still the rank and singular values of ``a``, and their gradient."""
+    a = random(np.random.default_rng(12), (2, m, n))
+    b = np.zeros((2, m, 0))
+    ours = jax.jit(jf.linalg.lstsq)(a, b)
+    for i in range(2):
+        for o, t in zip(ours, np.linalg.lstsq(a[i], b[i])):
+            assert np.shape(o[i]) == np.shape(t)
+            np.testing.assert_allclose(o[i], t, atol=1e-13)
+    grad = jax.grad(lambda a: jf.linalg.lstsq(a, b).singular_values.sum())(a)
+    np.testing.assert_allclose(grad, jax.grad(lambda a: jnp.linalg.svd(a, compute_uv=False).sum())(a), atol=1e-13)
+
+
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
 def test_nan_and_inf_give_nan_outputs_under_jit(bad):
     rng = np.random.default_rng(6)
