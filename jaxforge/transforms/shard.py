@@ -32,7 +32,9 @@ def shard(f: Callable | None = None, *, mesh: Mesh | None = None, in_specs, out_
     argument, its shape and the offending axis. The shard_map runs under ``jax.jit`` (one per
     mesh): called eagerly, or differentiated eagerly, it compiles once per shape instead of
     dispatching every collective and operation of ``f`` on its own (seconds, not minutes, for a
-    ring attention); under an outer ``jit`` the inner one is inlined.
+    ring attention); under an outer ``jit`` the inner one is inlined. On a mesh with explicit axes,
+    differentiate eagerly under ``jax.set_mesh(mesh)``: JAX builds ``jax.grad``'s seed for a result
+    on that mesh outside any ``jit`` and refuses it without one.
     """
     if f is None:
         return functools.partial(shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
