@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from jaxforge.functional._static import concrete_scalar
+from jaxforge.functional._static import concrete_scalar, static_bool
 from jaxforge.functional.collectives import all_reduce, permute
 from jaxforge.functional.masks import Mask, as_mask, sampled_keys, shifted
 from jaxforge.primitives import _core
@@ -112,9 +112,8 @@ def attention(
     each device attends its queries to its own keys and the parts merge through their log-sum-exps
     (one pmax and one psum of the rows).
     """
-    for name, flag in (("return_lse", return_lse), ("return_max_scores", return_max_scores)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"attention: `{name}` must be a bool, got {type(flag).__name__} {flag!r}")
+    return_lse = static_bool("attention", "return_lse", return_lse)
+    return_max_scores = static_bool("attention", "return_max_scores", return_max_scores)
     q, k, v = (jnp.asarray(x) for x in (q, k, v))
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 3:
@@ -133,12 +132,12 @@ def attention(
     kv_axes = _key_split(q, k, v)
     if not kv_axes:
         k, v = (_core.gathered(x, _sequence_split(x)) for x in (k, v))  # whole along the sequence
-    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation, max_scores=bool(return_max_scores))
+    kw = dict(scale=scale, softcap=softcap, sinks=sinks, implementation=implementation, max_scores=return_max_scores)
     if q_axes or kv_axes:
         out, lse, top = _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, **kw)
     else:
         out, lse, top = _attend(q, k, v, mask, score_mod, **kw)
-    asked = [lse] * bool(return_lse) + [top] * bool(return_max_scores)
+    asked = [lse] * return_lse + [top] * return_max_scores
     return (out, *asked) if asked else out
 
 

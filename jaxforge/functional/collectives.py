@@ -43,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxforge.functional._static import static_bool
 from jaxforge.primitives import _core
 
 __all__ = [
@@ -98,6 +99,7 @@ def _extremum_jvp(axis_name, op, primals, tangents):
 
 def all_gather(x, axis_name, *, axis: int = 0, tiled: bool = False):
     """Every device's ``x`` along a new axis ``axis`` (stacked), or concatenated when ``tiled``."""
+    tiled = static_bool("all_gather", "tiled", tiled)
     axis = _axis("all_gather", "axis", axis, x.ndim + (0 if tiled else 1))
     _axis_size("all_gather", axis_name)
     return lax.all_gather(x, axis_name, axis=axis, tiled=tiled)
@@ -278,7 +280,8 @@ def gather_from_parallel(x, axis_name, *, axis: int = -1, tensor_parallel_output
     axis = _axis("gather_from_parallel", "axis", axis, x.ndim)
     _axis_size("gather_from_parallel", axis_name)
     # Under vmap every item is its own computation: the varying gather is the exact semantics.
-    invariant = not tensor_parallel_output_grad and _typed_axis(axis_name)
+    partial = static_bool("gather_from_parallel", "tensor_parallel_output_grad", tensor_parallel_output_grad)
+    invariant = not partial and _typed_axis(axis_name)
     return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying" if invariant else "varying")
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxforge.functional._static import concrete_scalar
+from jaxforge.functional._static import concrete_scalar, static_bool
 from jaxforge.primitives.linalg import lstsq_p, svd_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
@@ -54,9 +54,10 @@ def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: fl
     """
     a = _matrix("svd", a)
     grad_eps = _check_grad_eps(grad_eps)
+    compute_uv = static_bool("svd", "compute_uv", compute_uv)
     # Without vectors full_matrices changes nothing but which lowerings serve: the kernels are thin.
-    full_matrices = bool(full_matrices) and bool(compute_uv)
-    out = svd_p.bind(a, full_matrices=full_matrices, compute_uv=bool(compute_uv), grad_eps=grad_eps)
+    full_matrices = static_bool("svd", "full_matrices", full_matrices) and compute_uv
+    out = svd_p.bind(a, full_matrices=full_matrices, compute_uv=compute_uv, grad_eps=grad_eps)
     if not compute_uv:
         return out[0]
     s, u, vh = out
@@ -104,8 +105,9 @@ def pinv(a, rtol=None, hermitian: bool = False, *, atol=None):
       Array([[0.5, 0. ],
              [0. , 0. ]], dtype=float32)
     """
+    hermitian = static_bool("pinv", "hermitian", hermitian)
     a = _matrix("pinv", a, hermitian)
-    return _pinv(a, *_tolerances("pinv", a, atol, rtol), bool(hermitian))
+    return _pinv(a, *_tolerances("pinv", a, atol, rtol), hermitian)
 
 
 def matrix_rank(a, rtol=None, hermitian: bool = False, *, atol=None):
@@ -119,6 +121,7 @@ def matrix_rank(a, rtol=None, hermitian: bool = False, *, atol=None):
     Returns:
       int32 ``(...)``; 0 where ``a`` holds NaN.
     """
+    hermitian = static_bool("matrix_rank", "hermitian", hermitian)
     a = _matrix("matrix_rank", a, hermitian)
     atol, rtol = _tolerances("matrix_rank", a, atol, rtol)
     s = jnp.abs(jnp.linalg.eigvalsh(a)) if hermitian else svdvals(a)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxforge.functional import collectives, masks
+from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import _traced_score_mod, attention, merge_attention
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import accumulation_dtype
@@ -112,6 +113,7 @@ def ring_attention(
     batch and head indices; the arrays it closes over (a relative-bias table) get their gradients
     summed over the devices.
     """
+    causal, load_balanced, return_lse = _flags("ring_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     kw = dict(scale=scale, softcap=softcap, return_lse=True, return_max_scores=return_max_scores)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
     if mask is None and (not causal or q.shape[-3] == k.shape[-3]):
@@ -121,6 +123,10 @@ def ring_attention(
         mask = _joined("ring_attention", q, k, mask, causal, load_balanced)
         result = _ring_masked(q, k, v, mask, score_mod, axis_name, load_balanced, kw)
     return _finished(result, sinks, return_lse)
+
+
+def _flags(fn: str, **flags) -> tuple[bool, ...]:
+    return tuple(static_bool(fn, name, value) for name, value in flags.items())
 
 
 def _check_layout(fn: str, q, k, positioned: bool, load_balanced: bool) -> None:
@@ -287,6 +293,7 @@ def all_gather_attention(
     Small k and v (GQA, MQA) make the gather cheap. ``sinks``, ``return_lse`` and
     ``return_max_scores``: as ring_attention's.
     """
+    causal, load_balanced, return_lse = _flags("all_gather_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     k, v = (collectives.all_gather(x, axis_name, axis=x.ndim - 3, tiled=True) for x in (k, v))

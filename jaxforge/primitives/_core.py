@@ -446,6 +446,16 @@ def trace_function(fn: Callable, *avals, name: str = "function") -> tuple[Static
     """
     try:
         closed = jax.make_jaxpr(fn)(*avals)
+    except jax.errors.TracerArrayConversionError as e:
+        raise TypeError(
+            f"{name} turns its traced arguments into numpy values (it indexes a numpy array or calls "
+            f"numpy on them); index a jax array instead, jnp.asarray(table)"
+        ) from e
+    except jax.errors.TracerBoolConversionError as e:
+        raise TypeError(
+            f"{name} branches in Python on its traced arguments (`if`, `and`, `or`, `not`, min/max); "
+            f"use jnp.where and the operators &, |, ~ instead"
+        ) from e
     except Exception as e:  # jax exports no class for its sharding type errors
         if type(e).__name__ != "ShardingTypeError":
             raise

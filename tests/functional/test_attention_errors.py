@@ -134,6 +134,26 @@ def test_score_mod_must_return_a_floating_scalar(score_mod, got):
         jf.attention(*qkv(), score_mod=score_mod)
 
 
+TABLE = np.ones((7, 7), bool)
+
+
+@pytest.mark.parametrize(
+    "kw, error",
+    [
+        (dict(mask=lambda b, h, i, j: TABLE[i, j]), r"attention: `mask` turns its traced arguments into numpy values .*jnp\.asarray"),
+        (dict(mask=masks.from_mask_mod(lambda b, h, i, j: TABLE[i, j])), r"attention: `mask` turns its traced arguments into numpy"),
+        (dict(score_mod=lambda s, b, h, i, j: s + np.float32(TABLE[i, j])), r"attention: `score_mod` turns its traced arguments into numpy"),
+        (dict(mask=lambda b, h, i, j: (i >= j) and (i - j < 4)), r"attention: `mask` branches in Python .*jnp\.where and the operators &, \|, ~"),
+        (dict(score_mod=lambda s, b, h, i, j: s if i > j else -s), r"attention: `score_mod` branches in Python on its traced arguments"),
+    ],
+    ids=["numpy-mask", "numpy-mask-mod", "numpy-score-mod", "and-mask", "if-score-mod"],
+)
+def test_python_on_the_traced_indices_is_named(kw, error):
+    """FlexAttention habits that tracing refuses (a numpy table, Python's `and` and `if`) get a hint."""
+    with pytest.raises(TypeError, match=error):
+        jf.attention(*qkv(), **kw)
+
+
 @pytest.mark.parametrize("mask", ["causal", 3, [[True]]], ids=["str", "int", "list"])
 def test_mask_of_the_wrong_type(mask):
     expected = r"mask: expected a jf\.masks\.Mask, a callable mask_mod\(b, h, q_idx, kv_idx\) -> bool or a boolean array, got"
@@ -146,13 +166,6 @@ def test_combining_a_mask_with_a_non_mask():
         masks.causal() & "window"
     with pytest.raises(TypeError, match=r"mask: expected .*got int"):
         1 | masks.causal()
-
-
-@pytest.mark.parametrize("name", ["return_lse", "return_max_scores"])
-@pytest.mark.parametrize("flag", ["yes", None, 1])
-def test_return_flags_must_be_bools(name, flag):
-    with pytest.raises(TypeError, match=rf"attention: `{name}` must be a bool, got {type(flag).__name__} {re.escape(repr(flag))}"):
-        jf.attention(*qkv(), **{name: flag})
 
 
 def test_score_mod_not_callable():

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from jaxforge.functional import masks
+from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.layers import Params, check_features
 from jaxforge.primitives import _core
@@ -91,6 +92,8 @@ def dot_product_attention(
             f"{fn}: implementation='cudnn' is jax.nn's; call jax.nn.dot_product_attention for it, or "
             "pass None, 'xla', 'pallas_triton' or 'pallas_mosaic_gpu'"
         )
+    is_causal = static_bool(fn, "is_causal", is_causal)
+    return_residual = static_bool(fn, "return_residual", return_residual)
     query, key, value = (jnp.asarray(x) for x in (query, key, value))
     unbatched = query.ndim == 3
     if unbatched:
@@ -121,7 +124,7 @@ def dot_product_attention(
             return score + bias[index].astype(score.dtype)
 
     combined = functools.reduce(operator.and_, visible) if visible else None
-    out = attention(query, key, value, mask=combined, score_mod=score_mod, scale=scale, return_lse=bool(return_residual), implementation=implementation)
+    out = attention(query, key, value, mask=combined, score_mod=score_mod, scale=scale, return_lse=return_residual, implementation=implementation)
     if unbatched:
         out = jax.tree.map(lambda x: x[0], out)
     return out
@@ -248,6 +251,7 @@ def multi_head_attention(
       ``(..., seq, features)``; with a cache, ``(output, cache)``, the cache holding ``seq`` more;
       with ``return_max_scores``, the logits' maxima after them.
     """
+    return_max_scores = static_bool("multi_head_attention", "return_max_scores", return_max_scores)
     x = check_features("multi_head_attention", "x", x, params["q"].shape[0])
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
     if cache is not None:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, PRNGKeyArray
 
 from jaxforge.functional import masks
+from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.attention import init_multi_head_attention, multi_head_attention
 from jaxforge.functional.nn.layers import (
@@ -110,6 +111,7 @@ def transformer(
 
     The blocks run as one ``lax.scan`` over depth, so compile time does not grow with depth.
     """
+    return_max_scores = static_bool("transformer", "return_max_scores", return_max_scores)
     if cache is None:
         mask = masks.causal() if mask is None else mask
     mask = None if mask is None else masks.as_mask(mask)  # a pytree, so a jit argument
