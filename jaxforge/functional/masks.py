@@ -175,6 +175,21 @@ def _unflatten_mask(cls, aux, children) -> Mask:
     return mask
 
 
+def _shown(value) -> str:
+    """A mask's field as its repr shows it: an array (traced or not) by its type, ``int32[2,8]``;
+    a number as itself; a function by its name."""
+    if isinstance(value, (jax.Array, np.ndarray)):
+        return jax.typeof(value).str_short()
+    if callable(value) and not isinstance(value, Mask):
+        return getattr(value, "__qualname__", repr(value))
+    return repr(value)
+
+
+def _operand(mask: Mask, *within: type) -> str:
+    """``repr(mask)``, parenthesised where it is one of ``within`` (an ``|`` inside ``&``)."""
+    return f"({mask!r})" if isinstance(mask, within) else repr(mask)
+
+
 def as_mask(mask) -> Mask:
     """A :class:`Mask` from a Mask, a boolean array (:func:`from_array`) or a plain ``mask_mod``
     callable; anything else is an error."""
@@ -217,6 +232,9 @@ class _Causal(Mask):
     def shifted(self, q_offset, kv_offset):
         return _Causal(self.offset + q_offset - kv_offset, self.fn, self.name)
 
+    def __repr__(self):
+        return "causal()" if isinstance(self.offset, int) and self.offset == 0 else f"causal({_shown(self.offset)})"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Window(Mask):
@@ -233,6 +251,10 @@ class _Window(Mask):
         d = self.shift + q_offset - kv_offset
         return _Window(self.window, d) if isinstance(d, int) else _band(self.window, d)
 
+    def __repr__(self):
+        window = f"sliding_window({self.window})"
+        return window if self.shift == 0 else f"shifted({window}, {self.shift}, 0)"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Chunked(Mask):
@@ -243,6 +265,9 @@ class _Chunked(Mask):
 
     def span(self):
         return ChunkSpan(self.chunk)
+
+    def __repr__(self):
+        return f"chunked({self.chunk})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -292,6 +317,13 @@ class _ChunkedAt(Mask):
     def shifted(self, q_offset, kv_offset):
         return _ChunkedAt(self.chunk, self.q_offset + q_offset, self.kv_offset + kv_offset)
 
+    def __repr__(self):
+        chunked = f"chunked({_shown(self.chunk)})"
+        offsets = (self.q_offset, self.kv_offset)
+        if all(isinstance(o, int) and o == 0 for o in offsets):
+            return chunked
+        return f"shifted({chunked}, {', '.join(_shown(o) for o in offsets)})"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _PrefixLM(Mask):
@@ -318,6 +350,9 @@ class _PrefixLM(Mask):
     def shifted(self, q_offset, kv_offset):
         # kv + ko < prefix, or kv + ko <= q + qo
         return _Lengths("kv", self.prefix - kv_offset, "prefix_len") | _Causal(q_offset - kv_offset)
+
+    def __repr__(self):
+        return f"prefix_lm({_shown(self.prefix)})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -348,6 +383,9 @@ class _Lengths(Mask):
 
     def shifted(self, q_offset, kv_offset):
         return _Lengths(self.axis, self.length - (q_offset if self.axis == "q" else kv_offset), self.name)
+
+    def __repr__(self):
+        return f"({self.axis}_idx < {_shown(self.length)})"
 
 
 def _item(x, b, trailing: int = 0):
@@ -405,6 +443,10 @@ class _Document(Mask):
         kv_seg = _slice_positions(self.kv_segments, kv_offset, kv_len, axis=-1, trailing=1)
         return _Document(q_seg, kv_seg, _block_ranges(self.ranges, q_offset, kv_offset, q_len, kv_len))
 
+    def __repr__(self):
+        same = self.q_segments is self.kv_segments
+        return f"document({_shown(self.q_segments)}{'' if same else ', ' + _shown(self.kv_segments)})"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _FromFunction(Mask):
@@ -416,6 +458,9 @@ class _FromFunction(Mask):
     def hoisted(self):
         fn, consts = _traced_mask_mod(self.fn, "mask: `mask_mod`")
         return _Hoisted(fn, tuple(consts))
+
+    def __repr__(self):
+        return f"from_mask_mod({_shown(self.fn)})"
 
 
 def _traced_mask_mod(mask_mod, name: str):
@@ -432,6 +477,9 @@ class _Hoisted(Mask):
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.fn(b, h, q_idx, kv_idx, *self.consts)[0]
+
+    def __repr__(self):
+        return f"from_mask_mod(<traced, {len(self.consts)} arrays>)"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -469,6 +517,9 @@ class _Shifted(Mask):
     def shifted(self, q_offset, kv_offset):
         return _Shifted(self.mask, self.q_offset + q_offset, self.kv_offset + kv_offset)
 
+    def __repr__(self):
+        return f"shifted({self.mask!r}, {_shown(self.q_offset)}, {_shown(self.kv_offset)})"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Evaluated(Mask):
@@ -482,6 +533,11 @@ class _Evaluated(Mask):
     num_heads: int  # the query heads it was evaluated on; 0: the function does not read h
     ranges: tuple  # RangeSpan's six arrays, (*batch_shape, q_len) and (*batch_shape, kv_len)
     parts: tuple = ()  # block masks of its pieces (``ranges`` > 1), each within one range of keys a query
+
+    def __repr__(self):
+        inner = self.mask.fn if isinstance(self.mask, _FromFunction) else self.mask
+        ranges = f", ranges={len(self.parts)}" if self.parts else ""
+        return f"block_mask({_shown(inner)}, {self.q_len}, {self.kv_len}{ranges})"
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.mask.mask_mod(b, h, q_idx, kv_idx)
@@ -554,6 +610,9 @@ class _Within(Mask):
         lo, hi = (_moved(_slice_positions(x, q_offset, q_len, axis=-1, trailing=1), kv_offset) for x in (self.lo, self.hi))
         return _Within(self.mask.block(q_offset, kv_offset, q_len, kv_len), lo, hi)
 
+    def __repr__(self):
+        return f"({self.mask!r} within ranges {_shown(self.lo)})"
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class _FromArray(Mask):
@@ -606,6 +665,9 @@ class _FromArray(Mask):
             )
         return _per_batch(table, batch_shape, "from_array", "the mask array", trailing=3)
 
+    def __repr__(self):
+        return f"from_array({_shown(self.visible)})"
+
 
 def _at(table, *idx):
     """``table[b, h, q_idx, kv_idx]``, a dim of size 1 broadcast (read at 0), the indices broadcasting together."""
@@ -624,6 +686,9 @@ class _Full(Mask):
 
     def shifted(self, q_offset, kv_offset):
         return self
+
+    def __repr__(self):
+        return "full()"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -668,9 +733,15 @@ class _And(_Combined):
             return tuple(_And(p, self.b) for p in a)
         return tuple(_And(self.a, p) for p in b) if len(b) > 1 else (self,)
 
+    def __repr__(self):
+        return f"{_operand(self.a, _Or)} & {_operand(self.b, _Or)}"
+
 
 class _Or(_Combined):
     logic, span_join = staticmethod(jnp.logical_or), Hull
+
+    def __repr__(self):
+        return f"{self.a!r} | {self.b!r}"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -692,6 +763,9 @@ class _Not(Mask):
 
     def block(self, *where):
         return _Not(self.a.block(*where))
+
+    def __repr__(self):
+        return f"~{_operand(self.a, _Combined)}"
 
 
 def causal(offset=0) -> Mask:

@@ -252,6 +252,31 @@ def test_a_mask_passes_into_jit_as_an_argument(name):
     np.testing.assert_allclose(traced, jf.attention(q, k, v, mask=mask), rtol=1e-12, atol=1e-12)
 
 
+def sink_or_window(b, h, q_idx, kv_idx):
+    return (kv_idx < 2) | (q_idx - kv_idx < 4)
+
+
+def test_a_mask_reads_as_it_was_built():
+    """A notebook shows a mask in the calls and operators that build it, arrays by their type,
+    with the parentheses Python's precedence (~, &, |) needs."""
+    M, ids = jf.masks, jnp.zeros((2, 8), jnp.int32)
+    cases = {
+        "causal() & sliding_window(4)": M.causal() & M.sliding_window(4),
+        "causal(3) | prefix_lm(int32[2])": M.causal(3) | M.prefix_lm(jnp.array([1, 2], jnp.int32)),
+        "(causal() | prefix_lm(2)) & document(int32[2,8])": (M.causal() | M.prefix_lm(2)) & M.document(ids),
+        "~(causal() & chunked(2))": ~(M.causal() & M.chunked(2)),
+        "document(int32[2,8], int32[2,4]) & (kv_idx < int32[2])": M.document(ids, ids[:, :4]) & M.padding(jnp.array([3, 4], jnp.int32)),
+        "shifted(sliding_window(3), 4, 0) & full()": M.shifted(M.sliding_window(3), 4, 0) & M.full(),
+        "shifted(chunked(int32[2]), 2, 0)": M.shifted(M.chunked(jnp.array([2, 3], jnp.int32)), 2, 0),
+        "from_array(bool[8,8]) | from_mask_mod(sink_or_window)": M.from_array(jnp.ones((8, 8), bool)) | sink_or_window,
+        "block_mask(sink_or_window, 64, 64, ranges=2)": M.block_mask(sink_or_window, 64, 64, ranges=2),
+        "block_mask(causal() & sliding_window(3), 8, 8)": M.block_mask(M.causal() & M.sliding_window(3), 8, 8),
+    }
+    for expected, mask in cases.items():
+        assert repr(mask) == expected
+    jax.jit(lambda ids: repr(M.document(ids)) == "document(int32[2,8])" or pytest.fail("traced ids"))(ids)
+
+
 def test_masks_that_differ_only_in_their_arrays_share_a_compile(backend_compiles):
     """The static parts (ints, functions, how masks combine) are the tree's structure, compared by
     value: new ids or offsets reuse the program; another window compiles anew."""
