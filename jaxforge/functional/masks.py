@@ -141,6 +141,21 @@ class Mask:
         read at item ``b`` of its own flattened leading dims."""
         return self.mask_mod(b, h, q_idx, kv_idx)
 
+    def __eq__(self, other):
+        """Masks without arrays are equal when built alike (``causal() == causal()``), so that one
+        given to ``jax.jit`` as a static argument compiles once, not at each new mask; a mask with
+        arrays (pass it as an argument: they are traced) only to itself."""
+        if self is other:
+            return True
+        if not isinstance(other, Mask):
+            return NotImplemented
+        (mine, my_tree), (theirs, their_tree) = jax.tree.flatten(self), jax.tree.flatten(other)
+        return not mine and not theirs and my_tree == their_tree
+
+    def __hash__(self):
+        leaves, tree = jax.tree.flatten(self)
+        return id(self) if leaves else hash(tree)
+
     def __and__(self, other) -> Mask:
         return _And(self, as_mask(other))
 

@@ -252,6 +252,24 @@ def test_a_mask_passes_into_jit_as_an_argument(name):
     np.testing.assert_allclose(traced, jf.attention(q, k, v, mask=mask), rtol=1e-12, atol=1e-12)
 
 
+def test_a_mask_without_arrays_is_a_static_argument_that_compiles_once(backend_compiles):
+    """``jit(..., static_argnames="mask")`` given a new ``causal() & sliding_window(8)`` at each
+    step: masks built alike are equal and hash alike, so the second call compiles nothing."""
+    M = jf.masks
+    assert M.causal() & M.sliding_window(8) == M.causal() & M.sliding_window(8)
+    assert hash(M.chunked(4) | ~M.prefix_lm(2)) == hash(M.chunked(4) | ~M.prefix_lm(2))
+    for other in (M.causal() & M.sliding_window(9), M.sliding_window(8) & M.causal(), M.causal(1)):
+        assert M.causal() & M.sliding_window(8) != other
+    ids = jnp.zeros((2, 8), jnp.int32)
+    assert M.document(ids) != M.document(ids)  # arrays: only itself (pass it as an argument)
+    q = jnp.asarray(rng.normal(size=(2, 8, 2, 4)))
+    attend = jax.jit(lambda q, mask: jf.attention(q, q, q, mask=mask), static_argnames="mask")
+    first = attend(q, mask=M.causal() & M.sliding_window(3))
+    backend_compiles.clear()
+    np.testing.assert_array_equal(attend(q, mask=M.causal() & M.sliding_window(3)), first)
+    assert not backend_compiles
+
+
 def sink_or_window(b, h, q_idx, kv_idx):
     return (kv_idx < 2) | (q_idx - kv_idx < 4)
 
