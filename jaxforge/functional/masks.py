@@ -64,6 +64,7 @@ __all__ = [
     "from_mask_mod",
     "full",
     "padding",
+    "picture",
     "prefix_lm",
     "shifted",
     "sliding_window",
@@ -1226,6 +1227,40 @@ def from_array(visible) -> Mask:
 def full() -> Mask:
     """Every key visible (the identity of ``&``)."""
     return _Full()
+
+
+def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: int = 0) -> str:
+    """The mask of batch item ``b`` and query head ``h`` drawn over ``q_len`` queries (rows) and
+    ``kv_len`` keys (columns), a character a ``block x block`` block of pairs: ``█`` all visible,
+    ``░`` some, ``·`` none; headed by the share of blocks hidden. FlexAttention's printed BlockMask,
+    at any resolution (``block=1``: each pair). ``mask``: a Mask, a ``mask_mod`` or a boolean array.
+
+    Example:
+      >>> import jaxforge as jf
+      >>> print(jf.masks.picture(jf.masks.causal() & jf.masks.sliding_window(32), 64, 64))
+      4 x 4 blocks of 16 x 16, 43.8% hidden
+      ░···
+      █░··
+      ░█░·
+      ·░█░
+    """
+    mask = as_mask(mask)
+    q_len, kv_len = (_static_int("picture", name, n, minimum=1) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    block = _static_int("picture", "block", block, minimum=1)
+    b, h = (_static_int("picture", name, i, minimum=0) for name, i in (("b", b), ("h", h)))
+    rows, cols = (jnp.arange(n, dtype=jnp.int32) for n in (q_len, kv_len))
+    at = lambda i, j: mask(jnp.int32(b), jnp.int32(h), i, j)  # noqa: E731
+    visible = np.asarray(jax.vmap(jax.vmap(at, (None, 0)), (0, None))(rows, cols), bool)
+    blocks = -(-q_len // block), -(-kv_len // block)
+    padded = np.zeros((blocks[0] * block, blocks[1] * block), np.int64)  # visible pairs
+    pairs = np.zeros_like(padded)  # pairs inside the grid: an edge block holds fewer
+    padded[:q_len, :kv_len], pairs[:q_len, :kv_len] = visible, 1
+    count = lambda x: x.reshape(blocks[0], block, blocks[1], block).sum(axis=(1, 3))  # noqa: E731
+    seen, total = count(padded), count(pairs)
+    lines = ["".join("█" if n == t else "░" if n else "·" for n, t in zip(*row)) for row in zip(seen, total)]
+    hidden = 100 * np.mean(seen == 0)
+    header = f"{blocks[0]} x {blocks[1]} blocks of {block} x {block}, {hidden:.1f}% hidden"
+    return "\n".join([header, *lines])
 
 
 def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:

@@ -270,6 +270,37 @@ def test_a_mask_without_arrays_is_a_static_argument_that_compiles_once(backend_c
     assert not backend_compiles
 
 
+@pytest.mark.parametrize("name", ["document&causal", "~document|window", "causal"])
+@pytest.mark.parametrize("block", [1, 4, 5])
+def test_a_picture_counts_each_blocks_visible_pairs(name, block):
+    """Each character is its block of the numpy mask (edge blocks hold fewer pairs): every pair
+    visible, some, none; the header counts the hidden blocks."""
+    make, dense = MASKS[name]
+    lines = jf.masks.picture(make(), SQ, SKV, block=block, b=1).split("\n")
+    q, kv = np.meshgrid(np.arange(SQ), np.arange(SKV), indexing="ij")
+    visible = dense(1, q, kv)
+    expected = [
+        "".join(
+            "█" if tile.all() else "░" if tile.any() else "·"
+            for tile in (visible[i : i + block, j : j + block] for j in range(0, SKV, block))
+        )
+        for i in range(0, SQ, block)
+    ]
+    assert lines[1:] == expected
+    hidden = sum(line.count("·") for line in expected) / sum(map(len, expected))
+    assert lines[0] == f"{len(expected)} x {len(expected[0])} blocks of {block} x {block}, {100 * hidden:.1f}% hidden"
+
+
+def test_a_picture_takes_what_attention_takes_and_checks_its_sizes():
+    causal = jf.masks.picture(jf.masks.causal(), 8, 8, block=2)
+    assert jf.masks.picture(lambda b, h, i, j: j <= i, 8, 8, block=2) == causal
+    assert jf.masks.picture(np.tril(np.ones((8, 8), bool)), 8, 8, block=2) == causal
+    with pytest.raises(ValueError, match=r"picture: `block` must be >= 1, got 0"):
+        jf.masks.picture(jf.masks.causal(), 8, 8, block=0)
+    with pytest.raises(TypeError, match=r"picture: `q_len` must be a Python int"):
+        jf.masks.picture(jf.masks.causal(), 8.0, 8)
+
+
 def sink_or_window(b, h, q_idx, kv_idx):
     return (kv_idx < 2) | (q_idx - kv_idx < 4)
 
