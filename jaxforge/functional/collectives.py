@@ -280,8 +280,8 @@ def gather_from_parallel(x, axis_name, *, axis: int = -1, tensor_parallel_output
     axis = _axis("gather_from_parallel", "axis", axis, x.ndim)
     _axis_size("gather_from_parallel", axis_name)
     # Under vmap every item is its own computation: the varying gather is the exact semantics.
-    partial = static_bool("gather_from_parallel", "tensor_parallel_output_grad", tensor_parallel_output_grad)
-    invariant = not partial and _typed_axis(axis_name)
+    per_device = static_bool("gather_from_parallel", "tensor_parallel_output_grad", tensor_parallel_output_grad)
+    invariant = not per_device and _typed_axis(axis_name)
     return lax.all_gather(x, axis_name, axis=axis, tiled=True, to="invarying" if invariant else "varying")
 
 
