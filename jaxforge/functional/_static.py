@@ -15,9 +15,10 @@ def concrete_scalar(value, kinds: str):
     return value
 
 
-def static_bool(fn: str, name: str, value) -> bool:
+def static_bool(fn: str, name: str, value, accepted: str = "a bool") -> bool:
     """``value`` as a Python bool: a bool, 0 or 1 (numpy's ``svd(a, 0)``), or a concrete scalar
-    array of one; a traced one is refused, naming ``name``: a flag picks what is computed."""
+    array of one; a traced one is refused, naming ``name``: a flag picks what is computed.
+    ``accepted`` says what the argument takes, for the error."""
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"{fn}: `{name}` must be a Python bool, got a traced {jax.typeof(value).str_short()}: it decides "
@@ -26,4 +27,4 @@ def static_bool(fn: str, name: str, value) -> bool:
     value = concrete_scalar(value, "biu")
     if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
-    raise TypeError(f"{fn}: `{name}` must be a bool, got {type(value).__name__} {value!r}")
+    raise TypeError(f"{fn}: `{name}` must be {accepted}, got {type(value).__name__} {value!r}")

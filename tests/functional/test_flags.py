@@ -43,6 +43,7 @@ FLAGS = [
     ("dot_product_attention", "return_residual", lambda f: unchecked(jf.nn.dot_product_attention)(Q, Q, Q, return_residual=f)),
     ("multi_head_attention", "return_max_scores", lambda f: unchecked(jf.nn.multi_head_attention)(MHA, X, return_max_scores=f)),
     ("transformer", "return_max_scores", lambda f: unchecked(jf.nn.transformer)(TRANSFORMER, jnp.zeros((1, 4), int), return_max_scores=f)),
+    ("transformer", "remat", lambda f: unchecked(jf.nn.transformer)(TRANSFORMER, jnp.zeros((1, 4), int), remat=f)),
     ("all_gather", "tiled", lambda f: over_axis(lambda q: jf.collectives.all_gather(q, "i", tiled=f))),
     ("gather_from_parallel", "tensor_parallel_output_grad",
      lambda f: over_axis(lambda q: jf.collectives.gather_from_parallel(q, "i", tensor_parallel_output_grad=f))),
@@ -62,7 +63,8 @@ def test_a_traced_flag_is_refused_by_name(fn, name, call):
 @pytest.mark.parametrize("fn,name,call", FLAGS, ids=IDS)
 @pytest.mark.parametrize("flag", ["yes", None, 2, 1.0])
 def test_a_flag_must_be_a_bool(fn, name, call, flag):
-    with pytest.raises(TypeError, match=rf"{fn}: `{name}` must be a bool, got {type(flag).__name__} {re.escape(repr(flag))}"):
+    accepted = "a bool or a jax.checkpoint policy" if name == "remat" else "a bool"
+    with pytest.raises(TypeError, match=rf"{fn}: `{name}` must be {accepted}, got {type(flag).__name__} {re.escape(repr(flag))}"):
         call(flag)
 
 

@@ -112,6 +112,8 @@ def transformer(
     The blocks run as one ``lax.scan`` over depth, so compile time does not grow with depth.
     """
     return_max_scores = static_bool("transformer", "return_max_scores", return_max_scores)
+    if not callable(remat):
+        remat = static_bool("transformer", "remat", remat, accepted="a bool or a jax.checkpoint policy")
     if cache is None:
         mask = masks.causal() if mask is None else mask
     mask = None if mask is None else masks.as_mask(mask)  # a pytree, so a jit argument
