@@ -28,3 +28,16 @@ def static_bool(fn: str, name: str, value, accepted: str = "a bool") -> bool:
     if isinstance(value, (bool, np.bool_)) or (isinstance(value, (int, np.integer)) and value in (0, 1)):
         return bool(value)
     raise TypeError(f"{fn}: `{name}` must be {accepted}, got {type(value).__name__} {value!r}")
+
+
+def static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
+    """``value`` as an int: a Python or numpy int, or a concrete integer scalar array; a traced one
+    is refused (it sets a size, a mask's static span, a device's number)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit")
+    value = concrete_scalar(value, "iu")
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+        raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
+    return int(value)

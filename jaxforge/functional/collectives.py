@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxforge.functional._static import static_bool
+from jaxforge.functional._static import static_bool, static_int
 from jaxforge.primitives import _core
 
 __all__ = [
@@ -194,7 +194,7 @@ def permute(x, axis_name, perm):
     receive nothing get zeros. Over a tuple of axes, devices are numbered in the tuple's order, as
     ``axis_index`` and a spec's shards number them."""
     n = _axis_size("permute", axis_name)
-    perm = tuple((int(s), int(d)) for s, d in perm)
+    perm = tuple((static_int("permute", "perm", s), static_int("permute", "perm", d)) for s, d in perm)
     srcs, dsts = [s for s, _ in perm], [d for _, d in perm]
     if any(not 0 <= i < n for i in srcs + dsts) or len(set(srcs)) < len(srcs) or len(set(dsts)) < len(dsts):
         raise ValueError(
@@ -214,6 +214,7 @@ def permute(x, axis_name, perm):
 def shift(x, axis_name, offset: int = 1):
     """The ring step: device ``i``'s ``x`` goes to device ``(i + offset) mod n``."""
     n = _axis_size("shift", axis_name)
+    offset = static_int("shift", "offset", offset)
     return lax.ppermute(x, *_in_mesh_order(axis_name, [(i, (i + offset) % n) for i in range(n)]))
 
 

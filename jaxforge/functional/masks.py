@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxforge.functional._static import concrete_scalar
+from jaxforge.functional._static import concrete_scalar, static_int
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.mods import (
     AllVisible,
@@ -805,7 +805,7 @@ def sliding_window(window) -> Mask:
     window = concrete_scalar(window, "iu")
     if isinstance(window, (jax.Array, np.ndarray)):
         return _band(_offset("sliding_window", "window", window), 0, "sliding_window", "window")
-    return _Window(_static_int("sliding_window", "window", window, minimum=1))
+    return _Window(static_int("sliding_window", "window", window, minimum=1))
 
 
 def _band(window, shift, fn: str = "causal", name: str = "offset") -> Mask:
@@ -827,7 +827,7 @@ def chunked(chunk) -> Mask:
     chunk = concrete_scalar(chunk, "iu")
     if isinstance(chunk, (jax.Array, np.ndarray)):
         return _ChunkedAt(_offset("chunked", "chunk", chunk))
-    return _Chunked(_static_int("chunked", "chunk", chunk, minimum=1))
+    return _Chunked(static_int("chunked", "chunk", chunk, minimum=1))
 
 
 def prefix_lm(prefix_len) -> Mask:
@@ -856,7 +856,7 @@ def padding(kv_lengths, q_lengths=None) -> Mask:
 def _length(fn: str, name: str, value):
     """A static length (a Python int >= 0) or an integer array of them."""
     if isinstance(value, (int, np.integer)):
-        return _static_int(fn, name, int(value), minimum=0)
+        return static_int(fn, name, int(value), minimum=0)
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got dtype {value.dtype}")
@@ -929,7 +929,7 @@ def shifted(mask, q_offset=0, kv_offset=0, *, q_len: int | None = None, kv_len: 
     """
     mask = as_mask(mask)
     offsets = (_offset("shifted", "q_offset", q_offset), _offset("shifted", "kv_offset", kv_offset))
-    lengths = (None if n is None else _static_int("shifted", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    lengths = (None if n is None else static_int("shifted", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
     return mask.block(*offsets, *lengths)
 
 
@@ -1021,8 +1021,8 @@ def block_mask(
     if not callable(mask_mod):
         raise TypeError(f"block_mask: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
     mask = as_mask(mask_mod)
-    q_len, kv_len = (_static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
-    pieces = _static_int("block_mask", "ranges", ranges, minimum=1)
+    q_len, kv_len = (static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    pieces = static_int("block_mask", "ranges", ranges, minimum=1)
     fn, consts = _traced_mask_mod(mask.mask_mod, "block_mask: `mask_mod`")
     outs = fn.out_avals
     if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
@@ -1034,7 +1034,7 @@ def block_mask(
     if reads_h and num_heads is None:
         raise ValueError("block_mask: `mask_mod` reads its head index h; pass num_heads=, the number of query heads")
     batch_shape = _shape("block_mask", "batch_shape", batch_shape) if reads_b else ()
-    heads = _static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
+    heads = static_int("block_mask", "num_heads", num_heads, minimum=1) if reads_h else 1
     # Eagerly, one program per function and shape (its captured arrays as arguments). Already
     # traced (under jit, shard_map), the function as written: its hoisted form drops the casts to
     # varying that shard_map's typing needs.
@@ -1245,9 +1245,9 @@ def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: in
       ·░█░
     """
     mask = as_mask(mask)
-    q_len, kv_len = (_static_int("picture", name, n, minimum=1) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
-    block = _static_int("picture", "block", block, minimum=1)
-    b, h = (_static_int("picture", name, i, minimum=0) for name, i in (("b", b), ("h", h)))
+    q_len, kv_len = (static_int("picture", name, n, minimum=1) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
+    block = static_int("picture", "block", block, minimum=1)
+    b, h = (static_int("picture", name, i, minimum=0) for name, i in (("b", b), ("h", h)))
     rows, cols = (jnp.arange(n, dtype=jnp.int32) for n in (q_len, kv_len))
     at = lambda i, j: mask(jnp.int32(b), jnp.int32(h), i, j)  # noqa: E731
     visible = np.asarray(jax.vmap(jax.vmap(at, (None, 0)), (0, None))(rows, cols), bool)
@@ -1261,19 +1261,6 @@ def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: in
     hidden = 100 * np.mean(seen == 0)
     header = f"{blocks[0]} x {blocks[1]} blocks of {block} x {block}, {hidden:.1f}% hidden"
     return "\n".join([header, *lines])
-
-
-def _static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
-    """``value`` as an int: a Python or numpy int, or a concrete integer scalar array; a traced one
-    is refused (it sets a size or the mask's static span)."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(f"{fn}: `{name}` must be a Python int, got a traced {jax.typeof(value).str_short()}: compute it outside jit")
-    value = concrete_scalar(value, "iu")
-    if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-        raise TypeError(f"{fn}: `{name}` must be a Python int, got {type(value).__name__} {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
-    return int(value)
 
 
 def _shape(fn: str, name: str, value) -> tuple[int, ...]:

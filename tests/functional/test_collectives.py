@@ -636,6 +636,22 @@ def test_bad_arguments_raise_value_error_naming_the_argument(name):
         trace(fn)
 
 
+@pytest.mark.parametrize(
+    "fn, match",
+    [
+        (lambda x: C.shift(x, "i", 1.5), r"shift: `offset` must be a Python int, got float 1\.5"),
+        (lambda x: C.shift(x, "i", jnp.asarray(1) + x.size * 0), r"shift: `offset` must be a Python int, got a traced"),
+        (lambda x: C.permute(x, "i", [(0, 1.5)]), r"permute: `perm` must be a Python int, got float 1\.5"),
+    ],
+    ids=["shift-float", "shift-traced", "permute-float"],
+)
+def test_device_numbers_must_be_python_ints(fn, match):
+    """A fractional offset or device number was truncated (permute) or failed inside numpy's
+    indexing (shift); a traced one cannot pick the devices a permute sends to."""
+    with pytest.raises(TypeError, match=match):
+        trace(fn)
+
+
 def test_ragged_sizes_table_names_the_argument():
     ragged = [[1] * N] * (N - 1) + [[1] * (N - 1)]
     with pytest.raises(ValueError, match=r"all_to_all_uneven: `sizes`"):
