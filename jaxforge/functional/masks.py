@@ -1234,6 +1234,7 @@ def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: in
     ``kv_len`` keys (columns), a character a ``block x block`` block of pairs: ``█`` all visible,
     ``░`` some, ``·`` none; headed by the share of blocks hidden. FlexAttention's printed BlockMask,
     at any resolution (``block=1``: each pair). ``mask``: a Mask, a ``mask_mod`` or a boolean array.
+    Every pair is evaluated at once (``q_len · kv_len`` booleans): a picture is for a notebook's sizes.
 
     Example:
       >>> import jaxforge as jf
@@ -1252,11 +1253,11 @@ def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: in
     at = lambda i, j: mask(jnp.int32(b), jnp.int32(h), i, j)  # noqa: E731
     visible = np.asarray(jax.vmap(jax.vmap(at, (None, 0)), (0, None))(rows, cols), bool)
     blocks = -(-q_len // block), -(-kv_len // block)
-    padded = np.zeros((blocks[0] * block, blocks[1] * block), np.int64)  # visible pairs
-    pairs = np.zeros_like(padded)  # pairs inside the grid: an edge block holds fewer
-    padded[:q_len, :kv_len], pairs[:q_len, :kv_len] = visible, 1
+    seen = np.zeros((blocks[0] * block, blocks[1] * block), np.int64)  # visible pairs, padded to whole blocks
+    pairs = np.zeros_like(seen)  # pairs inside the grid: an edge block holds fewer
+    seen[:q_len, :kv_len], pairs[:q_len, :kv_len] = visible, 1
     count = lambda x: x.reshape(blocks[0], block, blocks[1], block).sum(axis=(1, 3))  # noqa: E731
-    seen, total = count(padded), count(pairs)
+    seen, total = count(seen), count(pairs)
     lines = ["".join("█" if n == t else "░" if n else "·" for n, t in zip(*row)) for row in zip(seen, total)]
     hidden = 100 * np.mean(seen == 0)
     header = f"{blocks[0]} x {blocks[1]} blocks of {block} x {block}, {hidden:.1f}% hidden"
