@@ -138,8 +138,8 @@ class Mask:
         return jax.tree.map(lambda x: x.hoisted() if plain(x) else x, self, is_leaf=plain)
 
     def __call__(self, b, h, q_idx, kv_idx):
-        """The mask at one index (vmap it for a picture); per-item data (segment ids, lengths) is
-        read at item ``b`` of its own flattened leading dims."""
+        """The mask at one index (vmapped over every pair, :func:`picture` draws it); per-item data
+        (segment ids, lengths) is read at item ``b`` of its own flattened leading dims."""
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     def __eq__(self, other):
