@@ -65,6 +65,17 @@ def test_default_lowering_runs_on_cpu_and_matches_reference(name):
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
+def test_eager_bind_under_disable_jit_runs_compiled(name):
+    # As JAX's own primitives: jax.disable_jit() switches off the user's jits, not the kernels.
+    spec = SPECS[name]
+    args = spec.example_args()
+    with jax.disable_jit():
+        outs = _bind(spec)(*args)
+    for out, expected in zip(outs, jax.jit(_bind(spec))(*args)):
+        np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
 def test_test_module_and_bench_entry_exist(name):
     spec = SPECS[name]
     test_file = ROOT / spec.test_module

@@ -1100,7 +1100,10 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
     # The first block outside the loop: its ranges, as the loop's carry, have the type the tile
     # gives (varying under shard_map), which constants would not.
     columns, first = joined([no_columns] * (1 if pieces == 1 else 1 + pieces), starts[0])
-    columns, later = lax.scan(joined, columns, starts[1:])
+    if steps == 1:  # (a scan of no steps, which jax.disable_jit refuses)
+        later = jax.tree.map(lambda r: r[None][:0], first)
+    else:
+        columns, later = lax.scan(joined, columns, starts[1:])
 
     def in_order(r, r_later):  # (items, block) and (steps - 1, items, block) -> (items, rows)
         r = jnp.concatenate([r, jnp.moveaxis(r_later, 0, 1).reshape(items, (steps - 1) * block)], axis=1)

@@ -533,8 +533,28 @@ def _dce_rule(fewer_outputs, used_outputs, eqn):
 
 
 def _impl_through_jit(prim: Primitive, *args, **params):
-    # Eager calls compile the primitive once per (params, shapes), like any jitted function.
-    return _jitted_bind(prim, tuple(sorted(params.items())))(*args)
+    """Eager calls compile the primitive once per (params, shapes), like any jitted function.
+
+    As JAX applies its own primitives: compiled under ``jax.disable_jit`` too (where the jit would
+    call this impl again, without end), and under ``jax_debug_nans``/``jax_debug_infs`` the
+    primitive is the operation named (JAX would re-run the jit operation by operation to find the
+    culprit, which is this same call, again without end).
+    """
+    jitted = _jitted_bind(prim, tuple(sorted(params.items())))
+    with jax.disable_jit(False):
+        if not (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+            return jitted(*args)
+        checks = {"nan": jax.config.jax_debug_nans, "inf": jax.config.jax_debug_infs}
+        with jax.debug_nans(False), jax.debug_infs(False):
+            outs = jitted(*args)
+    for value, found in (("nan", jnp.isnan), ("inf", jnp.isinf)):
+        if checks[value] and any(_inexact(o) and bool(found(o).any()) for o in outs):
+            raise FloatingPointError(f"invalid value ({value}) encountered in {prim.name}")
+    return outs
+
+
+def _inexact(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _leading_batch_rule(prim: Primitive, args: Sequence, dims: Sequence, **params):

@@ -1,0 +1,66 @@
+"""jaxforge under JAX's debugging switches: ``jax.disable_jit``, ``jax_debug_nans``/``infs``.
+
+A user debugging a training step turns these on around code that calls jaxforge; its primitives
+must behave there as JAX's own do: run (compiled) under ``disable_jit``, and name themselves as the
+operation that produced a NaN instead of recursing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxforge as jf
+
+RNG = np.random.default_rng(0)
+Q = RNG.normal(size=(2, 48, 4, 8))
+KV = RNG.normal(size=(2, 48, 2, 8))
+A = RNG.normal(size=(3, 7, 4))
+B = RNG.normal(size=(3, 7, 2))
+
+
+def _sinks_and_window(b, h, q_idx, kv_idx):
+    return (kv_idx < 2) | ((q_idx - kv_idx < 8) & (kv_idx <= q_idx))
+
+
+CALLS = {
+    "attention causal grad": lambda: jax.grad(lambda q: jf.attention(q, KV, KV, mask=jf.masks.causal()).sum())(Q),
+    "attention block mask in pieces": lambda: jf.attention(Q, KV, KV, mask=jf.masks.block_mask(_sinks_and_window, 48, 48, ranges=2)),
+    "attention jvp": lambda: jax.jvp(lambda q: jf.attention(q, KV, KV, mask=jf.masks.sliding_window(4)), (Q,), (Q,)),
+    "lstsq grad": lambda: jax.grad(lambda a: jf.linalg.lstsq(a, B).solution.sum())(A),
+    "svd jvp": lambda: jax.jvp(jf.linalg.svd, (A,), (A,)),
+    "transformer": lambda: jf.nn.transformer(
+        jf.nn.init_transformer(jax.random.key(0), vocab_size=16, features=16, depth=1, num_heads=2), jnp.zeros((2, 8), jnp.int32), mask=jf.masks.causal()
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_runs_under_disable_jit_as_compiled(name):
+    expected = CALLS[name]()
+    with jax.disable_jit():
+        got = CALLS[name]()
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_debug_nans_stays_quiet_on_finite_results(name):
+    with jax.debug_nans(True):
+        CALLS[name]()
+
+
+def test_debug_nans_names_the_primitive():
+    # Made before the switch: under it, JAX refuses even to put a NaN on the device.
+    a, q = jnp.asarray(A).at[0, 0, 0].set(np.nan), jnp.where(Q > 2, np.nan, Q)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError, match=r"invalid value \(nan\) encountered in jaxforge_svd"):
+        jf.linalg.svd(a)
+    with jax.debug_nans(True), pytest.raises(FloatingPointError, match="jaxforge_attention_fwd"):
+        jax.jit(lambda q: jf.attention(q, KV, KV))(q)
+
+
+def test_debug_infs_names_the_empty_rows_log_sum_exp():
+    # A row that sees no key has the log-sum-exp -inf (the merge of partial results reads it so).
+    with jax.debug_infs(True), pytest.raises(FloatingPointError, match=r"invalid value \(inf\) encountered in jaxforge_attention_fwd"):
+        jf.attention(Q, KV, KV, mask=lambda b, h, q_idx, kv_idx: q_idx > 3)
