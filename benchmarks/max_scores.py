@@ -53,7 +53,7 @@ def reference_max_scores(q, k, causal: bool):
     def one(q_g, k_h):  # (Sq, G, D), (Skv, D)
         s = jnp.einsum("qgd,kd->gqk", q_g.astype(jnp.float32), k_h.astype(jnp.float32), precision="highest") / np.sqrt(q.shape[-1])
         if causal:
-            s = jnp.where(jnp.arange(s.shape[2]) <= jnp.arange(s.shape[1])[:, None] + s.shape[2] - s.shape[1], s, -jnp.inf)
+            s = jnp.where(jnp.arange(s.shape[2])[None] <= jnp.arange(s.shape[1])[:, None] + s.shape[2] - s.shape[1], s, -jnp.inf)
         return jnp.max(s, axis=-1).T  # (Sq, G)
 
     rows = [[one(q[b, :, h * group : (h + 1) * group], k[b, :, h]) for h in range(k.shape[2])] for b in range(q.shape[0])]

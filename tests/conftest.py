@@ -1,5 +1,6 @@
-"""Test set-up: float64 on, 8 CPU devices in one process for sharding tests, the `gpu` marker,
-and jf.nn's shape annotations checked at run time (the hook must precede any import of jaxforge)."""
+"""Test set-up: float64 on, implicit rank promotion an error, 8 CPU devices in one process for
+sharding tests, the `gpu` marker, and jf.nn's shape annotations checked at run time (the hook must
+precede any import of jaxforge)."""
 
 import gc
 import importlib.util
@@ -17,6 +18,9 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_enable_x64", True)
+# As in JAX's own suite, an implicit rank promotion (a (n,) bias added to a (b, n) array) is an
+# error: jaxforge must run for a user who sets it so. The README's examples (user code) are exempt.
+jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
 def _mapping_count() -> int | None:

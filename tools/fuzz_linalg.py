@@ -113,7 +113,7 @@ def _svd_invariants(k: int, full: bool):
 
     def invariants(usv):
         u, s, vh = usv
-        w = s**2 + jnp.arange(1, k + 1)  # distinct weights: each pair of singular vectors counts
+        w = s**2 + jax.lax.broadcast_to_rank(jnp.arange(1, k + 1), s.ndim)  # distinct weights: each pair of singular vectors counts
         out = [s, (u[..., :, :k] * w[..., None, :].astype(u.dtype)) @ vh[..., :k, :]]
         if full:
             out += [u[..., :, k:] @ jnp.conj(jnp.swapaxes(u[..., :, k:], -1, -2))]

@@ -380,7 +380,7 @@ def alibi_slopes(heads: int) -> np.ndarray:
 def _alibi_bias(slopes, sq: int, skv: int):
     """The dense ``(1, H, Sq, Skv)`` float32 bias of ALiBi, as jax.nn takes it."""
     distance = jnp.arange(skv)[None, :] - jnp.arange(sq)[:, None]
-    return (jnp.asarray(slopes)[:, None, None] * distance)[None]
+    return (jnp.asarray(slopes)[:, None, None] * distance[None])[None]
 
 
 def _visible_fraction(case: Case, seg) -> float:

@@ -224,7 +224,7 @@ def _well_conditioned(key, shape: tuple[int, ...]):
     u, _ = jnp.linalg.qr(jax.random.normal(key_u, (*batch, m, k), jnp.float32))
     v, _ = jnp.linalg.qr(jax.random.normal(key_v, (*batch, n, k), jnp.float32))
     s = jnp.geomspace(1.0, 1.0 / COND, k, dtype=jnp.float32)
-    return _matmul(u * s, jnp.swapaxes(v, -1, -2))
+    return _matmul(u * jax.lax.broadcast_to_rank(s, u.ndim), jnp.swapaxes(v, -1, -2))
 
 
 def _svd_inputs(shape):

@@ -164,7 +164,7 @@ def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, 
     parts = [tuple(part[:2]) for part in parts]
     if sinks is not None:  # a part of value 0
         lse = parts[0][1]
-        parts.append((None, jnp.zeros_like(lse) + sinks.astype(lse.dtype)))  # lse's shape and sharding
+        parts.append((None, jnp.zeros_like(lse) + lax.broadcast_to_rank(sinks.astype(lse.dtype), lse.ndim)))  # lse's shape and sharding
     return (*(parts[0] if len(parts) == 1 else _merged(parts)), top)
 
 
@@ -321,7 +321,7 @@ def merge_attention(out_a, lse_a, out_b, lse_b):
     either part stay 0 with lse ``-inf`` (no NaN, zero gradients). ``out_b=None``: a part of value 0
     (an attention sink of logit ``lse_b``, which broadcasts to ``lse_a``).
     """
-    return _merged([(out_a, lse_a), (out_b, jnp.zeros_like(lse_a) + lse_b)])  # lse_a's shape and sharding
+    return _merged([(out_a, lse_a), (out_b, jnp.zeros_like(lse_a) + lax.broadcast_to_rank(jnp.asarray(lse_b), lse_a.ndim))])  # lse_a's shape and sharding
 
 
 def _merged(parts):

@@ -310,7 +310,7 @@ class _ChunkedAt(Mask):
     def _ids(self, batch_shape, sq, skv):
         """Each query's and key's chunk, ``(prod(batch), sq)`` and ``(prod(batch), skv)``."""
         chunk, q_offset, kv_offset = (x[:, None] for x in self._per_batch(batch_shape))
-        positions = lambda n, offset: jnp.arange(n, dtype=jnp.int32) + offset  # noqa: E731
+        positions = lambda n, offset: jnp.arange(n, dtype=jnp.int32)[None] + offset  # noqa: E731
         return positions(sq, q_offset) // chunk, positions(skv, kv_offset) // chunk, chunk, q_offset, kv_offset
 
     def bind_positional(self, batch_shape, sq, skv):
@@ -964,8 +964,10 @@ def _slice_positions(x, offset, length: int, *, axis: int, trailing: int):
 
 def _moved(positions, offset):
     """Positions ``(*lead, seq)`` counted from ``offset`` (an int, one value or one per item)."""
-    offset = offset if isinstance(offset, int) or offset.ndim == 0 else offset[..., None]
-    return (positions - offset).astype(positions.dtype)
+    if isinstance(offset, int) or offset.ndim == 0:
+        return (positions - offset).astype(positions.dtype)
+    rank = max(positions.ndim, offset.ndim + 1)
+    return (lax.broadcast_to_rank(positions, rank) - lax.broadcast_to_rank(offset[..., None], rank)).astype(positions.dtype)
 
 
 def _block_ranges(ranges, q_offset, kv_offset, q_len: int, kv_len: int) -> tuple:
@@ -1091,7 +1093,8 @@ def _scanned_ranges(tile, items: int, rows: int, cols: int, block: int, pieces: 
         bounds = []
         if pieces > 1:
             bounds = list(zip(*(jnp.moveaxis(x, -1, 0) for x in _cuts(seen_by, col, pieces=pieces))))  # (items, block) each
-        views = [seen_by, *(seen_by & (col >= lo[:, None, :, None]) & (col < hi[:, None, :, None]) for lo, hi in bounds)]
+        wide_col = lax.broadcast_to_rank(col, seen_by.ndim)
+        views = [seen_by, *(seen_by & (wide_col >= lo[:, None, :, None]) & (wide_col < hi[:, None, :, None]) for lo, hi in bounds)]
         row = (start + _index(block))[:, None]
         return [_joined_range(c, view, row, rows) for c, view in zip(columns, views)], (bounds, [_range(view, col) for view in views])
 
@@ -1122,7 +1125,7 @@ def _joined_range(column_range, seen_by, row, rows: int) -> tuple:
     seen, hidden_to_some = seen_by.any(axis=1), ~seen_by.all(axis=1)
     lo = jnp.minimum(lo, jnp.min(jnp.where(seen, row, rows), axis=1, initial=rows))
     hi = jnp.maximum(hi, jnp.max(jnp.where(seen, row + 1, 0), axis=1, initial=0))
-    sure_hi = jnp.minimum(sure_hi, jnp.min(jnp.where(hidden_to_some & (row >= lo[:, None]), row, rows), axis=1, initial=rows))
+    sure_hi = jnp.minimum(sure_hi, jnp.min(jnp.where(hidden_to_some & (row[None] >= lo[:, None]), row, rows), axis=1, initial=rows))
     return lo, hi, sure_hi
 
 
@@ -1162,6 +1165,7 @@ def _range(seen_by, col) -> tuple:
     ``[cols, 0)`` and ``cols`` for a row that sees none."""
     cols = col.shape[0]
     seen, every = seen_by.any(axis=1), seen_by.all(axis=1)
+    col = lax.broadcast_to_rank(col, seen.ndim)
     lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols)
     hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0)
     sure_hi = jnp.min(jnp.where(~every & (col >= lo[..., None]), col, cols), axis=-1, initial=cols)  # <= hi
@@ -1179,17 +1183,18 @@ def _cuts(seen_by, col, *, pieces: int) -> tuple:
     ``[los[i], his[i])``, in order; empty ranges ``[hi, hi)`` last when the row has fewer gaps."""
     cols = col.shape[0]
     seen = seen_by.any(axis=1)
+    col = lax.broadcast_to_rank(col, seen.ndim)
     lo = jnp.min(jnp.where(seen, col, cols), axis=-1, initial=cols, keepdims=True)
     hi = jnp.max(jnp.where(seen, col + 1, 0), axis=-1, initial=0, keepdims=True)
     pad = [(0, 0)] * (seen.ndim - 1) + [(0, -cols % _CUT_COLUMNS)]
     seen = jnp.pad(seen, pad).reshape(*seen.shape[:-1], -1, _CUT_COLUMNS).any(axis=-1)  # per block
-    block = jnp.arange(seen.shape[-1], dtype=jnp.int32)
+    block = lax.broadcast_to_rank(jnp.arange(seen.shape[-1], dtype=jnp.int32), seen.ndim)
     last_seen = lax.cummax(jnp.where(seen, block, -1), axis=seen.ndim - 1)
     before = jnp.concatenate([jnp.full_like(last_seen[..., :1], -1), last_seen[..., :-1]], axis=-1)
     gap = jnp.where(seen & (before >= 0), block - before - 1, 0)  # hidden blocks just before each seen one
     ends, starts = [], []
     for _ in range(pieces - 1):  # the widest gap left (XLA CPU's top_k is ~80x slower than argmax)
-        end = jnp.argmax(gap, axis=-1, keepdims=True)
+        end = jnp.argmax(gap, axis=-1, keepdims=True).astype(jnp.int32)  # int64 under x64
         cut = jnp.take_along_axis(gap, end, axis=-1) > 0
         start = jnp.take_along_axis(before, end, axis=-1) + 1
         ends.append(jnp.where(cut, end * _CUT_COLUMNS, hi))  # no gap left: an empty range at hi
@@ -1198,7 +1203,7 @@ def _cuts(seen_by, col, *, pieces: int) -> tuple:
     end, start = jnp.concatenate(ends, axis=-1), jnp.concatenate(starts, axis=-1)
     order = jnp.argsort(end, axis=-1)
     end, start = (jnp.take_along_axis(x, order, axis=-1) for x in (end, start))
-    return tuple(jnp.concatenate(x, axis=-1).astype(jnp.int32) for x in ([lo, end], [start, hi]))  # argmax: int64 with x64
+    return tuple(jnp.concatenate(x, axis=-1) for x in ([lo, end], [start, hi]))
 
 
 def from_array(visible) -> Mask:

@@ -48,7 +48,7 @@ def column_parallel_linear(x, w, b=None, *, axis_name, gather_output: bool = Fal
     """
     y = collectives.copy_to_parallel(x, axis_name) @ w
     if b is not None:
-        y = y + b
+        y = y + lax.broadcast_to_rank(b, y.ndim)
     if gather_output:
         y = collectives.gather_from_parallel(y, axis_name, axis=-1, tensor_parallel_output_grad=False)
     return y
@@ -58,7 +58,7 @@ def row_parallel_linear(x, w, b=None, *, axis_name):
     """``x @ w + b`` with ``x``'s last dim and ``w``'s rows split over ``axis_name``; the partial
     products are summed (one all-reduce) and ``b`` (replicated) added once."""
     y = collectives.reduce_from_parallel(x @ w, axis_name)
-    return y if b is None else y + b
+    return y if b is None else y + lax.broadcast_to_rank(b, y.ndim)
 
 
 def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
@@ -68,7 +68,7 @@ def sequence_parallel_rms_norm(x, scale, *, eps: float = 1e-6):
     gradient, a sum over tokens, is all-reduced over the sequence shards by the transpose.
     """
     ms = jnp.mean(jnp.square(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    return (x * lax.rsqrt(ms + eps).astype(x.dtype)) * scale
+    return (x * lax.rsqrt(ms + eps).astype(x.dtype)) * lax.broadcast_to_rank(jnp.asarray(scale), x.ndim)
 
 
 def ring_attention(

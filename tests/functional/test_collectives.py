@@ -395,8 +395,8 @@ def test_extremum_ties_share_gradient_and_tangent(op):
 
 
 def mlp(params, x):
-    h = jnp.tanh(x @ params["w1"] + params["b1"])
-    return h @ params["w2"] + params["b2"]
+    h = jnp.tanh(x @ params["w1"] + params["b1"][None])
+    return h @ params["w2"] + params["b2"][None]
 
 
 def mse(params, x, y):

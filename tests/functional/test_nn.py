@@ -43,7 +43,7 @@ def test_linear_and_mlp_match_numpy():
     params = nn.init_mlp(KEY, 6, 10, dtype=jnp.float64)
     x = normal(3, 4, 6)
     p = f64(params)
-    hidden = x @ p["up"]["w"] + p["up"]["b"]
+    hidden = np.asarray(x) @ p["up"]["w"] + p["up"]["b"]
     want = np.tanh(hidden) @ p["down"]["w"] + p["down"]["b"]
     np.testing.assert_allclose(nn.mlp(params, x, activation=jnp.tanh), want, rtol=1e-12)
     assert set(nn.init_linear(KEY, 3, 2, bias=False)) == {"w"}

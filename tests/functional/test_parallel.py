@@ -37,7 +37,7 @@ def rng_arrays(*shapes, seed=0):
 
 def mlp(params, x):
     w1, b1, w2, b2 = params
-    return jnp.tanh(x @ w1 + b1) @ w2 + b2
+    return jnp.tanh(x @ w1 + b1[None]) @ w2 + b2[None]
 
 
 def tp_mlp(params, x, n=4):

@@ -133,8 +133,8 @@ def _dense_step():
     params, x, y = worker.make_inputs()
 
     def loss(p):
-        h = jnp.tanh(x @ p["w1"] + p["b1"])
-        err = jnp.sum((h @ p["w2"] + p["b2"] - y) ** 2, axis=-1)
+        h = jnp.tanh(x @ p["w1"] + p["b1"][None])
+        err = jnp.sum((h @ p["w2"] + p["b2"][None] - y) ** 2, axis=-1)
         data = jnp.mean(err) + worker.LSE_WEIGHT * jax.nn.logsumexp(err)
         return data + worker.WEIGHT_DECAY * jnp.sum(p["w1"] ** 2)
 

@@ -110,8 +110,8 @@ def loss_fn(params, x, y, mesh):
 
     @jf.shard(mesh=mesh, in_specs=(param_specs, x_spec, y_spec), out_specs=jax.sharding.PartitionSpec())
     def per_device(p, xb, yb):
-        h = jnp.tanh(c.copy_to_parallel(xb, "model") @ p["w1"] + p["b1"])  # (B/2, H/2)
-        z = c.reduce_from_parallel(h @ p["w2"], "model") + p["b2"]  # (B/2, O)
+        h = jnp.tanh(c.copy_to_parallel(xb, "model") @ p["w1"] + p["b1"][None])  # (B/2, H/2)
+        z = c.reduce_from_parallel(h @ p["w2"], "model") + p["b2"][None]  # (B/2, O)
         err = jnp.sum((z - yb) ** 2, axis=-1)  # (B/2,)
         every_err = c.all_gather(err, "data", tiled=True)  # (B,), the same on every device
         data_loss = jnp.mean(err) + LSE_WEIGHT * jax.nn.logsumexp(every_err)

@@ -113,7 +113,7 @@ def test_grad_and_jvp():
     """loss(x, w) = sum(sin(x) * w) with x sharded and w replicated: the gradients of the unsharded
     loss, w's summed over devices exactly once."""
     x, w, tx, tw = rng_normal(16, 3), rng_normal(3, seed=1), rng_normal(16, 3, seed=2), rng_normal(3, seed=3)
-    loss = jf.shard(lambda x, w: C.all_reduce(jnp.sum(jnp.sin(x) * w), "i"), in_specs=(P("i"), P()), out_specs=P())
+    loss = jf.shard(lambda x, w: C.all_reduce(jnp.sum(jnp.sin(x) * w[None]), "i"), in_specs=(P("i"), P()), out_specs=P())
 
     @jax.jit
     def run(x, w, tx, tw):
@@ -148,7 +148,7 @@ def test_pytree_arguments_and_results():
     x = rng_normal(16, 3, seed=2)
 
     def local(params, x):
-        y = x @ params["w"] + params["b"]
+        y = x @ params["w"] + params["b"][None]
         return {"y": y, "total": C.all_reduce(jnp.sum(y), "i")}
 
     expected_y = x @ params["w"] + params["b"]
@@ -325,7 +325,7 @@ def test_the_mesh_of_set_mesh_is_the_default(axis_type):
             y = run(x)
             np.testing.assert_allclose(y, want, **TOL)
             assert y.sharding.mesh.shape == mesh.shape
-        grad = jax.grad(lambda x: jnp.sum(jax.jit(f)(x) * np.arange(2.0)))(jnp.asarray(x))
+        grad = jax.grad(lambda x: jnp.sum(jax.jit(f)(x) * np.arange(2.0)[None]))(jnp.asarray(x))
     column = np.tile(want, (1, 4))  # shard j holds columns 2j, 2j + 1
     np.testing.assert_allclose(grad, (x == column) * np.tile(np.arange(2.0), 4), **TOL)  # to each max
 

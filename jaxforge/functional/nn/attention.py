@@ -33,7 +33,8 @@ def rotary_embedding(
         raise ValueError(f"rotary_embedding: `x` needs an even head_dim, got shape {x.shape}")
     wide = jnp.promote_types(x.dtype, jnp.float32)
     frequencies = base ** (-jnp.arange(0, head_dim, 2, dtype=wide) / head_dim)
-    angles = jnp.asarray(positions, wide)[..., None, None] * frequencies  # (..., seq, 1, D/2)
+    positions = jax.lax.broadcast_to_rank(jnp.asarray(positions, wide), x.ndim - 2)  # (..., seq), x's rank less two
+    angles = positions[..., None, None] * jax.lax.broadcast_to_rank(frequencies, x.ndim)  # (..., seq, 1, D/2)
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     first, second = jnp.split(x.astype(wide), 2, axis=-1)
     rotated = jnp.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
@@ -263,7 +264,7 @@ def multi_head_attention(
             )
         if x.shape[-2] > max_len:
             raise ValueError(f"multi_head_attention: `x` has {x.shape[-2]} tokens an item, more than the cache's max_len {max_len}")
-        positions = length[..., None] + jnp.arange(x.shape[-2]) if positions is None else positions
+        positions = length[..., None] + jax.lax.broadcast_to_rank(jnp.arange(x.shape[-2]), length.ndim + 1) if positions is None else positions
     if rotary_base is not None:
         if positions is None:
             positions = jnp.arange(x.shape[-2])
@@ -319,5 +320,5 @@ def _written(cache, new, length):
     (positions past ``max_len`` dropped). One scatter, placed as the cache is: under explicit
     sharding a cache split along its sequence stays split (each device writes what falls in it)."""
     items = [i[..., None] for i in jnp.indices(length.shape, sparse=True)]
-    positions = length[..., None] + jnp.arange(new.shape[-3])
+    positions = length[..., None] + jax.lax.broadcast_to_rank(jnp.arange(new.shape[-3]), length.ndim + 1)
     return cache.at[(*items, positions)].set(new.astype(cache.dtype), mode="drop", out_sharding=jax.typeof(cache).sharding)

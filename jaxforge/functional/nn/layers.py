@@ -48,11 +48,16 @@ def init_linear(key: PRNGKeyArray, in_features: int, out_features: int, *, bias:
     return params
 
 
+def _features(p, x):
+    """``p`` of shape ``(features,)`` with ``x``'s rank, for ``jax_numpy_rank_promotion="raise"``."""
+    return jax.lax.broadcast_to_rank(p, x.ndim)
+
+
 def linear(params: Params, x: Float[ArrayLike, "*batch d_in"]) -> Float[Array, "*batch d_out"]:
     r""":math:`y = x W + b` (``b`` only where ``params`` has one)."""
     x = check_features("linear", "x", x, params["w"].shape[0])
     y = x @ params["w"]
-    return y + params["b"] if "b" in params else y
+    return y + _features(params["b"], y) if "b" in params else y
 
 
 def init_embedding(key: PRNGKeyArray, num_embeddings: int, features: int, *, dtype=jnp.float32) -> Params:
@@ -91,7 +96,7 @@ def rms_norm(params: Params, x: Float[ArrayLike, "*batch features"], *, eps: flo
     x = check_features("rms_norm", "x", x, params["scale"].shape[0])
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * params["scale"]
+    return normed.astype(x.dtype) * _features(params["scale"], x)
 
 
 def init_layer_norm(features: int, *, dtype=jnp.float32) -> Params:
@@ -105,7 +110,7 @@ def layer_norm(params: Params, x: Float[ArrayLike, "*batch features"], *, eps: f
     wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     centred = wide - jnp.mean(wide, axis=-1, keepdims=True)
     normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
-    return normed.astype(x.dtype) * params["scale"] + params["bias"]
+    return normed.astype(x.dtype) * _features(params["scale"], x) + _features(params["bias"], x)
 
 
 def init_mlp(key: PRNGKeyArray, features: int, hidden_features: int, *, dtype=jnp.float32) -> NestedParams:

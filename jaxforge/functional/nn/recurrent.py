@@ -46,7 +46,7 @@ def lstm(
         state = (zeros, zeros)
 
     # The input projection of every step is one matmul outside the recurrence.
-    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b"], -2, 0)
+    x_gates = jnp.moveaxis(xs @ params["w_input"] + jax.lax.broadcast_to_rank(params["b"], xs.ndim), -2, 0)
     final, hs = _lstm_steps(params["w_hidden"], state, x_gates)
     return jnp.moveaxis(hs, 0, -2), final
 
@@ -97,7 +97,7 @@ def gru(
     if state is None:
         state = jnp.zeros((*xs.shape[:-2], hidden), jnp.result_type(xs, params["w_hidden"]))
 
-    x_gates = jnp.moveaxis(xs @ params["w_input"] + params["b_input"], -2, 0)
+    x_gates = jnp.moveaxis(xs @ params["w_input"] + jax.lax.broadcast_to_rank(params["b_input"], xs.ndim), -2, 0)
     final, hs = _gru_steps(params["w_hidden"], params["b_hidden"], state, x_gates)
     return jnp.moveaxis(hs, 0, -2), final
 
@@ -106,7 +106,7 @@ def gru(
 def _gru_steps(w_hidden, b_hidden, state, x_gates):
     def step(h, x_gates):
         xr, xz, xn = jnp.split(x_gates, 3, axis=-1)
-        hr, hz, hn = jnp.split(h @ w_hidden + b_hidden, 3, axis=-1)
+        hr, hz, hn = jnp.split(h @ w_hidden + jax.lax.broadcast_to_rank(b_hidden, h.ndim), 3, axis=-1)
         r, z = jax.nn.sigmoid(xr + hr), jax.nn.sigmoid(xz + hz)
         h = (1 - z) * jnp.tanh(xn + r * hn) + z * h
         return h, h

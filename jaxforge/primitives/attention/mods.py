@@ -275,7 +275,7 @@ class RangeSpan(Span):
 
 
 def _rows(size, lo, hi):
-    index = jnp.arange(size)
+    index = jnp.arange(size, dtype=jnp.int32)
     return (index >= lo) & (index < hi)
 
 

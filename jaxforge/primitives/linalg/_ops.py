@@ -18,7 +18,7 @@ def ct(x):
 
 def diag(v):
     """``diag(v)`` for a batch of vectors ``v`` of shape (..., k)."""
-    return v[..., :, None] * jnp.eye(v.shape[-1], dtype=v.dtype)
+    return v[..., :, None] * lax.broadcast_to_rank(jnp.eye(v.shape[-1], dtype=v.dtype), v.ndim + 1)
 
 
 def diagonal(x):
@@ -49,7 +49,7 @@ def upper_inverse(r):
     entries of the result after them all."""
     k = r.shape[-1]
     if k <= _INVERSE_BLOCK:
-        return solve_triangular(r, jnp.zeros_like(r) + jnp.eye(k, dtype=r.dtype))  # keeps r's batch sharding
+        return solve_triangular(r, jnp.zeros_like(r) + lax.broadcast_to_rank(jnp.eye(k, dtype=r.dtype), r.ndim))  # keeps r's batch sharding
     h = k // 2
     a_inv = upper_inverse(r[..., :h, :h])
     c_inv = upper_inverse(after_on_cpu(r[..., h:, h:], a_inv[..., -1:, -1:]))  # after A⁻¹'s last solve

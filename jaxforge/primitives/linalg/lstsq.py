@@ -58,6 +58,7 @@ from jaxforge.primitives.linalg._ops import (
     after,
     after_on_cpu,
     ct,
+    diag,
     diagonal,
     kept_reciprocal,
     mm,
@@ -196,7 +197,7 @@ def _singular_vectors(a, s, v_r, rank):
     ``Aᴴ = QR`` and ``U = V_R, V = Aᴴ V_R S⁻¹``. Vectors past the rank, whose singular values are
     zero up to rounding, are zero."""
     wide = a.shape[-2] < a.shape[-1]
-    kept = jnp.arange(s.shape[-1]) < rank[..., None]
+    kept = lax.broadcast_to_rank(jnp.arange(s.shape[-1], dtype=rank.dtype), s.ndim) < rank[..., None]
     q_u = mm(ct(a) if wide else a, v_r) * kept_reciprocal(s, kept).astype(a.dtype)[..., None, :]
     return (v_r, q_u) if wide else (q_u, v_r)
 
@@ -242,7 +243,7 @@ def _factor_tangent(a, r, r_inv, da):
     g = mm(ct(a), da) if m >= n else mm(a, ct(da))
     c = mm(ct(r_inv), mm(g, r_inv))
     h = c + ct(c)
-    return mm(jnp.triu(h, 1) + 0.5 * h * jnp.eye(h.shape[-1], dtype=h.dtype), r)
+    return mm(jnp.triu(h, 1) + 0.5 * diag(diagonal(h)), r)
 
 
 def _mixed_rank_tangent(a, b, x, rank, r_inv, s, v_r, da, db):
@@ -259,7 +260,7 @@ def _mixed_rank_tangent(a, b, x, rank, r_inv, s, v_r, da, db):
 
 def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
     """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
-    keep = jnp.arange(s.shape[-1]) < rank[..., None]
+    keep = lax.broadcast_to_rank(jnp.arange(s.shape[-1], dtype=rank.dtype), s.ndim) < rank[..., None]
 
     def pinv(y):  # A⁺ y
         return truncated_pinv(u, s, v, keep, y)

@@ -60,7 +60,7 @@ def test_matches_numpy_and_invariants(dtype, full_matrices, m, n):
     recon = (u[..., :, :k] * s[..., None, :].astype(dtype)) @ vh[..., :k, :]
     assert np.linalg.norm(recon - a) / np.linalg.norm(a) <= tol
     for q in (u, np.conj(np.swapaxes(vh, -1, -2))):
-        gram = np.conj(np.swapaxes(q, -1, -2)) @ q
+        gram = np.asarray(np.conj(np.swapaxes(q, -1, -2)) @ q)
         assert np.abs(gram - np.eye(q.shape[-1])).max() <= tol
 
 
@@ -209,7 +209,7 @@ def test_degenerate_singular_values_exact_vs_broadened():
     # The top singular vector is well separated: its exact derivative exists and broadening keeps it.
     assert np.all(np.isfinite(du[:, 0]))
     np.testing.assert_allclose(du_eps[:, 0], du[:, 0], atol=1e-8)
-    grads = jax.grad(lambda a: jnp.sum(broadened(a)[0] ** 2 * jnp.arange(3.0)))(a)
+    grads = jax.grad(lambda a: jnp.sum(broadened(a)[0] ** 2 * jnp.arange(3.0)[None]))(a)
     assert np.all(np.isfinite(grads))
 
 

@@ -245,6 +245,7 @@ def _per_key(geo: Geometry, x):
 def _positions(geo: Geometry, start, n: int, along_keys: bool):
     """``start + [0, n)`` laid along a score tile's key axis or its query axis."""
     axis = geo.key_axis if along_keys else 1 - geo.key_axis
+    start = lax.convert_element_type(start, jnp.int32)  # a loop's index is int64 under x64 on CPU
     return start + lax.broadcasted_iota(jnp.int32, (n, 1) if axis == 0 else (1, n), axis)
 
 

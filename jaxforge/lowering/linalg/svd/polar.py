@@ -65,7 +65,7 @@ def qdwh(a):
             q, _ = jnp.linalg.qr(stacked)
             update = mm(q[..., :m, :], ct(q[..., m:, :])) / math.sqrt(c)  # = x (I + c xᴴx)⁻¹
         else:
-            lower = jnp.linalg.cholesky(eye + c * mm(ct(x), x))
+            lower = jnp.linalg.cholesky(lax.broadcast_to_rank(eye, x.ndim) + c * mm(ct(x), x))
             update = _right_solve_gram(x, lower)
         x = (b / c) * x + (coefficient_a - b / c) * update
     return x
