@@ -1,4 +1,6 @@
-"""jaxforge under JAX's debugging switches: ``jax.disable_jit``, ``jax_debug_nans``/``infs``.
+"""jaxforge under JAX's debugging switches: ``jax.disable_jit``, ``jax_debug_nans``/``infs``,
+strict dtype promotion, ``jax.checking_leaks``, ``jax.enable_checks`` (implicit rank promotion is
+an error in the whole suite: conftest).
 
 A user debugging a training step turns these on around code that calls jaxforge; its primitives
 must behave there as JAX's own do: run (compiled) under ``disable_jit``, and name themselves as the
@@ -43,6 +45,22 @@ def test_runs_under_disable_jit_as_compiled(name):
         got = CALLS[name]()
     for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("switch", ["strict dtype promotion", "checking leaks", "enable checks"])
+@pytest.mark.parametrize("name", sorted(CALLS))
+def test_runs_unchanged_under_checks(name, switch):
+    context = {
+        "strict dtype promotion": lambda: jax.numpy_dtype_promotion("strict"),
+        "checking leaks": jax.checking_leaks,
+        "enable checks": lambda: jax.enable_checks(True),
+    }[switch]
+    jax.clear_caches()  # so that the call traces again, under the switch
+    with context():
+        got = CALLS[name]()
+    expected = CALLS[name]()
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("name", sorted(CALLS))
