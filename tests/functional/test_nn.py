@@ -402,17 +402,19 @@ def test_sliding_windows_per_block(windows):
 
 
 def test_decoding_with_a_kv_cache_matches_the_full_forward():
-    """A prompt prefilled into the per-block caches, then one token a step under jit (GQA heads
-    packed, causal over the cache): every step's logits are the full forward's at that position."""
+    """A prompt prefilled into the per-block caches, then one token a step under jit with the cache
+    donated (its buffers reused, as a decoding loop does; GQA heads packed, causal over the cache):
+    every step's logits are the full forward's at that position."""
     params = nn.init_transformer(KEY, dtype=jnp.float64, **CONFIG)
     full = nn.transformer(params, TOKENS)
     cache = nn.init_kv_cache(params["blocks"]["attention"], TOKENS.shape[:1], 12)
     assert cache["k"].shape == (CONFIG["depth"], TOKENS.shape[0], 12, CONFIG["num_kv_heads"], CONFIG["features"] // CONFIG["num_heads"])
-    logits, cache = nn.transformer(params, TOKENS[:, :4], cache=cache)
+    step = jax.jit(lambda params, tokens, cache: nn.transformer(params, tokens, cache=cache), donate_argnums=2)
+    given, (logits, cache) = cache, step(params, TOKENS[:, :4], cache)  # the prefill
     np.testing.assert_allclose(logits, full[:, :4], rtol=1e-12, atol=1e-12)
-    step = jax.jit(lambda params, token, cache: nn.transformer(params, token, cache=cache))
     for i in range(4, TOKENS.shape[1]):
-        logits, cache = step(params, TOKENS[:, i : i + 1], cache)
+        assert all(x.is_deleted() for x in jax.tree.leaves(given))  # donated, each buffer once
+        given, (logits, cache) = cache, step(params, TOKENS[:, i : i + 1], cache)
         np.testing.assert_allclose(logits[:, 0], full[:, i], rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(cache["length"], TOKENS.shape[1])
     # the maxima beside the cache: a prefill of every token gives the full forward's

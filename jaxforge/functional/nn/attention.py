@@ -208,8 +208,9 @@ def init_kv_cache(params: Params, batch_shape: tuple[int, ...], max_len: int, *,
     ``dtype`` defaults to the params'."""
     *layers, _, hkv, d = params["k"].shape
     dtype = params["k"].dtype if dtype is None else dtype
-    zeros = jnp.zeros((*layers, *batch_shape, max_len, hkv, d), dtype)
-    return {"k": zeros, "v": zeros, "length": jnp.zeros(batch_shape, jnp.int32)}
+    shape = (*layers, *batch_shape, max_len, hkv, d)
+    # Two buffers, not one twice: a decoding step jitted with the cache donated gives up each once.
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype), "length": jnp.zeros(batch_shape, jnp.int32)}
 
 
 def multi_head_attention(
