@@ -541,20 +541,16 @@ def _impl_through_jit(prim: Primitive, *args, **params):
     culprit, which is this same call, again without end).
     """
     jitted = _jitted_bind(prim, tuple(sorted(params.items())))
+    nans, infs = jax.config.jax_debug_nans, jax.config.jax_debug_infs
     with jax.disable_jit(False):
-        if not (jax.config.jax_debug_nans or jax.config.jax_debug_infs):
+        if not (nans or infs):
             return jitted(*args)
-        checks = {"nan": jax.config.jax_debug_nans, "inf": jax.config.jax_debug_infs}
         with jax.debug_nans(False), jax.debug_infs(False):
             outs = jitted(*args)
-    for value, found in (("nan", jnp.isnan), ("inf", jnp.isinf)):
-        if checks[value] and any(_inexact(o) and bool(found(o).any()) for o in outs):
+    for value, checked, found in (("nan", nans, jnp.isnan), ("inf", infs, jnp.isinf)):
+        if checked and any(jnp.issubdtype(o.dtype, jnp.inexact) and bool(found(o).any()) for o in outs):
             raise FloatingPointError(f"invalid value ({value}) encountered in {prim.name}")
     return outs
-
-
-def _inexact(x) -> bool:
-    return jnp.issubdtype(x.dtype, jnp.inexact)
 
 
 def _leading_batch_rule(prim: Primitive, args: Sequence, dims: Sequence, **params):

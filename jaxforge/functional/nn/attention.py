@@ -265,7 +265,7 @@ def multi_head_attention(
             )
         if x.shape[-2] > max_len:
             raise ValueError(f"multi_head_attention: `x` has {x.shape[-2]} tokens an item, more than the cache's max_len {max_len}")
-        positions = length[..., None] + jax.lax.broadcast_to_rank(jnp.arange(x.shape[-2]), length.ndim + 1) if positions is None else positions
+        positions = _after(length, x.shape[-2]) if positions is None else positions
     if rotary_base is not None:
         if positions is None:
             positions = jnp.arange(x.shape[-2])
@@ -321,5 +321,10 @@ def _written(cache, new, length):
     (positions past ``max_len`` dropped). One scatter, placed as the cache is: under explicit
     sharding a cache split along its sequence stays split (each device writes what falls in it)."""
     items = [i[..., None] for i in jnp.indices(length.shape, sparse=True)]
-    positions = length[..., None] + jax.lax.broadcast_to_rank(jnp.arange(new.shape[-3]), length.ndim + 1)
+    positions = _after(length, new.shape[-3])
     return cache.at[(*items, positions)].set(new.astype(cache.dtype), mode="drop", out_sharding=jax.typeof(cache).sharding)
+
+
+def _after(length, n: int):
+    """``(*batch, n)``: the ``n`` positions after each item's ``length``."""
+    return length[..., None] + jax.lax.broadcast_to_rank(jnp.arange(n, dtype=length.dtype), length.ndim + 1)

@@ -88,6 +88,11 @@ def truncated_pinv(u, s, v, keep, y):
     return mm(v, kept_reciprocal(s, keep).astype(y.dtype)[..., :, None] * mm(ct(u), y))
 
 
+def within_rank(rank, k: int):
+    """``(..., k)`` booleans: index ``i < rank``, the singular triplets a rank keeps."""
+    return lax.broadcast_to_rank(jnp.arange(k, dtype=rank.dtype), rank.ndim + 1) < rank[..., None]
+
+
 def kept_reciprocal(s, keep):
     """``1/s`` where ``keep``, 0 elsewhere: dropped values never meet a division."""
     return jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)

@@ -65,6 +65,7 @@ from jaxforge.primitives.linalg._ops import (
     positive_diagonal,
     truncated_pinv,
     upper_inverse,
+    within_rank,
 )
 from jaxforge.primitives.linalg.svd import svd_p
 
@@ -197,7 +198,7 @@ def _singular_vectors(a, s, v_r, rank):
     ``Aᴴ = QR`` and ``U = V_R, V = Aᴴ V_R S⁻¹``. Vectors past the rank, whose singular values are
     zero up to rounding, are zero."""
     wide = a.shape[-2] < a.shape[-1]
-    kept = lax.broadcast_to_rank(jnp.arange(s.shape[-1], dtype=rank.dtype), s.ndim) < rank[..., None]
+    kept = within_rank(rank, s.shape[-1])
     q_u = mm(ct(a) if wide else a, v_r) * kept_reciprocal(s, kept).astype(a.dtype)[..., None, :]
     return (v_r, q_u) if wide else (q_u, v_r)
 
@@ -260,7 +261,7 @@ def _mixed_rank_tangent(a, b, x, rank, r_inv, s, v_r, da, db):
 
 def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
     """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
-    keep = lax.broadcast_to_rank(jnp.arange(s.shape[-1], dtype=rank.dtype), s.ndim) < rank[..., None]
+    keep = within_rank(rank, s.shape[-1])
 
     def pinv(y):  # A⁺ y
         return truncated_pinv(u, s, v, keep, y)

@@ -31,6 +31,7 @@ from jaxforge.primitives.linalg._ops import (
     solve_triangular,
     truncated_pinv,
     upper_inverse,
+    within_rank,
 )
 from jaxforge.primitives.linalg.lstsq import residuals as lstsq_residuals
 
@@ -122,7 +123,7 @@ def _rank_and_solution(r, solve, factors, rhs, *, rcond: float, rungs):
         rank = jnp.sum(s_r > rcond * s_r[..., :1], axis=-1, dtype=jnp.int32)
         full = (rank == k)[..., None, None]
         u_small, v = factors(u_r, vh_r)
-        keep = lax.broadcast_to_rank(jnp.arange(k, dtype=rank.dtype), rank.ndim + 1) < rank[..., None]
+        keep = within_rank(rank, k)
         truncated = truncated_pinv(u_small, s_r, v, keep, rhs)
         full_rank = solve(jnp.where(full, r, jnp.eye(k, dtype=r.dtype)))  # finite where unselected
         return rank, jnp.where(full, full_rank, truncated)
