@@ -379,7 +379,7 @@ def alibi_slopes(heads: int) -> np.ndarray:
 
 def _alibi_bias(slopes, sq: int, skv: int):
     """The dense ``(1, H, Sq, Skv)`` float32 bias of ALiBi, as jax.nn takes it."""
-    distance = jnp.arange(skv)[None, :] - jnp.arange(sq)[:, None]
+    distance = (jnp.arange(skv)[None, :] - jnp.arange(sq)[:, None]).astype(jnp.float32)
     return (jnp.asarray(slopes)[:, None, None] * distance[None])[None]
 
 
@@ -650,7 +650,7 @@ def parse_variant(text: str):
 def _jf_forward(implementation):
     def forward(case: Case):
         slopes = jnp.asarray(alibi_slopes(case.hq))
-        score_mod = (lambda s, b, h, i, j: s + slopes[h] * (j - i)) if case.mask == "alibi_causal" else None
+        score_mod = (lambda s, b, h, i, j: s + slopes[h] * (j - i).astype(slopes.dtype)) if case.mask == "alibi_causal" else None
         built = _built_mask(case, _RANGES[case.mask])[0] if case.mask in _MASK_MODS else None
 
         def attend(q, k, v, seg):

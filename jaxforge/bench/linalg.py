@@ -239,7 +239,7 @@ def _svd_inputs_as(dtype):
         with jax.enable_x64(True):
             (a,) = _svd_inputs(shape)
             if np.dtype(dtype).kind == "c":
-                a = (a + 1j * _well_conditioned(jax.random.key(1), shape)) / np.sqrt(2)
+                a = jax.lax.complex(a, _well_conditioned(jax.random.key(1), shape)).astype(jnp.complex128) / math.sqrt(2)
             return (a.astype(dtype),)
 
     return inputs

@@ -303,7 +303,8 @@ def _balances(mask, sq: int, skv: int, shards: int, batch: tuple, num_heads: int
     known = span.num_arrays and not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(mask))
     keys = None if known or not span.num_arrays else sampled_keys(mask, (starts + ends) // 2, skv, batch, num_heads)
     with jax.ensure_compile_time_eval():  # the keys each block of rows may see, per item
-        extent = lambda span, *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(starts, ends)  # noqa: E731
+        rows = (jnp.asarray(starts, jnp.int32), jnp.asarray(ends, jnp.int32))  # positions, as the spans' arrays
+        extent = lambda span, *item: jax.vmap(lambda lo, hi: jnp.subtract(*span.kv(lo, hi, skv, item)[::-1]))(*rows)  # noqa: E731
         if known:
             keys = jax.vmap(functools.partial(extent, span))(*mask.span_arrays(batch, sq, skv, num_heads))
         elif keys is None:

@@ -233,7 +233,7 @@ class _Causal(Mask):
     def bind_positional(self, batch_shape, sq, skv):
         if isinstance(self.offset, int):
             return super().bind_positional(batch_shape, sq, skv)
-        rows = _per_item_rows(self._per_batch(batch_shape), sq, signed=True)
+        rows = _per_item_rows(self._per_batch(batch_shape), sq)
         return (lambda b, h, q_idx, kv_idx, offset: kv_idx <= q_idx + offset), [rows], []
 
     def _per_batch(self, batch_shape):
@@ -413,13 +413,8 @@ def _item(x, b, trailing: int = 0):
     return jnp.take(x.reshape(math.prod(lead), *x.shape[len(lead) :]), b, axis=0, mode="clip")
 
 
-def _per_item_rows(per_item, sq: int, signed: bool = False):
-    """One value per batch item handed over as a row (its value at every query) so kernels slice
-    it; in int32, clipped (at 0 unless ``signed``): compared with int32 indices only (a causal
-    offset: added to one, within ±2^31 of any), it answers as the original would."""
-    if not fits_int32(per_item.dtype):
-        lowest = np.iinfo(np.int32).min // 2 if signed else 0
-        per_item = jnp.clip(per_item, lowest, np.iinfo(np.int32).max // 2).astype(jnp.int32)
+def _per_item_rows(per_item, sq: int):
+    """One value per batch item handed over as a row (its value at every query) so kernels slice it."""
     return jnp.broadcast_to(per_item[:, None], (per_item.shape[0], sq))
 
 
@@ -518,7 +513,7 @@ class _Shifted(Mask):
         offsets = (self.q_offset, self.kv_offset)
         static = [o if isinstance(o, int) else None for o in offsets]
         rows = [
-            _per_item_rows(_per_batch(o, batch_shape, "shifted", name, trailing=0), sq, signed=True)
+            _per_item_rows(_per_batch(o, batch_shape, "shifted", name, trailing=0), sq)
             for o, name in zip(offsets, ("q_offset", "kv_offset"))
             if not isinstance(o, int)
         ]
@@ -860,7 +855,17 @@ def _length(fn: str, name: str, value):
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got dtype {value.dtype}")
-    return value
+    return _int32_positions(value, signed=False)
+
+
+def _int32_positions(value, signed: bool):
+    """A mask's integer array in int32, as the positions it meets are: values that int32 lacks
+    clipped at ±2^30 (at 0 and 2^30 unless ``signed``), where compared with a position, or added
+    to one, they answer as the originals would."""
+    if fits_int32(value.dtype):
+        return value.astype(jnp.int32)
+    lowest = max(np.iinfo(np.int32).min // 2 if signed else 0, np.iinfo(value.dtype).min)
+    return jnp.clip(value, lowest, np.iinfo(np.int32).max // 2).astype(jnp.int32)
 
 
 def document(segment_ids, kv_segment_ids=None) -> Mask:
@@ -991,7 +996,7 @@ def _offset(fn: str, name: str, value):
     value = jnp.asarray(value)
     if not jnp.issubdtype(value.dtype, jnp.integer):
         raise TypeError(f"{fn}: `{name}` must be an int or an integer array, got dtype {value.dtype}")
-    return value.astype(jnp.int32) if jnp.issubdtype(value.dtype, jnp.unsignedinteger) else value
+    return _int32_positions(value, signed=True)
 
 
 def block_mask(

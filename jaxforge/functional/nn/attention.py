@@ -14,7 +14,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from jaxforge.functional import masks
 from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import attention
-from jaxforge.functional.nn.layers import Params, check_features
+from jaxforge.functional.nn.layers import Params, at_least_float32, check_features
 from jaxforge.primitives import _core
 
 __all__ = ["dot_product_attention", "init_kv_cache", "init_multi_head_attention", "multi_head_attention", "rotary_embedding"]
@@ -31,7 +31,7 @@ def rotary_embedding(
     head_dim = x.shape[-1]
     if head_dim % 2:
         raise ValueError(f"rotary_embedding: `x` needs an even head_dim, got shape {x.shape}")
-    wide = jnp.promote_types(x.dtype, jnp.float32)
+    wide = at_least_float32(x.dtype)
     frequencies = base ** (-jnp.arange(0, head_dim, 2, dtype=wide) / head_dim)
     positions = jax.lax.broadcast_to_rank(jnp.asarray(positions, wide), x.ndim - 2)  # (..., seq), x's rank less two
     angles = positions[..., None, None] * jax.lax.broadcast_to_rank(frequencies, x.ndim)  # (..., seq, 1, D/2)

@@ -40,6 +40,12 @@ def check_features(fn: str, name: str, x, expected: int, axis: int = -1) -> Arra
     return x
 
 
+def at_least_float32(dtype):
+    """``dtype``, or float32 where it is narrower: the precision norms and angles are computed in
+    (written out rather than promoted, so that strict dtype promotion holds)."""
+    return jnp.dtype(jnp.float32) if jnp.finfo(dtype).bits < 32 else jnp.dtype(dtype)
+
+
 def init_linear(key: PRNGKeyArray, in_features: int, out_features: int, *, bias: bool = True, dtype=jnp.float32) -> Params:
     r"""Params of :func:`linear`: ``w`` ~ :math:`\mathcal N(0, 1/\text{in})` of shape (in, out), ``b`` = 0."""
     params = {"w": jax.random.normal(key, (in_features, out_features), dtype) / jnp.sqrt(in_features).astype(dtype)}
@@ -94,7 +100,7 @@ def init_rms_norm(features: int, *, dtype=jnp.float32) -> Params:
 def rms_norm(params: Params, x: Float[ArrayLike, "*batch features"], *, eps: float = 1e-6) -> Float[Array, "*batch features"]:
     r""":math:`y = \gamma \odot x / \sqrt{\overline{x^2} + \epsilon}`, the mean over features in float32 or wider."""
     x = check_features("rms_norm", "x", x, params["scale"].shape[0])
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    wide = x.astype(at_least_float32(x.dtype))
     normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * _features(params["scale"], x)
 
@@ -107,7 +113,7 @@ def init_layer_norm(features: int, *, dtype=jnp.float32) -> Params:
 def layer_norm(params: Params, x: Float[ArrayLike, "*batch features"], *, eps: float = 1e-5) -> Float[Array, "*batch features"]:
     r""":math:`y = \gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta` over features, in float32 or wider."""
     x = check_features("layer_norm", "x", x, params["scale"].shape[0])
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    wide = x.astype(at_least_float32(x.dtype))
     centred = wide - jnp.mean(wide, axis=-1, keepdims=True)
     normed = centred * jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + eps)
     return normed.astype(x.dtype) * _features(params["scale"], x) + _features(params["bias"], x)

@@ -15,6 +15,7 @@ from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.attention import init_multi_head_attention, multi_head_attention
 from jaxforge.functional.nn.layers import (
     NestedParams,
+    at_least_float32,
     embedding,
     init_embedding,
     init_linear,
@@ -195,10 +196,10 @@ def cross_entropy(
         raise TypeError(f"cross_entropy: `labels` must be integers, got dtype {labels.dtype}")
     if labels.shape != logits.shape[:-1]:
         raise ValueError(f"cross_entropy: `labels` shape {labels.shape} must equal logits' leading shape {logits.shape[:-1]}")
-    log_p = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    log_p = jax.nn.log_softmax(logits.astype(at_least_float32(logits.dtype)), axis=-1)
     nll = -jnp.take_along_axis(log_p, labels[..., None], axis=-1)[..., 0]  # NaN past the classes
     nll = jnp.where(labels >= 0, nll, jnp.nan)  # and before them, where the index would wrap
     if where is None:
         return jnp.mean(nll)
     where = jnp.broadcast_to(where, nll.shape)
-    return jnp.sum(jnp.where(where, nll, 0)) / jnp.maximum(jnp.sum(where), 1)
+    return jnp.sum(jnp.where(where, nll, 0)) / jnp.maximum(jnp.sum(where, dtype=nll.dtype), 1)

@@ -103,5 +103,5 @@ def positive_diagonal(r):
     rank ``A = QR``, the unique triangular factor of the thin QR (the Cholesky factor of ``AᴴA``)."""
     d = jnp.diagonal(r, axis1=-2, axis2=-1)
     magnitude = jnp.abs(d)
-    phase = jnp.where(magnitude == 0, 1, jnp.conj(d) / jnp.where(magnitude == 0, 1, magnitude))
+    phase = jnp.where(magnitude == 0, 1, jnp.conj(d) / jnp.where(magnitude == 0, 1, magnitude).astype(d.dtype))
     return phase[..., :, None] * r

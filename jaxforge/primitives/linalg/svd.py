@@ -135,7 +135,7 @@ def _tangents(s, u, vh, da, *, full_matrices: bool, compute_uv: bool, grad_eps: 
     omega_v = f * (s_dp + ct(s_dp))
     s_inv = reciprocal(s, grad_eps).astype(da.dtype)
     if jnp.iscomplexobj(da):
-        phase = 0.5j * jnp.imag(diagonal(dp)) * s_inv
+        phase = 0.5j * jnp.imag(diagonal(dp)).astype(da.dtype) * s_inv
         omega_u = omega_u + diag(phase)
         omega_v = omega_v - diag(phase)
     du = mm(u_k, omega_u)

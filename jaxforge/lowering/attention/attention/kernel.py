@@ -175,7 +175,7 @@ def tile_loop(tiles, full_tiles, body, carry):
     A loop whose range is empty at trace time (no mask: no masked tiles where the keys fill whole
     tiles; causal: none before the visible ones) is left out of the program."""
     raw_lo, raw_hi, raw_full_lo, raw_full_hi = raw = (*tiles, *full_tiles)
-    lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.result_type(*raw)) for x in raw)  # spans mix int widths
+    lo, hi, full_lo, full_hi = (jnp.asarray(x, jnp.int32) for x in raw)  # tile indices; spans mix int widths
     full_lo = jnp.clip(full_lo, lo, hi)
     full_hi = jnp.clip(full_hi, full_lo, hi)
     masked = lambda t, c: body(t, c, True)  # noqa: E731  (one function: jax traces it once for both loops)

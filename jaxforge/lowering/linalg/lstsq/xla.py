@@ -197,7 +197,7 @@ def _gram_bound(scale, g, squarings: int):
     for _ in range(squarings):
         c = frobenius(g)
         bound, exponent = bound * c**exponent, exponent / 2
-        g = g / c[..., None, None]
+        g = g / c[..., None, None].astype(g.dtype)
         g = mm(g, g)
     return scale * jnp.sqrt(bound * frobenius(g) ** exponent)
 
@@ -205,7 +205,7 @@ def _gram_bound(scale, g, squarings: int):
 def _unit_frobenius(x):
     """``(‖X‖_F, X/‖X‖_F)``."""
     scale = _scaled_frobenius(x)
-    return scale, x / scale[..., None, None]
+    return scale, x / scale[..., None, None].astype(x.dtype)
 
 
 def _scaled_frobenius(x):
@@ -213,7 +213,7 @@ def _scaled_frobenius(x):
     would overflow or underflow, fail the certificate and send a well-conditioned problem to the SVD."""
     peak = jnp.max(jnp.abs(x), axis=(-2, -1), keepdims=True)
     peak = jnp.where(peak > 0, peak, 1)  # a zero X stays zero; NaN stays NaN (never certified)
-    return peak[..., 0, 0] * jnp.sqrt(jnp.sum(jnp.abs(x / peak) ** 2, axis=(-2, -1)))
+    return peak[..., 0, 0] * jnp.sqrt(jnp.sum((jnp.abs(x) / peak) ** 2, axis=(-2, -1)))
 
 
 # Order below which the Gram of a triangular factor is one product. Above it, the products of its

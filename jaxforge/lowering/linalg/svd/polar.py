@@ -57,7 +57,7 @@ def qdwh(a):
     """The unitary polar factor ``U_p`` of ``a`` (..., m, n), m >= n: ``a = U_p H``, H Hermitian PSD."""
     m, n = a.shape[-2:]
     norm = _frobenius_norm(a)
-    x = a / jnp.where(norm > 0, norm, 1)[..., None, None]
+    x = a / jnp.where(norm > 0, norm, 1)[..., None, None].astype(a.dtype)
     eye = jnp.eye(n, dtype=a.dtype)
     for coefficient_a, b, c in qdwh_coefficients(np.finfo(a.dtype).eps):
         if c > CHOLESKY_MAX_C:
