@@ -53,13 +53,14 @@ def _release_compiled_programs():
 
 @pytest.fixture
 def backend_compiles():
-    """The XLA compilations that run while the test does (``jax.monitoring``'s compile events): a
-    list to clear after a warm-up call and to read after the call under test."""
+    """The XLA compilations that run while the test does (``jax.monitoring``'s compile events), by
+    the name of the function compiled (``jit(f)``): a list to clear after a warm-up call and to
+    read after the call under test."""
     compiles = []
 
     def listener(event, duration, **kwargs):
         if event.endswith("backend_compile_duration"):
-            compiles.append(event)
+            compiles.append(kwargs.get("fun_name"))
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     yield compiles

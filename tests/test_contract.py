@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.interpreters import ad
 
-import jaxforge  # noqa: F401  (registers every lowering)
+import jaxforge as jf  # (registers every lowering)
 from jaxforge import bench
 from jaxforge.primitives import _core
 
@@ -73,6 +73,24 @@ def test_eager_bind_under_disable_jit_runs_compiled(name):
         outs = _bind(spec)(*args)
     for out, expected in zip(outs, jax.jit(_bind(spec))(*args)):
         np.testing.assert_array_equal(out, expected)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_an_eager_bind_compiles_a_program_named_after_the_primitive(name, backend_compiles):
+    # As JAX's own primitives are: what compile logs, profiles and errors (arguments committed to
+    # two devices) call an eager call.
+    spec = SPECS[name]
+    args = spec.example_args()
+    jax.clear_caches()
+    backend_compiles.clear()
+    _bind(spec)(*args)
+    assert backend_compiles == [f"jit({name})"]
+
+
+def test_an_eager_call_on_two_devices_is_refused_naming_the_primitive():
+    a, b = (jax.device_put(np.ones((2, 4, 3)), device) for device in jax.devices()[1:3])
+    with pytest.raises(ValueError, match="incompatible devices.* of jaxforge_lstsq"):
+        jf.linalg.lstsq(a, b)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))

@@ -520,7 +520,11 @@ def _eval_without_varying_casts(jaxpr, consts, args) -> list:
 # its score_mod each call would otherwise keep alive for good.
 @functools.lru_cache(maxsize=256)
 def _jitted_bind(prim: Primitive, params: tuple) -> Callable:
-    return jax.jit(lambda *args: prim.bind(*args, **dict(params)))
+    def bind(*args):
+        return prim.bind(*args, **dict(params))
+
+    bind.__name__ = bind.__qualname__ = prim.name  # what errors and profiles call the compiled call
+    return jax.jit(bind)
 
 
 def _dce_rule(fewer_outputs, used_outputs, eqn):
