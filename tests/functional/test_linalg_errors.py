@@ -133,3 +133,8 @@ def test_a_concrete_rcond_array_is_a_number():
 def test_mixed_dtypes_promote():
     x = jf.linalg.lstsq(jnp.eye(3, dtype=jnp.float32), jnp.ones(3, jnp.complex64)).solution
     assert x.dtype == jnp.complex64
+
+
+def test_mixed_dtypes_under_strict_promotion_are_refused_naming_both():
+    with jax.numpy_dtype_promotion("strict"), pytest.raises(TypeError, match="lstsq: `a` has dtype float32 and `b` complex64, which strict"):
+        jf.linalg.lstsq(jnp.eye(3, dtype=jnp.float32), jnp.ones(3, jnp.complex64))
