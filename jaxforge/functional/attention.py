@@ -155,7 +155,7 @@ def _attend(q, k, v, mask, score_mod, *, scale, softcap, sinks, implementation, 
     scale = _positive_float("scale", scale)
     softcap = None if softcap is None else _positive_float("softcap", softcap)
     sinks = None if sinks is None else _sinks(sinks, (*batch, sq, hq))
-    implementation = _implementation(implementation)
+    implementation = resolve_implementation(implementation)
     parts = []
     for piece in (None,) if mask is None else as_mask(mask).pieces():  # disjoint keys: merged through their lse
         mods, consts = _mods(piece, score_mod, softcap, batch, sq, skv, accumulation_dtype(q.dtype), num_heads=hq, where=where)
@@ -479,20 +479,21 @@ def _positive_float(name, value) -> float:
     return value
 
 
-def _implementation(impl) -> Implementation:
+def resolve_implementation(impl, fn: str = "attention") -> Implementation:
+    """``implementation`` as an :class:`Implementation`, checked (errors naming ``fn``)."""
     if impl is None:
         return Implementation()
     if isinstance(impl, str) and impl in IMPLEMENTATION_NAMES:
         impl = Implementation(impl)
     if not isinstance(impl, Implementation) or impl.name not in (None, *IMPLEMENTATION_NAMES):
         raise ValueError(
-            f"attention: `implementation` must be None, one of {IMPLEMENTATION_NAMES} or an "
+            f"{fn}: `implementation` must be None, one of {IMPLEMENTATION_NAMES} or an "
             f"Implementation, got {impl!r}"
         )
     for name in ("block_q", "block_kv", "num_stages", "kv_splits"):
         size = getattr(impl, name)
         if size is not None and (not isinstance(size, int) or size < 1):
-            raise ValueError(f"attention: Implementation.{name} must be a positive int, got {size!r}")
+            raise ValueError(f"{fn}: Implementation.{name} must be a positive int, got {size!r}")
     if impl.name == "pallas_mosaic_gpu" and (impl.block_q not in (None, 64) or impl.block_kv not in (None, 64, 128) or impl.num_warps is not None or impl.pack_gqa or impl.kv_splits):
         raise ValueError(
             "attention: Implementation('pallas_mosaic_gpu') takes block_q None or 64 (rows a warpgroup), "

@@ -161,6 +161,25 @@ def test_bad_arguments_name_themselves(kw, error, message):
         jf.nn.dot_product_attention(q, k, v, **kw)
 
 
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda q, k, v: (q, k.astype(jnp.float32), v), TypeError, r"query, key, value must share one dtype, got float64, float32, float64"),
+        (lambda q, k, v: (q[:, :, :3], k, v), ValueError, r"the number of query heads must be a multiple .* got query heads 3 and key/value heads 2"),
+    ],
+)
+def test_bad_operands_are_named_as_jax_nn_names_them(change, error, message):
+    # (an integer dtype, head dims or key lengths that differ: the test suite's shape annotations
+    # refuse them before the function runs; a user's call meets the same check, its names these)
+    with pytest.raises(error, match=rf"dot_product_attention: {message}"):
+        jf.nn.dot_product_attention(*change(*operands()[:3]))
+
+
+def test_an_unknown_implementation_is_named_by_dot_product_attention():
+    with pytest.raises(ValueError, match=r"dot_product_attention: `implementation` must be None, one of"):
+        jf.nn.dot_product_attention(*operands()[:3], implementation="flash")
+
+
 def test_a_query_of_rank_five_is_refused():
     """jax.nn's ranks, 3 or 4 (vmap adds dims instead)."""
     q, k, v, _, _ = operands()

@@ -349,9 +349,11 @@ def _split_tangent_operands(operands, mods: Mods):
 # Shape rules.
 
 
-def check_operands(fn: str, q, k, v):
-    """Shapes and dtypes of q, k, v; raises naming the argument, what it got and what is accepted."""
-    for name, x in (("q", q), ("k", k), ("v", v)):
+def check_operands(fn: str, q, k, v, names: tuple[str, str, str] = ("q", "k", "v")):
+    """Shapes and dtypes of q, k, v; raises naming the argument (as ``fn`` calls it: ``names``),
+    what it got and what is accepted."""
+    nq, nk, nv = names
+    for name, x in zip(names, (q, k, v)):
         if x.ndim < 3:
             raise ValueError(f"{fn}: `{name}` must have rank >= 3 (..., seq, heads, head_dim), got shape {x.shape}")
         if x.dtype not in [np.dtype(d) for d in ACCEPTED_DTYPES]:
@@ -359,20 +361,20 @@ def check_operands(fn: str, q, k, v):
                 f"{fn}: `{name}` has dtype {x.dtype}; accepted: bfloat16, float16, float32, float64"
             )
     if not q.dtype == k.dtype == v.dtype:
-        raise TypeError(f"{fn}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(f"{fn}: {nq}, {nk}, {nv} must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.shape[:-3] == k.shape[:-3] == v.shape[:-3]:
         raise ValueError(
-            f"{fn}: q, k, v must share their batch dims, got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}"
+            f"{fn}: {nq}, {nk}, {nv} must share their batch dims, got {q.shape[:-3]}, {k.shape[:-3]}, {v.shape[:-3]}"
         )
     (_, hq, d), (skv, hkv, dk), (skv_v, hkv_v, _) = q.shape[-3:], k.shape[-3:], v.shape[-3:]
     if d != dk:
-        raise ValueError(f"{fn}: q and k must share head_dim, got q {q.shape} and k {k.shape}")
+        raise ValueError(f"{fn}: {nq} and {nk} must share head_dim, got {nq} {q.shape} and {nk} {k.shape}")
     if (skv, hkv) != (skv_v, hkv_v):
-        raise ValueError(f"{fn}: k and v must share (seq, heads), got k {k.shape} and v {v.shape}")
+        raise ValueError(f"{fn}: {nk} and {nv} must share (seq, heads), got {nk} {k.shape} and {nv} {v.shape}")
     if (hq % hkv if hkv else hq):  # no k/v heads only for no query heads (an empty call)
         raise ValueError(
             f"{fn}: the number of query heads must be a multiple of the key/value heads (GQA), "
-            f"got q heads {hq} and k/v heads {hkv}"
+            f"got {nq} heads {hq} and {nk}/{nv} heads {hkv}"
         )
 
 
