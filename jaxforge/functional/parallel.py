@@ -26,7 +26,7 @@ from jaxforge.functional import collectives, masks
 from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import _traced_score_mod, attention, merge_attention
 from jaxforge.primitives import _core
-from jaxforge.primitives.attention.attention import accumulation_dtype
+from jaxforge.primitives.attention.attention import accumulation_dtype, check_operands
 
 __all__ = [
     "all_gather_attention",
@@ -113,6 +113,7 @@ def ring_attention(
     batch and head indices; the arrays it closes over (a relative-bias table) get their gradients
     summed over the devices.
     """
+    check_operands("ring_attention", q, k, v)
     causal, load_balanced, return_lse = _flags("ring_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     kw = dict(scale=scale, softcap=softcap, return_lse=True, return_max_scores=return_max_scores)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
@@ -293,6 +294,7 @@ def all_gather_attention(
     Small k and v (GQA, MQA) make the gather cheap. ``sinks``, ``return_lse`` and
     ``return_max_scores``: as ring_attention's.
     """
+    check_operands("all_gather_attention", q, k, v)
     causal, load_balanced, return_lse = _flags("all_gather_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)

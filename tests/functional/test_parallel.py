@@ -228,6 +228,14 @@ def test_chunks_of_queries_and_keys_of_unequal_lengths(name):
 
 
 @pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
+def test_bad_operands_are_refused_by_name(attend):
+    q, k = jnp.zeros((1, 8, 4, 8)), jnp.zeros((1, 8, 2, 4))
+    sharded = jf.shard(lambda q, k: attend(q, k, k, axis_name="ctx"), mesh=mesh(2, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    with pytest.raises(ValueError, match=rf"{attend.__name__}: q and k must share head_dim, got q \(1, 4, 4, 8\) and k \(1, 4, 2, 4\)"):
+        sharded(q, k)
+
+
+@pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
 def test_a_load_balanced_layout_needs_an_even_local_length(attend):
     q = jnp.zeros((1, 6, 2, 4))
     inner = lambda q: attend(q, q, q, axis_name="ctx", score_mod=lambda s, b, h, i, j: s * (i >= j))
