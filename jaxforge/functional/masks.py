@@ -876,6 +876,14 @@ def document(segment_ids, kv_segment_ids=None) -> Mask:
     """
     q_seg = _segments(segment_ids, "segment_ids")
     kv_seg = q_seg if kv_segment_ids is None else _segments(kv_segment_ids, "kv_segment_ids")
+    try:  # compared with each other everywhere: promoted once
+        common = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
+    except jax.dtypes.TypePromotionError:
+        raise TypeError(
+            f"document: `segment_ids` has dtype {q_seg.dtype} and `kv_segment_ids` {kv_seg.dtype}, which strict "
+            "dtype promotion (jax_numpy_dtype_promotion='strict') leaves unpromoted; cast one to the other's dtype"
+        ) from None
+    q_seg, kv_seg = q_seg.astype(common), kv_seg.astype(common)
     return _Document(q_seg, kv_seg, _document_ranges(q_seg, kv_seg))
 
 

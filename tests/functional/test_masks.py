@@ -149,6 +149,15 @@ def test_positional_form_equals_the_mask(name):
     np.testing.assert_array_equal(np.asarray(called).reshape(want.shape), want)
 
 
+def test_document_ids_of_two_dtypes_are_promoted_once_or_refused_by_name_under_strict_promotion():
+    mixed = jf.masks.document(Q_IDS.astype(jnp.int16), KV_IDS.astype(jnp.int32))
+    b, q, kv = (jnp.asarray(x) for x in np.meshgrid(np.arange(B), np.arange(SQ), np.arange(SKV), indexing="ij"))
+    with jax.numpy_dtype_promotion("strict"):
+        np.testing.assert_array_equal(jax.vmap(mixed)(b.ravel(), 0 * b.ravel(), q.ravel(), kv.ravel()), (Q_IDS[b, q] == KV_IDS[b, kv]).ravel())
+        with pytest.raises(TypeError, match="document: `segment_ids` has dtype int16 and `kv_segment_ids` uint32, which strict"):
+            jf.masks.document(Q_IDS.astype(jnp.int16), KV_IDS.astype(jnp.uint32))
+
+
 def test_document_masks_hand_their_ids_over_as_positional_arrays():
     """int32 ids go over as they are; 64-bit ones (jax_enable_x64, as here) as their int32 ranks,
     which are equal exactly where the ids are."""
