@@ -1,9 +1,10 @@
 """Arguments the kernels take as constants (a scale, a window, a tolerance): a number, or a
-concrete scalar array standing for one."""
+concrete scalar array standing for one; and the one dtype of two array arguments."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -41,3 +42,15 @@ def static_int(fn: str, name: str, value, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{fn}: `{name}` must be >= {minimum}, got {value}")
     return int(value)
+
+
+def common_dtype(fn: str, a: tuple[str, np.dtype], b: tuple[str, np.dtype]) -> np.dtype:
+    """The dtype two arguments ``(name, dtype)`` promote to; under strict dtype promotion, which
+    leaves different dtypes unpromoted, a TypeError naming ``fn`` and both."""
+    try:
+        return jnp.promote_types(a[1], b[1])
+    except jax.dtypes.TypePromotionError:
+        raise TypeError(
+            f"{fn}: `{a[0]}` has dtype {a[1]} and `{b[0]}` {b[1]}, which strict dtype promotion "
+            "(jax_numpy_dtype_promotion='strict') leaves unpromoted; cast one to the other's dtype"
+        ) from None

@@ -496,12 +496,12 @@ def resolve_implementation(impl, fn: str = "attention") -> Implementation:
             raise ValueError(f"{fn}: Implementation.{name} must be a positive int, got {size!r}")
     if impl.name == "pallas_mosaic_gpu" and (impl.block_q not in (None, 64) or impl.block_kv not in (None, 64, 128) or impl.num_warps is not None or impl.pack_gqa or impl.kv_splits):
         raise ValueError(
-            "attention: Implementation('pallas_mosaic_gpu') takes block_q None or 64 (rows a warpgroup), "
+            f"{fn}: Implementation('pallas_mosaic_gpu') takes block_q None or 64 (rows a warpgroup), "
             f"block_kv None, 64 or 128, no num_warps (it runs warpgroups), no pack_gqa or kv_splits, got {impl!r}"
         )
     if impl.pack_gqa is not None and not isinstance(impl.pack_gqa, bool):
-        raise ValueError(f"attention: Implementation.pack_gqa must be None, True or False, got {impl.pack_gqa!r}")
+        raise ValueError(f"{fn}: Implementation.pack_gqa must be None, True or False, got {impl.pack_gqa!r}")
     warps = impl.num_warps
     if warps is not None and (not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16)):
-        raise ValueError(f"attention: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")
+        raise ValueError(f"{fn}: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")
     return impl

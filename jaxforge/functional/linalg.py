@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxforge.functional._static import concrete_scalar, static_bool
+from jaxforge.functional._static import common_dtype, concrete_scalar, static_bool
 from jaxforge.primitives.linalg import lstsq_p, svd_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
@@ -264,13 +264,7 @@ def lstsq(a, b, rcond: float | None = None) -> LstsqResult:
             f"lstsq: the batch dims of `a` {a.shape} and `b` {b.shape[:-1] if vector_b else b.shape} "
             f"do not broadcast"
         ) from None
-    try:
-        dtype = jnp.promote_types(a.dtype, b.dtype)
-    except jax.dtypes.TypePromotionError:
-        raise TypeError(
-            f"lstsq: `a` has dtype {a.dtype} and `b` {b.dtype}, which strict dtype promotion "
-            "(jax_numpy_dtype_promotion='strict') leaves unpromoted; cast one to the other's dtype"
-        ) from None
+    dtype = common_dtype("lstsq", ("a", a.dtype), ("b", b.dtype))
     a = jnp.broadcast_to(a.astype(dtype), (*batch, m, n))
     b = jnp.broadcast_to(b.astype(dtype), (*batch, m, b.shape[-1]))
     x, residuals, rank, s, _ = lstsq_p.bind(a, b, rcond=_resolve_rcond(rcond, dtype, m, n))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxforge.functional._static import concrete_scalar, static_int
+from jaxforge.functional._static import common_dtype, concrete_scalar, static_int
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.mods import (
     AllVisible,
@@ -876,14 +876,8 @@ def document(segment_ids, kv_segment_ids=None) -> Mask:
     """
     q_seg = _segments(segment_ids, "segment_ids")
     kv_seg = q_seg if kv_segment_ids is None else _segments(kv_segment_ids, "kv_segment_ids")
-    try:  # compared with each other everywhere: promoted once
-        common = jnp.promote_types(q_seg.dtype, kv_seg.dtype)
-    except jax.dtypes.TypePromotionError:
-        raise TypeError(
-            f"document: `segment_ids` has dtype {q_seg.dtype} and `kv_segment_ids` {kv_seg.dtype}, which strict "
-            "dtype promotion (jax_numpy_dtype_promotion='strict') leaves unpromoted; cast one to the other's dtype"
-        ) from None
-    q_seg, kv_seg = q_seg.astype(common), kv_seg.astype(common)
+    common = common_dtype("document", ("segment_ids", q_seg.dtype), ("kv_segment_ids", kv_seg.dtype))
+    q_seg, kv_seg = q_seg.astype(common), kv_seg.astype(common)  # compared everywhere: promoted once
     return _Document(q_seg, kv_seg, _document_ranges(q_seg, kv_seg))
 
 
