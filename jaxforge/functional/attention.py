@@ -462,20 +462,30 @@ def _softcap_folded(score_mod, softcap):
     return capped, None
 
 
-def _check_real_scalar(name: str, traced):
+def check_scalars(fn: str, **scalars):
+    """Checks ``scale`` and ``softcap`` as :func:`attention` takes them, errors naming ``fn``: each
+    None, a traced real scalar, or a positive finite number (a concrete scalar array included)."""
+    for name, value in scalars.items():
+        if isinstance(value, jax.core.Tracer):
+            _check_real_scalar(name, value, fn)
+        elif value is not None:
+            _positive_float(name, value, fn)
+
+
+def _check_real_scalar(name: str, traced, fn: str = "attention"):
     if jnp.shape(traced) != () or traced.dtype.kind not in "fiu":
-        raise TypeError(f"attention: a traced `{name}` must be a real scalar, got {jax.typeof(traced).str_short()}")
+        raise TypeError(f"{fn}: a traced `{name}` must be a real scalar, got {jax.typeof(traced).str_short()}")
 
 
-def _positive_float(name, value) -> float:
+def _positive_float(name, value, fn: str = "attention") -> float:
     """``value`` as a float: a number or a concrete real scalar array, positive and finite (a
     traced scale or softcap was folded into q or the score mod before)."""
     value = concrete_scalar(value, "fiu")
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.floating, np.integer)):
-        raise TypeError(f"attention: `{name}` must be a number or a concrete real scalar array, got {type(value).__name__} {value!r}")
+        raise TypeError(f"{fn}: `{name}` must be a number or a concrete real scalar array, got {type(value).__name__} {value!r}")
     value = float(value)
     if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"attention: `{name}` must be a positive finite float, got {value}")
+        raise ValueError(f"{fn}: `{name}` must be a positive finite float, got {value}")
     return value
 
 

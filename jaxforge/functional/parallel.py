@@ -24,7 +24,7 @@ from jax import lax
 
 from jaxforge.functional import collectives, masks
 from jaxforge.functional._static import static_bool
-from jaxforge.functional.attention import _traced_score_mod, attention, merge_attention
+from jaxforge.functional.attention import _traced_score_mod, attention, check_scalars, merge_attention
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import accumulation_dtype, check_operands
 
@@ -114,6 +114,7 @@ def ring_attention(
     summed over the devices.
     """
     check_operands("ring_attention", q, k, v)
+    check_scalars("ring_attention", scale=scale, softcap=softcap)
     causal, load_balanced, return_lse = _flags("ring_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     kw = dict(scale=scale, softcap=softcap, return_lse=True, return_max_scores=return_max_scores)
     score_mod = _varying_score_mod(score_mod, q, axis_name)
@@ -295,6 +296,7 @@ def all_gather_attention(
     ``return_max_scores``: as ring_attention's.
     """
     check_operands("all_gather_attention", q, k, v)
+    check_scalars("all_gather_attention", scale=scale, softcap=softcap)
     causal, load_balanced, return_lse = _flags("all_gather_attention", causal=causal, load_balanced=load_balanced, return_lse=return_lse)
     mask = _joined("all_gather_attention", q, k, mask, causal, load_balanced, score_mod is not None)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)

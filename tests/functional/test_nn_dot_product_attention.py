@@ -153,6 +153,8 @@ def test_a_row_that_sees_no_key_gives_zeros_and_no_gradient():
         (dict(local_window_size=-1), ValueError, r"`local_window_size` must be an int >= 0"),
         (dict(key_value_seq_lengths=jnp.ones(3, jnp.int32)), ValueError, r"`key_value_seq_lengths` must be an integer array of shape \(2,\), got int32 \(3,\)"),
         (dict(query_seq_lengths=jnp.ones(2)), ValueError, r"`query_seq_lengths` must be an integer array of shape \(2,\), got float"),
+        (dict(scale=-1.0), ValueError, r"`scale` must be a positive finite float, got -1.0"),
+        (dict(scale=jnp.ones(3)), TypeError, r"`scale` must be a number or a concrete real scalar array, got ArrayImpl"),
     ],
 )
 def test_bad_arguments_name_themselves(kw, error, message):
@@ -173,6 +175,12 @@ def test_bad_operands_are_named_as_jax_nn_names_them(change, error, message):
     # refuse them before the function runs; a user's call meets the same check, its names these)
     with pytest.raises(error, match=rf"dot_product_attention: {message}"):
         jf.nn.dot_product_attention(*change(*operands()[:3]))
+
+
+def test_a_traced_scale_of_the_wrong_shape_is_named_by_dot_product_attention():
+    q, k, v, _, _ = operands()
+    with pytest.raises(TypeError, match=r"dot_product_attention: a traced `scale` must be a real scalar, got float64\[2\]"):
+        jax.jit(lambda scale: jf.nn.dot_product_attention(q, k, v, scale=scale))(jnp.ones(2))
 
 
 def test_an_unknown_implementation_is_named_by_dot_product_attention():

@@ -236,6 +236,15 @@ def test_bad_operands_are_refused_by_name(attend):
 
 
 @pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
+@pytest.mark.parametrize("kw, message", [(dict(scale=0.0), r"`scale` must be a positive finite float, got 0.0"), (dict(softcap=-2), r"`softcap` must be a positive finite float, got -2.0")])
+def test_bad_scalars_are_refused_by_name(attend, kw, message):
+    q = jnp.zeros((1, 8, 2, 4))
+    sharded = jf.shard(lambda q: attend(q, q, q, axis_name="ctx", **kw), mesh=mesh(2, "ctx"), in_specs=P(None, "ctx"), out_specs=P(None, "ctx"))
+    with pytest.raises(ValueError, match=rf"{attend.__name__}: {message}"):
+        sharded(q)
+
+
+@pytest.mark.parametrize("attend", [par.ring_attention, par.all_gather_attention])
 def test_a_load_balanced_layout_needs_an_even_local_length(attend):
     q = jnp.zeros((1, 6, 2, 4))
     inner = lambda q: attend(q, q, q, axis_name="ctx", score_mod=lambda s, b, h, i, j: s * (i >= j))

@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from jaxforge.functional import masks
 from jaxforge.functional._static import static_bool
-from jaxforge.functional.attention import attention, resolve_implementation
+from jaxforge.functional.attention import attention, check_scalars, resolve_implementation
 from jaxforge.functional.nn.layers import Params, at_least_float32, check_features
 from jaxforge.primitives import _core
 from jaxforge.primitives.attention.attention import check_operands
@@ -105,6 +105,7 @@ def dot_product_attention(
             raise ValueError(f"{fn}: `{name}` must have shape (B, T|S, N|K, H) or (T|S, N|K, H), got shape {x.shape}")
     check_operands(fn, query, key, value, names=("query", "key", "value"))
     implementation = resolve_implementation(implementation, fn)
+    check_scalars(fn, scale=scale)
     (batch, q_len, heads, _), kv_len = query.shape, key.shape[1]
     full = (batch, heads, q_len, kv_len)
     visible = [masks.from_array(_logits_shaped(fn, "mask", mask, full))] if mask is not None else []
