@@ -15,6 +15,7 @@ Public surface::
     jf.linalg.svd(a, full_matrices=False, compute_uv=True, *, grad_eps=0.0)
     jf.linalg.lstsq(a, b, rcond=None) -> LstsqResult(solution, residuals, rank, singular_values)
     jf.linalg.svdvals(a), pinv(a, rtol=None, hermitian=False, *, atol=None), matrix_rank(a, rtol=None, hermitian=False, *, atol=None)
+    jf.linalg.polar(a, side="right") -> (u, p)
 """
 
 __version__ = "0.1.0"  # before the imports: jaxforge.export records it

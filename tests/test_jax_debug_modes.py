@@ -70,6 +70,7 @@ def _queries_split_along_the_sequence():
 STRICT_CALLS = CALLS | {
     "complex lstsq grad": lambda: jax.grad(lambda a: jnp.abs(jf.linalg.lstsq(a, BC).solution).sum())(AC),
     "complex svd jvp": lambda: jax.jvp(jf.linalg.svd, (AC,), (AC,)),
+    "complex polar grad": lambda: jax.grad(lambda a: jnp.abs(jf.linalg.polar(a, "left")[1]).sum())(AC),
     "attention per-item masks grad": lambda: jax.grad(lambda q: jf.attention(q, KV, KV, mask=_per_item_masks()).sum())(Q),
     "attention document of int64 ids": lambda: jf.attention(Q, KV, KV, mask=jf.masks.document(IDS) & jf.masks.causal()),
     "layers in float64": _layers_in_float64,

@@ -1,4 +1,4 @@
-"""Random ``svd``, ``lstsq`` and ``pinv`` calls against numpy in float64, for minutes at a time: what the
+"""Random ``svd``, ``lstsq``, ``pinv`` and ``polar`` calls against numpy in float64, for minutes at a time: what the
 suite's fixed shapes may miss after a change to the rules, the batching or the lowerings.
 
 Each seed draws an op, a dtype (float64 or complex128 for derivatives; float32 or complex64 for
@@ -6,20 +6,22 @@ values only), batch dims (none, or up to two of 0-3 items), a matrix shape (0-10
 in five up to 40), its singular values (spread, clustered, repeated, zero, or spanning up to
 κ = 1e8) and the op's options (``full_matrices``, ``compute_uv``, ``grad_eps``; ``rcond``, a vector
 or ``k`` columns of ``b``, batch dims of ``b`` that broadcast; pinv's ``rtol`` and, for square
-matrices, ``hermitian``: the matrix's Hermitian part). It checks
+matrices, ``hermitian``: the matrix's Hermitian part; polar's ``side``). It checks
 
 * the values against ``numpy.linalg`` per matrix (singular values within Weyl's bound; ``u`` and
   ``vh`` by reconstruction and orthonormality; lstsq's rank where the singular values leave no
-  doubt, its solution within a bound that grows with κ, residuals; pinv's and matrix_rank's alike),
+  doubt, its solution within a bound that grows with κ, residuals; pinv's and matrix_rank's alike;
+  polar's factors by reconstruction, orthonormality and ``P`` Hermitian positive semi-definite,
+  and at full rank ``u`` against ``W Vᴴ``),
   jitted against eager, vmapped
   over a batch axis against a loop, and a NaN in one matrix giving it NaN results and leaving the
   others' alone;
 * where derivatives are defined (float64 or complex128, distinct singular values; full rank for
   lstsq), the jvp of gauge-invariant results (``s``, ``u diag(w(s)) vh``, the projectors onto the
   complements of a full decomposition; lstsq's solution, residuals and singular values; the
-  pseudo-inverse, also at repeated values) against central finite differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
+  pseudo-inverse and polar's factors, also at repeated values) against central finite differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
   a scalar of them (forward over reverse against differences of the gradient, reverse over reverse
-  against forward over reverse).
+  against forward over reverse; polar's at distinct values only, where it takes the SVD's).
 
     PYTHONPATH=. python tools/fuzz_linalg.py [--seconds 600] [--seed 0] [--count N]
 
@@ -198,6 +200,33 @@ def check_pinv(rng, dtype, a64, s_true, kind) -> None:
         _check_derivatives(rng, lambda a: [call(a)], (a,), s_true[0])
 
 
+def check_polar(rng, dtype, a64, s_true, kind) -> None:
+    m, n = a64.shape[-2:]
+    batch, k = a64.shape[:-2], min(m, n)
+    side = str(rng.choice(["right", "left"]))
+    a = jnp.asarray(a64.astype(dtype))
+    call = lambda a: jf.linalg.polar(a, side)  # noqa: E731
+    u, p = call(a)
+    size = n if side == "right" else m
+    assert u.shape == (*batch, m, n) and p.shape == (*batch, size, size) and u.dtype == p.dtype == dtype
+    tol, wide = _tol(dtype, m, n), a64.dtype
+    a_w, u64, p64 = (np.asarray(x, wide) for x in (a, u, p))
+    adjoint = lambda x: np.conj(np.swapaxes(x, -1, -2))  # noqa: E731
+    scale = max(float(s_true[0]) if k else 1.0, np.finfo(np.float64).tiny)
+    np.testing.assert_array_less(np.abs((u64 @ p64 if side == "right" else p64 @ u64) - a_w) / scale, tol)
+    gram = adjoint(u64) @ u64 if m >= n else u64 @ adjoint(u64)
+    np.testing.assert_array_less(np.abs(gram - np.eye(gram.shape[-1])), tol)
+    np.testing.assert_array_equal(p64, adjoint(p64))
+    if p64.size:
+        assert np.linalg.eigvalsh(p64).min() >= -tol * scale
+    if kind != "zeros" and k:  # full rank: U is unique
+        w, _, vh = np.linalg.svd(a_w, full_matrices=False)
+        np.testing.assert_allclose(u64, w @ vh, rtol=0, atol=tol * s_true[0] / s_true[-1])
+    _check_transforms(call, (a,), (True,), tol * 1e3, gauge=lambda out: out)
+    if dtype in (np.float64, np.complex128) and kind in ("distinct", "repeated") and k:
+        _check_derivatives(rng, lambda a: list(call(a)), (a,), s_true[0], second_order=kind == "distinct")
+
+
 def _check_transforms(call, args, batched, tol, gauge) -> None:
     """jit against eager, vmap over the first batch axis against a loop (``batched[i]``: argument
     ``i`` has that axis), and a NaN in the first matrix: its results NaN, the others' unchanged."""
@@ -224,11 +253,11 @@ def _close_trees(actual, expected, tol) -> None:
         np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
-def _check_derivatives(rng, fn, args, size) -> None:
+def _check_derivatives(rng, fn, args, size, second_order: bool = True) -> None:
     """The jvp against central differences (a step of ``1e-6 size``, ``size`` the largest singular
-    value), the vjp as its transpose, and on small problems the Hessian-vector products of a scalar
-    of the results (forward over reverse against differences of the gradient, reverse over reverse
-    against forward over reverse)."""
+    value), the vjp as its transpose, and on small problems (where ``second_order``) the
+    Hessian-vector products of a scalar of the results (forward over reverse against differences of
+    the gradient, reverse over reverse against forward over reverse)."""
     tangents = tuple(jnp.asarray(random(rng, x.shape, x.dtype)) for x in args)
     outs, jvp_out = jax.jvp(fn, args, tangents)
     _assert_central_difference(fn, args, tangents, jvp_out, 1e-6 * size)
@@ -237,7 +266,7 @@ def _check_derivatives(rng, fn, args, size) -> None:
     # JAX pairs a cotangent with a tangent without conjugation: Re Σ c·t
     lhs, rhs = _pair(cotangents, jvp_out), _pair(pulled, tangents)
     assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs)), (lhs, rhs)
-    if sum(x.size for x in args) > 300:
+    if not second_order or sum(x.size for x in args) > 300:
         return  # second order on small problems only: seconds, not minutes
     argnums = tuple(range(len(args)))
     grad = jax.grad(lambda *a: _pair(cotangents, fn(*a), traced=True), argnums=argnums)
@@ -263,7 +292,7 @@ def _assert_central_difference(fn, args, tangents, derivative, h, tol=1e-6) -> N
 def run_seed(seed: int) -> None:
     rng = np.random.default_rng(seed)
     draw = rng.random()
-    op = check_svd if draw < 0.5 else check_lstsq if draw < 0.8 else check_pinv
+    op = check_svd if draw < 0.45 else check_lstsq if draw < 0.75 else check_pinv if draw < 0.9 else check_polar
     op(rng, *random_problem(rng))
 
 

@@ -1,5 +1,6 @@
 """Differentiable linear algebra: ``svd`` and ``lstsq`` with numpy's conventions, batched, and
-what the SVD gives: ``svdvals``, ``pinv``, ``matrix_rank`` (torch.linalg's names and tolerances).
+what the SVD gives: ``svdvals``, ``pinv``, ``matrix_rank`` (torch.linalg's names and tolerances)
+and ``polar`` (scipy.linalg's).
 
 Each validates its arguments at trace time, canonicalises them, and binds a primitive
 (``jaxforge.primitives.linalg``) that carries its own JVP and batching rules, so ``jit``, ``grad``,
@@ -17,11 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxforge.functional._static import common_dtype, concrete_scalar, static_bool
+from jaxforge.primitives._core import named_residuals
 from jaxforge.primitives.linalg import lstsq_p, svd_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
+from jaxforge.primitives.linalg.svd import RESIDUAL_NAMES as SVD_RESIDUALS
 
-__all__ = ["LstsqResult", "lstsq", "matrix_rank", "pinv", "svd", "svdvals"]
+__all__ = ["LstsqResult", "lstsq", "matrix_rank", "pinv", "polar", "svd", "svdvals"]
 
 
 def svd(a, full_matrices: bool = False, compute_uv: bool = True, *, grad_eps: float = 0.0):
@@ -126,6 +129,77 @@ def matrix_rank(a, rtol=None, hermitian: bool = False, *, atol=None):
     atol, rtol = _tolerances("matrix_rank", a, atol, rtol)
     s = jnp.abs(jnp.linalg.eigvalsh(a)) if hermitian else svdvals(a)
     return jnp.sum(s > _cutoff(s, atol, rtol)[..., None], axis=-1, dtype=jnp.int32)
+
+
+def polar(a, side: str = "right"):
+    r"""Polar decomposition :math:`A = UP` (``side="right"``) or :math:`A = PU` (``"left"``), from
+    the thin SVD :math:`A = W \operatorname{diag}(s) V^H`: :math:`U = WV^H`, the unitary factor
+    nearest ``a`` (orthonormal columns, or rows where ``m < n``), and :math:`P` Hermitian positive
+    semi-definite, :math:`V \operatorname{diag}(s) V^H` (right, ``(n, n)``) or
+    :math:`W \operatorname{diag}(s) W^H` (left, ``(m, m)``). scipy.linalg.polar's convention, batched.
+
+    Args:
+      a: ``(..., m, n)`` array of float32, float64, complex64 or complex128.
+      side: ``"right"`` or ``"left"``.
+
+    Returns:
+      ``(u, p)``; NaN where ``a`` holds NaN.
+
+    Derivatives, for ``m >= n`` (``m < n`` by ``U(A) = U(Aᴴ)ᴴ``), with :math:`X = W^H dA\, V` and
+    :math:`K_{jk} = 1/(s_j + s_k)`:
+
+    .. math::
+
+        dU = \left(W\, [(X - X^H) \circ K] + (dA\, V - W X) S^{-1}\right) V^H,
+
+    and ``dP`` by the product rule on ``P = Uᴴa`` (``a Uᴴ`` left). They are finite where singular
+    values repeat, where those taken through an SVD (``W Vᴴ`` of ``svd``'s factors, as
+    ``jax.scipy.linalg.polar(method="svd")`` does) meet ``1/(s_j − s_k)``; only a rank-deficient
+    ``a``, whose ``U`` is not unique, makes them inf or NaN (a real square ``a`` of one zero
+    singular value gets the derivative of the branch its SVD chose). Second derivatives go through
+    the SVD's (finite for distinct singular values).
+
+    Example (orthogonal Procrustes: the rotation nearest to carrying points ``x`` onto ``y``):
+      >>> import jax.numpy as jnp, jaxforge as jf
+      >>> x = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+      >>> y = x @ jnp.array([[0.0, -1.0], [1.0, 0.0]])
+      >>> jf.linalg.polar(x.T @ y)[0].round(4)
+      Array([[ 0., -1.],
+             [ 1.,  0.]], dtype=float32)
+    """
+    a = _matrix("polar", a)
+    if not isinstance(side, str) or side not in ("right", "left"):
+        raise ValueError(f"polar: `side` must be 'right' or 'left', got {side!r}")
+    m, n = a.shape[-2:]
+    u = _unitary_factor(a) if m >= n else _adjoint(_unitary_factor(_adjoint(a)))
+    p = _matmul(_adjoint(u), a) if side == "right" else _matmul(a, _adjoint(u))
+    return u, (p + _adjoint(p)) / 2  # Hermitian to the last bit
+
+
+@jax.custom_jvp
+def _unitary_factor(a):
+    """``W Vᴴ`` of the thin SVD of a tall ``a`` (``m >= n``)."""
+    _, w, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    return _matmul(w, vh)
+
+
+@_unitary_factor.defjvp
+def _unitary_factor_jvp(primals, tangents):
+    (a,), (da,) = primals, tangents
+    s, w, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    s, w, vh = named_residuals((s, w, vh), SVD_RESIDUALS)  # jf.remat.save_linalg keeps them
+    v = _adjoint(vh)
+    da_v = _matmul(da, v)
+    x = _matmul(_adjoint(w), da_v)
+    # K_jk = 1/(s_j + s_k). Off the diagonal X − Xᴴ meets it; on it, only an imaginary part does
+    # (a complex gauge), so a real a's diagonal is 0 and not 0·∞ at a zero singular value.
+    sums = s[..., :, None] + s[..., None, :]
+    real_diagonal = jnp.eye(s.shape[-1], dtype=bool) & (not jnp.iscomplexobj(a))
+    k = jnp.where(real_diagonal, 0, 1 / jnp.where(real_diagonal, 1, sums)).astype(a.dtype)
+    du = _matmul(w, (x - _adjoint(x)) * k)
+    if a.shape[-2] > a.shape[-1]:  # the part of dA V outside the span of W (none when square)
+        du = du + (da_v - _matmul(w, x)) * (1 / s).astype(a.dtype)[..., None, :]
+    return _matmul(w, vh), _matmul(du, vh)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

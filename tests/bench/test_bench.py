@@ -37,8 +37,8 @@ def test_a_call_that_raises_stops_only_itself():
 
 def test_every_op_has_timed_accurate_records(quick_run):
     records, _ = quick_run
-    assert {r["op"] for r in records} == {"svd", "svd_f64", "svd_c64", "svdvals", "pinv", "lstsq", "lstsq_grad"}
-    for op in ("svd", "svd_f64", "svd_c64", "svdvals", "pinv", "lstsq"):
+    assert {r["op"] for r in records} == {"svd", "svd_f64", "svd_c64", "svdvals", "pinv", "polar", "lstsq", "lstsq_grad"}
+    for op in ("svd", "svd_f64", "svd_c64", "svdvals", "pinv", "polar", "lstsq"):
         assert {"jaxforge", "jnp"} <= {r["implementation"] for r in records if r["op"] == op}
     assert {(r["shape_name"], r["implementation"]) for r in records if r["op"] == "lstsq_grad"} == {
         ("quick_tall", "jaxforge"),
@@ -104,7 +104,7 @@ def test_table_has_one_row_per_record(quick_run):
 def test_shapes_filter_by_name():
     records = run("linalg", quick=True, shapes=["quick_wide"])
     assert {r["shape_name"] for r in records} == {"quick_wide"}
-    assert {r["op"] for r in records} == {"svd", "svd_f64", "svd_c64", "svdvals", "pinv", "lstsq"}
+    assert {r["op"] for r in records} == {"svd", "svd_f64", "svd_c64", "svdvals", "pinv", "polar", "lstsq"}
     records = run("linalg", quick=True, shapes=["lstsq:quick_wide"], budget_s=0.0)  # one op's only
     assert {(r["op"], r["shape_name"]) for r in records} == {("lstsq", "quick_wide")}
 

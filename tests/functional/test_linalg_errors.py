@@ -29,7 +29,7 @@ def test_lstsq_rejects_such_an_a_and_casts_such_a_b_to_as_dtype(dtype):
         jf.linalg.lstsq(a, jnp.ones(3, jnp.float8_e4m3fn))
 
 
-@pytest.mark.parametrize("fn", ["svdvals", "pinv", "matrix_rank"])
+@pytest.mark.parametrize("fn", ["svdvals", "pinv", "matrix_rank", "polar"])
 def test_the_svds_companions_check_a_as_svd_does(fn):
     with pytest.raises(TypeError, match=rf"{fn}: `a` has dtype int32; accepted dtypes are float32"):
         getattr(jf.linalg, fn)(jnp.ones((3, 3), jnp.int32))

@@ -75,6 +75,7 @@ RHS = jnp.asarray(RNG.standard_normal((3, 12)))
 LINALG = {  # name: (a function of (a, b) that factors an intermediate, its primitive)
     "svd": (lambda a, b: (lambda u, s, vh: jnp.sum(u**2 * s[..., None, :]) + jnp.sum(jnp.cos(vh)))(*jf.linalg.svd(jnp.tanh(a))), "jaxforge_svd"),
     "lstsq": (lambda a, b: jnp.sum(jnp.sin(jf.linalg.lstsq(jnp.tanh(a), b * 2).solution)), "jaxforge_lstsq"),
+    "polar": (lambda a, b: jnp.sum(jnp.sin(jf.linalg.polar(jnp.tanh(a))[0])), "jaxforge_svd"),
 }
 
 
