@@ -22,6 +22,8 @@ MASKS = {
     "window_causal": lambda: jf.masks.sliding_window(96) & jf.masks.causal(),
     "chunked": lambda: jf.masks.chunked(100),
     "prefix_lm": lambda: jf.masks.prefix_lm(50),
+    # runtime bands and chunk ids, one an item (inputs' batch of 2): never yet run in a GPU kernel
+    "window_or_chunk_per_item": lambda: jf.masks.sliding_window(np.array([100, 37], np.int32)) & jf.masks.causal() | jf.masks.chunked(np.array([64, 48], np.int32)),
 }
 TOL = {jnp.bfloat16: 3e-2, jnp.float32: 2e-5}
 # Frames of 64 over a window that widens with the head, for jf.masks.block_mask (q 300, kv 333, 4 heads).
