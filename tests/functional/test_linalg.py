@@ -1,4 +1,4 @@
-"""svdvals, pinv and matrix_rank (functional/linalg.py, on svd_p): against numpy in float64, their
+"""svdvals, pinv and matrix_rank (functional/linalg.py, on svd_p; polar: test_linalg_polar.py, its export here): against numpy in float64, their
 derivatives by check_grads and against jax.numpy's, vmap against a loop, jit, and split over an
 explicit mesh."""
 
@@ -184,6 +184,7 @@ def test_export_with_a_symbolic_batch():
     (batch,) = jax.export.symbolic_shape("b")
     a = np.random.default_rng(9).standard_normal((4, 5, 3))
     grad = lambda a: jax.grad(lambda a: jnp.sum(jf.linalg.pinv(a)))(a)  # noqa: E731
-    for fn in (jf.linalg.pinv, jf.linalg.matrix_rank, jf.linalg.svdvals, grad):
+    polar_grad = lambda a: jax.grad(lambda a: jnp.sum(jnp.sin(jf.linalg.polar(a)[0])))(a)  # noqa: E731
+    for fn in (jf.linalg.pinv, jf.linalg.matrix_rank, jf.linalg.svdvals, grad, jf.linalg.polar, polar_grad):
         exported = jax.export.export(jax.jit(fn))(jax.ShapeDtypeStruct((batch, 5, 3), jnp.float64))
-        np.testing.assert_allclose(exported.call(a), fn(a), rtol=1e-12, atol=1e-12)
+        jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-12, atol=1e-12), exported.call(a), fn(a))
