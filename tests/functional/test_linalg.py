@@ -1,6 +1,6 @@
-"""svdvals, pinv and matrix_rank (functional/linalg.py, on svd_p; polar: test_linalg_polar.py, its export here): against numpy in float64, their
+"""svdvals, pinv and matrix_rank (functional/linalg.py, on svd_p): against numpy in float64, their
 derivatives by check_grads and against jax.numpy's, vmap against a loop, jit, and split over an
-explicit mesh."""
+explicit mesh; export with a symbolic batch for these and polar (test_linalg_polar.py)."""
 
 from __future__ import annotations
 
