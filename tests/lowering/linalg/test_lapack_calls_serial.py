@@ -85,9 +85,12 @@ def test_lstsq_programs_run_their_lapack_calls_one_at_a_time(m, n, program):
 
 
 @pytest.mark.parametrize("m,n", [(24, 8), (8, 24)])
-def test_svd_programs_run_their_lapack_calls_one_at_a_time(m, n):
+def test_svd_and_polar_programs_run_their_lapack_calls_one_at_a_time(m, n):
     svd = lambda a: jf.linalg.svd(a)  # noqa: E731
     programs = [svd, jax.grad(lambda a: sum(jnp.sum(jnp.abs(t)) for t in svd(a))), lambda a: jax.jvp(svd, (a,), (a,))]
+    polar = lambda a: jf.linalg.polar(a, "left")  # noqa: E731  (its own derivative, on svd_p)
+    polar_grad = jax.grad(lambda a: sum(jnp.sum(jnp.sin(t)) for t in polar(a)))
+    programs += [polar, polar_grad, lambda a: jax.jvp(polar_grad, (a,), (a,))]
     for program in programs:
         hlo = jax.jit(program).lower(jnp.ones((4, m, n))).compile().as_text()
         assert "lapack_" in hlo and not independent_lapack_calls(hlo)
