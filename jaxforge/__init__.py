@@ -6,7 +6,7 @@ Public surface::
                  return_lse=False, sinks=None, implementation=None)
     jf.masks.causal(), sliding_window(w), document(segment_ids), prefix_lm(n), padding(kv_lengths), ...
     jf.collectives.all_reduce(x, axis_name, op="sum"), all_gather, reduce_scatter, all_to_all, ...
-    jf.nn.linear, rms_norm, multi_head_attention, transformer, lstm, gru, cross_entropy, ... (+ init_*)
+    jf.nn.linear, rms_norm, multi_head_attention, multi_head_latent_attention, transformer, lstm, gru, cross_entropy, ... (+ init_*)
     jf.nn.dot_product_attention(query, key, value, bias=None, mask=None, *, ...)  # jax.nn's, on jf.attention
     jf.export.save(fn, args, path), jf.export.load(path)  # jax.export artifacts, checked on load
     jf.shard(f, *, mesh=None, in_specs, out_specs)

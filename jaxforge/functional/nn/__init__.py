@@ -10,6 +10,9 @@ from jaxforge.functional.nn.attention import init_multi_head_attention as init_m
 from jaxforge.functional.nn.attention import multi_head_attention as multi_head_attention
 from jaxforge.functional.nn.attention import qk_clip as qk_clip
 from jaxforge.functional.nn.attention import rotary_embedding as rotary_embedding
+from jaxforge.functional.nn.latent_attention import init_latent_cache as init_latent_cache
+from jaxforge.functional.nn.latent_attention import init_multi_head_latent_attention as init_multi_head_latent_attention
+from jaxforge.functional.nn.latent_attention import multi_head_latent_attention as multi_head_latent_attention
 from jaxforge.functional.nn.layers import embedding as embedding
 from jaxforge.functional.nn.layers import init_embedding as init_embedding
 from jaxforge.functional.nn.layers import init_layer_norm as init_layer_norm
@@ -36,11 +39,13 @@ __all__ = [
     "init_embedding",
     "init_gru",
     "init_kv_cache",
+    "init_latent_cache",
     "init_layer_norm",
     "init_linear",
     "init_lstm",
     "init_mlp",
     "init_multi_head_attention",
+    "init_multi_head_latent_attention",
     "init_rms_norm",
     "init_transformer",
     "layer_norm",
@@ -48,6 +53,7 @@ __all__ = [
     "lstm",
     "mlp",
     "multi_head_attention",
+    "multi_head_latent_attention",
     "qk_clip",
     "rms_norm",
     "rotary_embedding",

@@ -262,20 +262,13 @@ def multi_head_attention(
     q, k, v = (jnp.einsum("...sf,fhd->...shd", x, params[name]) for name in "qkv")
     if cache is not None:
         length, max_len = cache["length"], cache["k"].shape[-3]
-        if length.shape != x.shape[:-2]:
-            raise ValueError(
-                f"multi_head_attention: `cache` holds items of batch shape {length.shape} (its `length`), "
-                f"`x` of shape {x.shape} has batch shape {x.shape[:-2]}"
-            )
-        if x.shape[-2] > max_len:
-            raise ValueError(f"multi_head_attention: `x` has {x.shape[-2]} tokens an item, more than the cache's max_len {max_len}")
-        positions = _after(length, x.shape[-2]) if positions is None else positions
+        positions = cache_positions("multi_head_attention", length, max_len, x, positions)
     if rotary_base is not None:
         if positions is None:
             positions = jnp.arange(x.shape[-2])
         q, k = (rotary_embedding(t, positions, base=rotary_base) for t in (q, k))
     if cache is not None:
-        cache = {name: _written(cache[name], new, length) for name, new in (("k", k), ("v", v))}
+        cache = {name: written_at(cache[name], new, length) for name, new in (("k", k), ("v", v))}
         k, v = (cache[name].astype(q.dtype) for name in "kv")  # a cache may store another dtype (init_kv_cache)
         mask = masks.causal(length) if mask is None else masks.causal(length) & mask
     kw = ({"sinks": params["sinks"]} if "sinks" in params else {}) | ({"return_max_scores": True} if return_max_scores else {})
@@ -320,13 +313,23 @@ def qk_clip(params: Params, max_scores: Float[ArrayLike, "*#layers heads"], thre
     return {**params, "q": scaled(params["q"], q_scale), "k": scaled(params["k"], kappa)}
 
 
-def _written(cache, new, length):
+def written_at(cache, new, length):
     """``cache (*batch, max_len, H, D)`` with ``new (*batch, seq, H, D)`` at each item's ``length``
     (positions past ``max_len`` dropped). One scatter, placed as the cache is: under explicit
     sharding a cache split along its sequence stays split (each device writes what falls in it)."""
     items = [i[..., None] for i in jnp.indices(length.shape, sparse=True)]
     positions = _after(length, new.shape[-3])
     return cache.at[(*items, positions)].set(new.astype(cache.dtype), mode="drop", out_sharding=jax.typeof(cache).sharding)
+
+
+def cache_positions(fn: str, length, max_len: int, x, positions):
+    """The positions of ``x``'s tokens (``(..., seq, features)``) after a cache's ``length`` (or
+    ``positions`` where given), once ``x`` is checked against the cache's items and ``max_len``."""
+    if length.shape != x.shape[:-2]:
+        raise ValueError(f"{fn}: `cache` holds items of batch shape {length.shape} (its `length`), `x` of shape {x.shape} has batch shape {x.shape[:-2]}")
+    if x.shape[-2] > max_len:
+        raise ValueError(f"{fn}: `x` has {x.shape[-2]} tokens an item, more than the cache's max_len {max_len}")
+    return _after(length, x.shape[-2]) if positions is None else positions
 
 
 def _after(length, n: int):
