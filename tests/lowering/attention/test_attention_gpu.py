@@ -133,6 +133,22 @@ def test_mla_head_dims_and_gqa():
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("impl", [None, "pallas_triton"])
+def test_mla_absorbed_decoding_head_dims(impl):
+    """jf.nn.multi_head_latent_attention's decoding step at DeepSeek-V3's dims: 16 query heads on
+    one key/value head of dims 576 and 512 (the latent cache; v its first 512 features), causal to
+    each item's length, forward and gradient, against XLA's tiles in float32."""
+    q, k, _ = inputs(jnp.bfloat16, sq=2, hq=16, hkv=1, d=576, dv=576)
+    mask = jf.masks.causal(jnp.asarray([200, 331]))
+    attend = lambda impl: lambda q, k: jf.attention(q, k, k[..., :512], mask=mask, implementation=impl)  # noqa: E731
+    grad = lambda impl: jax.grad(lambda q, k: jnp.sum(attend(impl)(q, k).astype(jnp.float32) ** 2), (0, 1))  # noqa: E731
+    got = jax.jit(lambda q, k: (attend(impl)(q, k), *grad(impl)(q, k)))(q, k)
+    f32 = [x.astype(jnp.float32) for x in (q, k)]
+    want = jax.jit(lambda q, k: (attend("xla")(q, k), *grad("xla")(q, k)))(*f32)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[jnp.bfloat16] * float(jnp.max(jnp.abs(w))) * 4, rtol=0)
+
+
 @pytest.mark.parametrize("name", ["document", "padding", "block_mask", "block_mask_pieces", "array"])
 def test_document_masks_run_in_the_triton_kernels(name):
     q, k, v = inputs(jnp.bfloat16)
