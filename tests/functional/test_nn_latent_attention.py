@@ -22,8 +22,9 @@ def params_and_x(q_rank=None, seed=0):
     return params, jax.random.normal(jax.random.key(seed + 1), (B, S, FEATURES), jnp.float64)
 
 
-def reference(params, x, visible):
-    """Every head's keys and values written out, a dense softmax over ``visible`` (S, S)."""
+def reference(params, x, visible, logits=None):
+    """Every head's keys and values written out, a dense softmax over ``visible`` (S, S); each
+    head's largest visible logit appended to ``logits`` where given."""
     kv_rank, nope = DIMS["kv_rank"], DIMS["nope_dim"]
     rms = lambda t, scale: t / jnp.sqrt(jnp.mean(t**2, -1, keepdims=True) + 1e-6) * jnp.broadcast_to(scale, t.shape)  # noqa: E731
     q = jnp.einsum("bsf,fhd->bshd", x, params["q"]) if "q" in params else jnp.einsum("bsr,rhd->bshd", rms(x @ params["q_down"], params["q_norm"]), params["q_up"])
@@ -35,8 +36,10 @@ def reference(params, x, visible):
     k_rope = jnp.repeat(rope(latent[..., None, kv_rank:]), HEADS, axis=-2)
     k = jnp.concatenate([jnp.einsum("bsr,rhd->bshd", c, params["k_up"]), k_rope], -1)
     v = jnp.einsum("bsr,rhd->bshd", c, params["v_up"])
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(nope + DIMS["rope_dim"])
-    weights = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1)
+    scores = jnp.where(visible, jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(nope + DIMS["rope_dim"]), -jnp.inf)
+    if logits is not None:
+        logits.append(jnp.max(scores, axis=(0, 2, 3)))
+    weights = jax.nn.softmax(scores, axis=-1)
     return jnp.einsum("bhqk,bkhd,hdf->bqf", weights, v, params["o"])
 
 
@@ -96,3 +99,24 @@ def test_an_item_that_outgrows_its_cache_gets_nan():
 def test_bad_dims_are_refused(kw):
     with pytest.raises(ValueError, match=r"init_multi_head_latent_attention: dims must be positive ints"):
         jf.nn.init_multi_head_latent_attention(jax.random.key(0), FEATURES, HEADS, **(DIMS | kw))
+
+
+@pytest.mark.parametrize("q_rank", [None, 12])
+def test_largest_logits_and_qk_clip_bounding_them(q_rank):
+    """return_max_scores: each head's largest logit, the reference's, with the cache or without;
+    qk_clip (Kimi K2's MuonClip on MLA: head parts by √γ, the rotary query part by γ, the shared
+    rotary key left alone) scales each head's logits by exactly min(1, τ / S_h)."""
+    params, x = params_and_x(q_rank, seed=4)
+    params = {**params, "q" if q_rank is None else "q_up": params["q" if q_rank is None else "q_up"] * 6}  # logits of 10 or so
+    causal = jf.masks.causal()
+    _, top = jf.nn.multi_head_latent_attention(params, x, mask=causal, return_max_scores=True)
+    logits = []
+    reference(params, x, np.tril(np.ones((S, S), bool)), logits=logits)
+    np.testing.assert_allclose(top, logits[0], rtol=1e-12)
+    _, _, cached_top = jf.nn.multi_head_latent_attention(params, x, cache=jf.nn.init_latent_cache(params, (B,), S), return_max_scores=True)
+    np.testing.assert_allclose(cached_top, top, rtol=1e-12)
+    threshold = float(np.median(top))
+    clipped = jf.nn.qk_clip(params, top, threshold)
+    assert clipped.keys() == params.keys() and clipped["kv_down"] is params["kv_down"]  # the shared rotary key unscaled
+    _, clipped_top = jf.nn.multi_head_latent_attention(clipped, x, mask=causal, return_max_scores=True)
+    np.testing.assert_allclose(clipped_top, np.minimum(top, threshold), rtol=1e-10)

@@ -296,21 +296,46 @@ def qk_clip(params: Params, max_scores: Float[ArrayLike, "*#layers heads"], thre
     ``params``: :func:`init_multi_head_attention`'s (leading dims, e.g. a transformer's blocks
     stacked over depth, matching those of ``max_scores``); returns them with ``q`` and ``k``
     rescaled. Applied after each optimiser step, as MuonClip does; not differentiated.
+
+    :func:`init_multi_head_latent_attention`'s params (MLA, as Kimi K2 clips it): head ``h``'s
+    own query and key parts (``q``'s or ``q_up``'s first ``nope_dim`` features, ``k_up``) scale by
+    :math:`\sqrt{\gamma_h}` each, its rotary query part by :math:`\gamma_h`, the rotary key,
+    shared by the heads, not at all (``alpha`` is GQA's: no MLA head shares a part it scales).
     """
     if not threshold > 0:
         raise ValueError(f"qk_clip: `threshold` must be positive, got {threshold!r}")
     if not 0 <= alpha <= 1:
         raise ValueError(f"qk_clip: `alpha` must be in [0, 1], got {alpha!r}")
-    *layers, _, hq, _ = params["q"].shape
-    hkv = params["k"].shape[-2]
+    latent = "k_up" in params
+    *layers, _, hq, _ = params["k_up" if latent else "q"].shape
     top = jnp.asarray(max_scores)
     if top.shape[-1:] != (hq,):
         raise ValueError(f"qk_clip: `max_scores` must end in the {hq} query heads of `params`, got shape {top.shape}")
     gamma = threshold / jnp.maximum(top, threshold)  # (*layers, Hq): 1 at or under the threshold (-inf too)
+    gamma = jnp.broadcast_to(gamma, (*layers, hq))
+    if latent:
+        return _latent_qk_clip(params, gamma)
+    hkv = params["k"].shape[-2]
     kappa = jnp.min(gamma.reshape(*gamma.shape[:-1], hkv, hq // hkv), axis=-1) ** (1 - alpha)  # (*layers, Hkv)
     q_scale = gamma / jnp.repeat(kappa, hq // hkv, axis=-1)
-    scaled = lambda w, scale: (w * jnp.broadcast_to(scale, (*layers, scale.shape[-1]))[..., None, :, None]).astype(w.dtype)  # noqa: E731
+    scaled = lambda w, scale: (w * scale[..., None, :, None]).astype(w.dtype)  # noqa: E731
     return {**params, "q": scaled(params["q"], q_scale), "k": scaled(params["k"], kappa)}
+
+
+def _latent_qk_clip(params: Params, gamma) -> Params:
+    """qk_clip of MLA params by each head's ``gamma`` ``(*layers, H)``: query and key head parts by
+    its square root, the rotary query part by it."""
+    root, nope = jnp.sqrt(gamma), params["k_up"].shape[-1]
+    q_name = "q" if "q" in params else "q_up"
+    q = params[q_name]
+    columns = jnp.concatenate(  # (*layers, H, nope + rope): each query feature's factor
+        [jnp.broadcast_to(root[..., None], (*root.shape, nope)), jnp.broadcast_to(gamma[..., None], (*gamma.shape, q.shape[-1] - nope))], axis=-1
+    )
+    return {
+        **params,
+        q_name: (q * columns[..., None, :, :]).astype(q.dtype),
+        "k_up": (params["k_up"] * root[..., None, :, None]).astype(params["k_up"].dtype),
+    }
 
 
 def written_at(cache, new, length):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import ArrayLike, Float, Int, PRNGKeyArray
 
 from jaxforge.functional import masks
+from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.attention import cache_positions, rotary_embedding, written_at
 from jaxforge.functional.nn.layers import Params, check_features, rms_norm
@@ -95,6 +96,7 @@ def multi_head_latent_attention(
     rotary_base: float = 10000.0,
     attention_fn: Callable = attention,
     cache: Params | None = None,
+    return_max_scores: bool = False,
 ):
     r"""Self-attention through a latent :math:`c = \operatorname{rms}(x W^{dkv})`: head ``h`` attends
     :math:`q_h = [x W^q_h;\ R x W^{qr}_h]` to keys :math:`[c W^{uk}_h;\ R x W^{kr}]` (the rotary
@@ -113,10 +115,15 @@ def multi_head_latent_attention(
         and the queries, the key up-projection absorbed into them, attend the cache as one
         key/value head (``mask``'s ``kv_idx`` counts the cache's positions); an item that outgrows
         the cache gets NaN outputs.
+      return_max_scores: also each head's largest logit over the batch and the rows, ``(H,)``
+        (the same with a cache or without): what :func:`qk_clip` bounds (Kimi K2's MuonClip on MLA).
 
     Returns:
-      ``(..., seq, features)``; with a cache, ``(output, cache)``.
+      ``(..., seq, features)``; with a cache, ``(output, cache)``; with ``return_max_scores``, the
+      logits' maxima after them.
     """
+    return_max_scores = static_bool("multi_head_latent_attention", "return_max_scores", return_max_scores)
+    maxima = {"return_max_scores": True} if return_max_scores else {}
     nope_dim, kv_rank, width = params["k_up"].shape[-1], params["k_up"].shape[0], params["kv_down"].shape[-1]
     x = check_features("multi_head_latent_attention", "x", x, params["kv_down"].shape[0])
     if "q" in params:
@@ -138,17 +145,22 @@ def multi_head_latent_attention(
         k_nope = jnp.einsum("...sr,rhd->...shd", c, params["k_up"])
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], k_rope.shape[-1]))], axis=-1)
         v = jnp.einsum("...sr,rhd->...shd", c, params["v_up"])
-        out = attention_fn(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, mask=mask, scale=scale)
+        out = attention_fn(jnp.concatenate([q_nope, q_rope], axis=-1), k, v, mask=mask, scale=scale, **maxima)
     else:
         written = written_at(cache["latent"], jnp.concatenate([c[..., None, :], k_rope], axis=-1), length)
         cache = {"latent": written, "length": length + x.shape[-2]}
         keys = written.astype(q.dtype)  # a cache may store another dtype (init_latent_cache)
         absorbed = jnp.einsum("...shd,rhd->...shr", q_nope, params["k_up"])  # q_nope · (c W^uk) = (q_nope W^ukᵀ) · c
         visible = masks.causal(length) if mask is None else masks.causal(length) & mask
-        out_latent = attention_fn(jnp.concatenate([absorbed, q_rope], axis=-1), keys, keys[..., :kv_rank], mask=visible, scale=scale)
-        out = jnp.einsum("...shr,rhd->...shd", out_latent, params["v_up"])
+        out = attention_fn(jnp.concatenate([absorbed, q_rope], axis=-1), keys, keys[..., :kv_rank], mask=visible, scale=scale, **maxima)
+    extra = []
+    if return_max_scores:
+        out, top = out
+        extra.append(jnp.max(top, axis=tuple(range(top.ndim - 1)), initial=-jnp.inf))  # over the batch and rows
+    if cache is not None:
+        out = jnp.einsum("...shr,rhd->...shd", out, params["v_up"])
     out = jnp.einsum("...shd,hdf->...sf", out, params["o"])
-    if cache is None:
-        return out
-    overflows = cache["length"] > max_len  # tokens past the end went unwritten: the outputs are not this item's
-    return jnp.where(overflows[..., None, None], jnp.nan, out), cache
+    if cache is not None:
+        overflows = cache["length"] > max_len  # tokens past the end went unwritten: the outputs are not this item's
+        out, extra = jnp.where(overflows[..., None, None], jnp.nan, out), [cache, *extra]
+    return (out, *extra) if extra else out
