@@ -120,3 +120,27 @@ def test_largest_logits_and_qk_clip_bounding_them(q_rank):
     assert clipped.keys() == params.keys() and clipped["kv_down"] is params["kv_down"]  # the shared rotary key unscaled
     _, clipped_top = jf.nn.multi_head_latent_attention(clipped, x, mask=causal, return_max_scores=True)
     np.testing.assert_allclose(clipped_top, np.minimum(top, threshold), rtol=1e-10)
+
+
+def test_a_transformer_of_mla_blocks_decodes_as_it_runs_the_whole_sequence():
+    """init_transformer(latent_attention=...): MLA in every block; decoding from init_latent_cache
+    (one per block) against the whole sequence under sliding windows, and a rematerialised
+    gradient against the plain one."""
+    params = jf.nn.init_transformer(jax.random.key(5), vocab_size=32, features=FEATURES, depth=2, num_heads=HEADS, latent_attention=DIMS, dtype=jnp.float64)
+    tokens = jax.random.randint(jax.random.key(6), (B, S), 0, 32)
+    windows = [3, 0]
+    whole = jf.nn.transformer(params, tokens, windows=windows)
+    cache = jf.nn.init_latent_cache(params["blocks"]["attention"], (B,), 12)
+    assert cache["latent"].shape == (2, B, 12, 1, DIMS["kv_rank"] + DIMS["rope_dim"])
+    steps, cache = jf.nn.transformer(params, tokens[:, :6], cache=cache, windows=windows)
+    steps = [steps]
+    for t in range(6, S):
+        logits, cache = jf.nn.transformer(params, tokens[:, t : t + 1], cache=cache, windows=windows)
+        steps.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), whole, rtol=1e-11, atol=1e-11)
+    loss = lambda remat: lambda p: jnp.sum(jnp.sin(jf.nn.transformer(p, tokens, remat=remat)))  # noqa: E731
+    jax.tree.map(
+        lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-12), jax.grad(loss(jf.remat.save_attention()))(params), jax.grad(loss(False))(params)
+    )
+    with pytest.raises(ValueError, match=r"init_transformer: `latent_attention` \(MLA\) takes neither `num_kv_heads` nor `attention_sinks`"):
+        jf.nn.init_transformer(jax.random.key(5), vocab_size=32, features=FEATURES, depth=2, num_heads=HEADS, num_kv_heads=2, latent_attention=DIMS)

@@ -1,4 +1,4 @@
-"""A decoder-only transformer (pre-norm, rotary, GQA) and the token cross-entropy."""
+"""A decoder-only transformer (pre-norm, rotary, GQA or MLA) and the token cross-entropy."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from jaxforge.functional import masks
 from jaxforge.functional._static import static_bool
 from jaxforge.functional.attention import attention
 from jaxforge.functional.nn.attention import init_multi_head_attention, multi_head_attention
+from jaxforge.functional.nn.latent_attention import init_multi_head_latent_attention, multi_head_latent_attention
 from jaxforge.functional.nn.layers import (
     NestedParams,
     at_least_float32,
@@ -39,13 +40,18 @@ def init_transformer(
     num_kv_heads: int | None = None,
     hidden_features: int | None = None,
     attention_sinks: bool = False,
+    latent_attention: dict | None = None,
     dtype=jnp.float32,
 ) -> NestedParams:
     """Params of :func:`transformer`: ``embedding``, ``blocks`` (every leaf stacked over ``depth``),
     the final ``norm`` and the output ``head`` (no bias). ``hidden_features`` defaults to 4 × features;
-    ``attention_sinks``: learned sink logits in every attention layer (``init_multi_head_attention``'s ``sinks``)."""
+    ``attention_sinks``: learned sink logits in every attention layer (``init_multi_head_attention``'s ``sinks``);
+    ``latent_attention``: multi-head latent attention (MLA) in every block, this dict the keyword
+    arguments of :func:`init_multi_head_latent_attention` (``kv_rank`` at least), in place of GQA."""
     if depth <= 0:
         raise ValueError(f"init_transformer: `depth` must be positive, got {depth}")
+    if latent_attention is not None and (num_kv_heads is not None or attention_sinks):
+        raise ValueError("init_transformer: `latent_attention` (MLA) takes neither `num_kv_heads` nor `attention_sinks`")
     hidden_features = 4 * features if hidden_features is None else hidden_features
     k_embed, k_blocks, k_head = jax.random.split(key, 3)
 
@@ -55,7 +61,9 @@ def init_transformer(
             "attention_norm": init_rms_norm(features, dtype=dtype),
             "attention": init_multi_head_attention(
                 k_attention, features, num_heads, num_kv_heads=num_kv_heads, sinks=attention_sinks, dtype=dtype
-            ),
+            )
+            if latent_attention is None
+            else init_multi_head_latent_attention(k_attention, features, num_heads, **latent_attention, dtype=dtype),
             "mlp_norm": init_rms_norm(features, dtype=dtype),
             "mlp": init_mlp(k_mlp, features, hidden_features, dtype=dtype),
         }
@@ -89,10 +97,11 @@ def transformer(
       mask: the attention mask; default ``jf.masks.causal()``. For packed documents pass
         ``jf.masks.causal() & jf.masks.document(segment_ids)``.
       positions: rotary positions, default ``arange(seq)``.
-      attention_fn: passed to :func:`multi_head_attention`.
-      cache: decoding: ``init_kv_cache(params["blocks"]["attention"], batch_shape, max_len)``, a
-        cache per block; ``tokens`` are the next ones of each item (a prompt to prefill, then one a
-        step), ``mask`` only adds to the causal mask over the cache (see :func:`multi_head_attention`).
+      attention_fn: passed to :func:`multi_head_attention` (:func:`multi_head_latent_attention`).
+      cache: decoding: ``init_kv_cache(params["blocks"]["attention"], batch_shape, max_len)``
+        (``init_latent_cache`` for MLA blocks), a cache per block; ``tokens`` are the next ones of
+        each item (a prompt to prefill, then one a step), ``mask`` only adds to the causal mask
+        over the cache (see :func:`multi_head_attention`).
       remat: activation checkpointing: a gradient recomputes each block's activations from its input
         instead of storing them (one more forward, memory for one block's activations in place of
         every block's). True: save nothing else; or a ``jax.checkpoint`` policy, e.g.
@@ -120,7 +129,7 @@ def transformer(
     mask = None if mask is None else masks.as_mask(mask)  # a pytree, so a jit argument
     windows = None if windows is None else _windows(windows, jax.tree.leaves(params["blocks"])[0].shape[0])
     x = embedding(params["embedding"], tokens)
-    kv = None if cache is None else {"k": cache["k"], "v": cache["v"]}
+    kv = None if cache is None else {name: x for name, x in cache.items() if name != "length"}  # k and v, or MLA's latent
     length = None if cache is None else cache["length"]
     x, (kv, top) = _blocks(
         params["blocks"], x, kv, length, windows, mask=mask, positions=positions, attention_fn=attention_fn, remat=remat,
@@ -137,21 +146,22 @@ def transformer(
 @functools.partial(jax.jit, static_argnames=("attention_fn", "remat", "max_scores"))
 def _blocks(blocks, x, kv, length, windows, *, mask, positions, attention_fn, remat, max_scores):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
-    without one, else {"k", "v"} stacked over blocks, all at ``length``) and of ``windows`` (None,
-    or one per block); ``remat`` as there. Returns ``x`` and, stacked over blocks, ``(cache,
+    without one, else {"k", "v"}, or MLA's {"latent"}, stacked over blocks, all at ``length``) and
+    of ``windows`` (None, or one per block); ``remat`` as there. Returns ``x`` and, stacked over blocks, ``(cache,
     max_scores)`` (None where not asked for)."""
 
     def block(x, layer):
         p, kv, window = layer
         layer_cache = None if kv is None else {**kv, "length": length}
         layer_mask = mask if window is None else _windowed(mask, window, None if kv is None else length)
-        results = multi_head_attention(
+        attend = multi_head_latent_attention if "k_up" in p["attention"] else multi_head_attention
+        results = attend(
             p["attention"], rms_norm(p["attention_norm"], x), mask=layer_mask, positions=positions, attention_fn=attention_fn,
             cache=layer_cache, return_max_scores=max_scores,
         )  # fmt: skip
         attended, *extra = results if kv is not None or max_scores else (results,)
         if kv is not None:
-            layer_cache = {"k": extra[0]["k"], "v": extra[0]["v"]}
+            layer_cache = {name: x for name, x in extra[0].items() if name != "length"}
         x = x + attended
         return x + mlp(p["mlp"], rms_norm(p["mlp_norm"], x)), (layer_cache, extra[-1] if max_scores else None)
 
