@@ -142,6 +142,9 @@ SHAPES = {
     # one decoding step: a batch of 64 with KV caches of 8192 keys; 2 with 65536 (split-KV)
     "decode_gqa_8to1": ((64, 1, 8192, 32, 4, 128, 128), None, ("bench_gpu",)),
     "decode_long_kv": ((2, 1, 65536, 32, 8, 128, 128), None, ("bench_gpu",)),
+    # MLA's absorbed decoding step at DeepSeek-V3's dims (jf.nn.multi_head_latent_attention with a
+    # cache): 128 query heads on one key/value head of 576 and 512; run by name (--shapes)
+    "decode_mla_absorbed": ((64, 1, 8192, 128, 1, 576, 512), None, ()),
     "cpu_d64": ((2, 1024, 1024, 8, 8, 64, 64), None, ("bench_cpu",)),
     "cpu_causal": ((2, 1024, 1024, 8, 8, 64, 64), "causal", ("bench_cpu",)),
     "cpu_gqa_document": ((1, 1000, 1000, 8, 2, 64, 64), "document_causal", ("bench_cpu",)),
