@@ -374,6 +374,7 @@ def _polar_implementations(backend: str) -> list[Implementation]:
         return unitary
 
     numpy_polar = lambda a: (np.stack([scipy.linalg.polar(x)[0] for x in a.reshape(-1, *a.shape[-2:])]).reshape(a.shape),)  # noqa: E731
+
     def jax_polar(a):  # jax's QDWH takes tall matrices (side="right"): a wide one's U by its transpose's
         wide = a.shape[-2] < a.shape[-1]
         u = jax.scipy.linalg.polar(jnp.swapaxes(a, -1, -2) if wide else a)[0]

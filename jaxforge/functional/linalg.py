@@ -194,8 +194,11 @@ def _unitary_factor_jvp(primals, tangents):
     # K_jk = 1/(s_j + s_k). Off the diagonal X − Xᴴ meets it; on it, only an imaginary part does
     # (a complex gauge), so a real a's diagonal is 0 and not 0·∞ at a zero singular value.
     sums = s[..., :, None] + s[..., None, :]
-    real_diagonal = jnp.eye(s.shape[-1], dtype=bool) & (not jnp.iscomplexobj(a))
-    k = jnp.where(real_diagonal, 0, 1 / jnp.where(real_diagonal, 1, sums)).astype(a.dtype)
+    k = 1 / sums
+    if not jnp.iscomplexobj(a):
+        diagonal = jnp.eye(s.shape[-1], dtype=bool)
+        k = jnp.where(diagonal, 0, 1 / jnp.where(diagonal, 1, sums))
+    k = k.astype(a.dtype)
     du = _matmul(w, (x - _adjoint(x)) * k)
     if a.shape[-2] > a.shape[-1]:  # the part of dA V outside the span of W (none when square)
         du = du + (da_v - _matmul(w, x)) * (1 / s).astype(a.dtype)[..., None, :]

@@ -147,8 +147,8 @@ def transformer(
 def _blocks(blocks, x, kv, length, windows, *, mask, positions, attention_fn, remat, max_scores):
     """The blocks of :func:`transformer` over ``x``, each with its slice of the cache ``kv`` (None
     without one, else {"k", "v"}, or MLA's {"latent"}, stacked over blocks, all at ``length``) and
-    of ``windows`` (None, or one per block); ``remat`` as there. Returns ``x`` and, stacked over blocks, ``(cache,
-    max_scores)`` (None where not asked for)."""
+    of ``windows`` (None, or one per block); ``remat`` as there. Returns ``x`` and, stacked over
+    blocks, ``(cache, max_scores)`` (None where not asked for)."""
 
     def block(x, layer):
         p, kv, window = layer
