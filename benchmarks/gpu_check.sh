@@ -126,6 +126,10 @@ if wants pending; then
   timeout "$limit" python3 -m jaxforge.bench attention --shapes long_d128_causal --modes jvp-grad \
     --budget 0,$((limit - 40)) --tag pending-jvp-grad --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
   rc[pending-jvp-grad]=${PIPESTATUS[0]}
+  limit=$(cap 120)  # head dims in two pieces against one padded power of two (MLA's)
+  timeout "$limit" python3 -m jaxforge.bench attention --shapes decode_mla_absorbed,mla_192_128 --modes fwd,fwd+bwd,jvp \
+    --budget 0,$((limit - 40)) --tag pending-pieces --out "$OUT" 2>>"$OUT/progress.log" | tee -a "$OUT/bench.txt" >/dev/null
+  rc[pending-pieces]=${PIPESTATUS[0]}
 fi
 
 if wants maxscores; then

@@ -62,3 +62,19 @@ def test_the_decoding_backward_kernels_differ_between_shapes_only_in_constants(t
     for name in bench:
         assert bench[name].program() == small[name].program(), name
     assert bench["jaxforge_attention_bwd_dkv"].grid == (64, 4, 8192 // 64)
+
+
+def test_mla_head_dims_lower_in_two_pieces(triton_ir):
+    """MLA's absorbed decoding dims (576/512) held as 512 + 64 (Implementation.head_pieces): each
+    product over q's and k's head dim is two MMAs, of 512 and 64 deep, where the padded kernels
+    make one of 1024; products over v's 512 stay one. The jvp's tangent kernel, whose padded tiles
+    fit no H200, lowers too."""
+    dims = (2, 1, 256, 16, 1, 576, 512)
+    pieces, padded = _lowered(triton_ir, dims, head_pieces=True), _lowered(triton_ir, dims, head_pieces=False)
+    # fwd: q·kᵀ, p·v; dq: q·kᵀ, g·vᵀ, ds·k; dkv: those two and dsᵀ·q, pᵀ·g (one loop body each)
+    assert [k.ops()["tt.dot"] for k in padded.values()] == [2, 3, 4]
+    assert [k.ops()["tt.dot"] for k in pieces.values()] == [3, 5, 6]
+    fwd = pieces["jaxforge_attention_fwd"].ir
+    assert "tensor<16x512xbf16> * tensor<512x" in fwd and "tensor<16x64xbf16> * tensor<64x" in fwd
+    assert "x1024xbf16>" in padded["jaxforge_attention_fwd"].ir and "x1024xbf16>" not in fwd
+    assert list(_lowered(triton_ir, dims, "jvp", head_pieces=True)) == ["jaxforge_attention_fwd", "jaxforge_attention_tangent"]

@@ -37,6 +37,7 @@ failed). A seed reruns alone with ``--seed S --count 1``.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import jax
@@ -247,6 +248,12 @@ def _run_seed(seed: int, mode: str) -> None:
     q, k, v = (jnp.asarray(rng.standard_normal(shape)) for shape in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
     table = jnp.asarray(rng.standard_normal((hq, sq + skv)))
     implementation = random_implementation(rng)
+    if isinstance(implementation, Implementation) and implementation.name == "pallas_triton" and np.random.default_rng([seed, 5]).random() < 0.5:
+        # head dims past 32, which the kernels hold in two pieces (32 + 16: config.head_pieces)
+        implementation = dataclasses.replace(implementation, head_pieces=True)
+        wide = np.random.default_rng([seed, 6])
+        q, k, v = (jnp.concatenate([x, jnp.asarray(wide.standard_normal((*x.shape[:-1], 32)))], axis=-1) for x in (q, k, v))
+        dv += 32  # (weights like out)
     score_mod = lambda table: None  # noqa: E731
     if mode == "second-order":
         score_mod = {

@@ -20,7 +20,8 @@ with ``implementation="xla"`` everywhere and ``"cudnn"`` on a GPU; on a GPU, the
 ``mha`` of ``jax.experimental.pallas.ops.gpu.attention``; on a Hopper, jaxforge on its Triton
 kernels by name (``jaxforge-triton``: the default there runs the Mosaic GPU ones) and jax's
 FlashAttention-3 ``attention_mgpu``; on a GPU, jaxforge's Triton kernels by name where the default
-does not yet run them (``jaxforge-decoding``: GQA packing and split-KV on decoding shapes); where
+does not yet run them (``jaxforge-decoding``: GQA packing and split-KV on decoding shapes;
+``jaxforge-pieces``: head dims that are no power of two in two pieces); where
 torch with CUDA is importable,
 ``torch.nn.functional.scaled_dot_product_attention`` on its cuDNN and flash backends and compiled
 ``torch.nn.attention.flex_attention`` on the masked cases. A contender that cannot express a case
@@ -783,6 +784,14 @@ def _jf_decoding(case: Case) -> Callable | str:
     return _jf_forward("pallas_triton")(case)
 
 
+def _jf_pieces(case: Case) -> Callable | str:
+    """``jf.attention``'s default with head dims that are no power of two held in two pieces, which
+    the default pads to one until config.TRITON_HEAD_PIECES_VALIDATED."""
+    if all(config.head_pieces(n, split=True) == config.head_pieces(n, split=False) for n in (case.d, case.dv)):
+        return "head dims of one piece: the default runs the same kernels"
+    return _jf_forward(jf.functional.attention.Implementation(head_pieces=True))(case)
+
+
 def _mgpu_forward(case: Case) -> Callable | str:
     """jax's own FlashAttention-3 on Mosaic GPU (``jax.experimental.pallas.ops.gpu.attention_mgpu``)."""
     if why := _hopper():
@@ -955,6 +964,7 @@ def _contenders(backend: str) -> list[Contender]:
         one_range,
         _jax_contender("jaxforge-triton", _jf_triton, essential=everywhere, note=own_ranges),
         _jax_contender("jaxforge-decoding", _jf_decoding, essential=everywhere),
+        _jax_contender("jaxforge-pieces", _jf_pieces, essential=everywhere),
         _jf_xla_contender(),
         _jax_contender(
             "jax.nn-cudnn",

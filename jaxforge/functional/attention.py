@@ -509,8 +509,9 @@ def resolve_implementation(impl, fn: str = "attention") -> Implementation:
             f"{fn}: Implementation('pallas_mosaic_gpu') takes block_q None or 64 (rows a warpgroup), "
             f"block_kv None, 64 or 128, no num_warps (it runs warpgroups), no pack_gqa or kv_splits, got {impl!r}"
         )
-    if impl.pack_gqa is not None and not isinstance(impl.pack_gqa, bool):
-        raise ValueError(f"{fn}: Implementation.pack_gqa must be None, True or False, got {impl.pack_gqa!r}")
+    for name in ("pack_gqa", "head_pieces"):
+        if getattr(impl, name) is not None and not isinstance(getattr(impl, name), bool):
+            raise ValueError(f"{fn}: Implementation.{name} must be None, True or False, got {getattr(impl, name)!r}")
     warps = impl.num_warps
     if warps is not None and (not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16)):
         raise ValueError(f"{fn}: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")

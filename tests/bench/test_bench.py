@@ -353,3 +353,18 @@ def test_gpu_kernel_contenders_are_gated_to_the_shapes_their_kernels_serve():
     (a, b) = linalg._lstsq_inputs((2, 300, 40, 2))  # the two that need no kernel also run here
     for row in (householder, cholesky):
         assert linalg._lstsq_accuracy((a, b), row.fn(a, b))["normal_residual"] < 1e-5, row.name
+
+
+def test_the_pieces_contender_runs_only_where_a_head_dim_splits():
+    """jaxforge-pieces times the default with head dims in two pieces (config.head_pieces) where it
+    would differ from the default: MLA's 192/128 and 576/512, not 128/128."""
+    import jax.numpy as jnp
+
+    from jaxforge.bench.attention import Case, _jf_pieces
+
+    assert "one piece" in _jf_pieces(Case("d128", (1, 32, 32, 2, 2, 128, 128), None, np.float32))
+    for dims in ((1, 32, 32, 2, 2, 192, 128), (1, 1, 32, 4, 1, 576, 512)):
+        attend = _jf_pieces(Case("mla", dims, None, np.float32))
+        b, sq, skv, hq, hkv, d, dv = dims
+        q, k, v = (jnp.ones(s, jnp.float32) for s in ((b, sq, hq, d), (b, skv, hkv, d), (b, skv, hkv, dv)))
+        assert attend(q, k, v, None).shape == (b, sq, hq, dv)

@@ -383,10 +383,11 @@ def test_mosaic_gpu_tiles(fields):
         jf.attention(*qkv(), implementation=Implementation("pallas_mosaic_gpu", **fields))
 
 
-@pytest.mark.parametrize("pack", [1, "yes"])
-def test_implementation_pack_gqa(pack):
-    with pytest.raises(ValueError, match=r"attention: Implementation\.pack_gqa must be None, True or False, got"):
-        jf.attention(*qkv(), implementation=Implementation("xla", pack_gqa=pack))
+@pytest.mark.parametrize("field", ["pack_gqa", "head_pieces"])
+@pytest.mark.parametrize("value", [1, "yes"])
+def test_implementation_switches_are_bools(field, value):
+    with pytest.raises(ValueError, match=rf"attention: Implementation\.{field} must be None, True or False, got {value!r}"):
+        jf.attention(*qkv(), implementation=Implementation("xla", **{field: value}))
 
 
 @pytest.mark.parametrize("warps", [0, 3, 32, 4.0])

@@ -114,6 +114,9 @@ class Implementation:
     config.packs_gqa). ``kv_splits`` (the Triton forward, tangent and backward's dq): split-KV, each
     program's key tiles shared out over that many programs whose results merge through their
     log-sum-exps (flash-decoding; the tangents and dq add up); None splits where the programs would not fill the GPU (config.kv_splits).
+    ``head_pieces`` (Triton): a head dim that is no power of two held in two power-of-two pieces
+    where that is narrower (576 as 512 + 64) instead of zero-padded to one (1024); None: once
+    validated on a GPU (config.head_pieces).
     """
 
     name: str | None = None
@@ -123,6 +126,7 @@ class Implementation:
     num_stages: int | None = None
     pack_gqa: bool | None = None
     kv_splits: int | None = None
+    head_pieces: bool | None = None
 
 # Named cases shared by tests and benchmarks: (batch, Sq, Skv, Hq, Hkv, D, Dv), mask, tags.
 # "bench_gpu" are the GPU benchmark's cases (bf16 on the H200), "anchor" those with ANCHORS.md targets.

@@ -3,6 +3,7 @@ packing's choice and its map of rows to queries and heads."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax.numpy as jnp
@@ -40,6 +41,39 @@ def test_tiles_fit_shared_memory_for_every_head_dim_and_dtype(kernels, stages, a
         for k in kernels:
             stages_used = config.triton_compiler(impl, kernels, d)[1]
             assert config.triton_smem(k, block_q, block_kv, d, dv, itemsize, stages_used) <= config.TRITON_SMEM_BYTES[arch]
+
+
+@pytest.mark.parametrize(
+    "n,pieces",
+    [(8, (16,)), (32, (32,)), (48, (32, 16)), (80, (64, 16)), (96, (64, 32)), (100, (128,)), (128, (128,)),
+     (192, (128, 64)), (200, (256,)), (576, (512, 64)), (1024, (1024,))],
+)  # fmt: skip
+def test_head_dims_split_in_two_powers_of_two_where_narrower(n, pieces):
+    assert config.head_pieces(n, split=True) == pieces
+    assert sum(pieces) >= n and all(w >= 16 and w & (w - 1) == 0 for w in pieces)
+    assert config.head_pieces(n, split=False) == (max(16, config.pow2_at_least(n)),)
+
+
+def test_mla_decoding_fits_more_tiles_in_pieces(monkeypatch):
+    """MLA's absorbed decoding step (one kv head of 576/512, 8192 keys) on an H200: padded to 1024,
+    no float32 tiles fit its forward or backward, nor bf16 ones its jvp; as 512 + 64 they do, and
+    bf16 key tiles twice as long. Unasked, the pieces wait for config.TRITON_HEAD_PIECES_VALIDATED."""
+    from jaxforge.lowering.attention.attention import pallas_triton
+
+    monkeypatch.delenv("JAXFORGE_UNVALIDATED_KERNELS", raising=False)
+    shapes = (2, 1, 16, 576), (2, 8192, 1, 576), (2, 8192, 1, 512)
+    f32, bf16 = ([jnp.zeros(s, dtype) for s in shapes] for dtype in (jnp.float32, jnp.bfloat16))
+    pieces, padded = Implementation("pallas_triton", head_pieces=True), Implementation("pallas_triton")
+    for call in ("fwd", "bwd"):
+        assert pallas_triton.triton_fits(call, *f32, pieces) and not pallas_triton.triton_fits(call, *f32, padded)
+    assert pallas_triton.triton_fits("tangent", *bf16, pieces) and not pallas_triton.triton_fits("tangent", *bf16, padded)
+    geo, _, widths = pallas_triton._geometry("fwd", *bf16, 1.0, pieces)
+    assert widths == ((512, 64), (512,)) and geo.block_kv == 32
+    geo, _, widths = pallas_triton._geometry("fwd", *bf16, 1.0, padded)
+    assert widths == ((1024,), (512,)) and geo.block_kv == 16
+    monkeypatch.setattr(config, "TRITON_HEAD_PIECES_VALIDATED", True)
+    assert pallas_triton._geometry("fwd", *bf16, 1.0, padded)[2] == ((512, 64), (512,))
+    assert pallas_triton._geometry("fwd", *bf16, 1.0, dataclasses.replace(pieces, head_pieces=False))[2] == ((1024,), (512,))
 
 
 def test_tiles_stay_at_their_start_where_they_fit_and_short_sequences_shrink_them():

@@ -63,7 +63,7 @@ def test_document_masks_hand_the_triton_kernels_tile_bounds_not_whole_span_array
     (operands,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\(.*?\) \{.*?\} : \((.*?)\) ->", text)
     from jaxforge.lowering.attention.attention.pallas_triton import _geometry
 
-    geo, _ = _geometry("fwd", q, q, q, 1.0, jf.functional.attention.Implementation())
+    geo, *_ = _geometry("fwd", q, q, q, 1.0, jf.functional.attention.Implementation())
     padded = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     table = f"1x{geo.num_q_tiles}x4"  # the forward's query programs; the backward's dkv also has one per key tile
     assert re.findall(r"tensor<([\dx]+)xi32>", operands) == ["2", f"1x{padded[0]}", f"1x{padded[1]}", table]

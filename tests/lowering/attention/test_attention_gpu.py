@@ -64,20 +64,39 @@ def test_forward_and_lse(mask, dtype):
 @pytest.mark.parametrize("mask", ["none", "causal"])
 def test_jvp_and_grad(mask, impl, dtype):
     q, k, v = inputs(dtype, d=128, dv=128)
-    tangents = inputs(dtype, d=128, dv=128, seed=1)
+    check_jvp_and_grad(impl, MASKS[mask](), dtype, (q, k, v), inputs(dtype, d=128, dv=128, seed=1))
+
+
+def check_jvp_and_grad(impl, mask, dtype, args, tangents):
+    """The output, its jvp and the gradient of a square loss on ``impl``, against XLA's tiles in float32."""
 
     def run(impl, q, k, v, t):
-        f = lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), implementation=impl)
-        _, dout = jax.jvp(f, (q, k, v), tuple(t))
+        f = lambda q, k, v: jf.attention(q, k, v, mask=mask, implementation=impl)
+        out, dout = jax.jvp(f, (q, k, v), tuple(t))
         grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), (0, 1, 2))(q, k, v)
-        return [dout, *grads]
+        return [out, dout, *grads]
 
-    got = jax.jit(lambda *a: run(impl, *a[:3], a[3:]))(q, k, v, *tangents)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, *tangents)]
+    got = jax.jit(lambda *a: run(impl, *a[:3], a[3:]))(*args, *tangents)
+    f32 = [x.astype(jnp.float32) for x in (*args, *tangents)]
     want = jax.jit(lambda *a: run("xla", *a[:3], a[3:]))(*f32)
     for g, w in zip(got, want):
         scale = float(jnp.max(jnp.abs(w)))
         np.testing.assert_allclose(np.asarray(g, np.float32), w, atol=TOL[dtype] * scale * 4, rtol=0)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (80, 80), (576, 512)], ids=lambda d: f"{d[0]}-{d[1]}")
+def test_head_dims_in_two_pieces(dims):
+    """Head dims held in two power-of-two pieces (config.head_pieces; until
+    config.TRITON_HEAD_PIECES_VALIDATED only where Implementation.head_pieces asks): 192 as 128 +
+    64 (DeepSeek's prefill), 80 as 64 + 16, 576 as 512 + 64 (MLA's absorbed decoding: 16 query
+    heads on one kv head, whose padded tangent fits no tiles). Output, jvp and gradient in bf16,
+    causal, against XLA's tiles in float32."""
+    from jaxforge.functional.attention import Implementation
+
+    d, dv = dims
+    shape = dict(sq=2, skv=333, hq=16, hkv=1) if d == 576 else {}
+    args, tangents = (inputs(jnp.bfloat16, d=d, dv=dv, seed=seed, **shape) for seed in (0, 1))
+    check_jvp_and_grad(Implementation("pallas_triton", head_pieces=True), jf.masks.causal(331 if d == 576 else 0), jnp.bfloat16, args, tangents)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

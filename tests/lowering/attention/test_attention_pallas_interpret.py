@@ -5,6 +5,8 @@ the mask's span, and meet padded edges (lengths 19 and 29 are not multiples of t
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -46,9 +48,19 @@ MASKS = {
 }
 
 
-def inputs(seed=1):
+def inputs(seed=1, d=D, dv=DV):
     r = np.random.default_rng(seed)
-    return tuple(jnp.asarray(r.standard_normal(s)) for s in ((B, SQ, HQ, D), (B, SKV, HKV, D), (B, SKV, HKV, DV)))
+    return tuple(jnp.asarray(r.standard_normal(s)) for s in ((B, SQ, HQ, d), (B, SKV, HKV, d), (B, SKV, HKV, dv)))
+
+
+# Head dims of 48 and 40, each held in two pieces of 32 + 16 (config.head_pieces) where the
+# Implementation asks: every product sums over the pieces, every result keeps them.
+PIECES = Implementation("pallas_triton", block_q=8, block_kv=16, head_pieces=True)
+PIECE_DIMS = dict(d=48, dv=40)
+
+
+def dims(impl) -> dict:
+    return PIECE_DIMS if isinstance(impl, Implementation) and impl.head_pieces else {}
 
 
 def run(implementation, mask, **kw):
@@ -63,6 +75,8 @@ VARIANTS = {
     "packed": (PACKED, ["causal_bottom_right", "window_causal", "document", "padding_per_item", "fully_masked_rows"]),
     "split": (SPLIT, ["none", "window_causal", "padding_per_item", "fully_masked_rows"]),
     "split_packed": (SPLIT_PACKED, ["causal_per_item", "document"]),
+    "pieces": (PIECES, ["none", "causal_bottom_right", "document", "fully_masked_rows"]),
+    "split_packed_pieces": (dataclasses.replace(SPLIT_PACKED, head_pieces=True), ["causal_per_item"]),
 }
 
 
@@ -73,7 +87,7 @@ VARIANTS = {
 )
 def test_forward_lse_jvp_and_grad_match_xla(impl, mask):
     ours, ref = run(impl, mask, return_lse=True, softcap=4.0), run("xla", mask, return_lse=True, softcap=4.0)
-    check_matches(ours, ref, inputs(), inputs(seed=2))
+    check_matches(ours, ref, inputs(**dims(impl)), inputs(seed=2, **dims(impl)))
 
 
 def test_block_mask_pieces_match_the_plain_mask_on_xla():
@@ -122,14 +136,14 @@ THROUGH_A_JVP = ["none", "window_causal", "document", "fully_masked_rows"]
 
 @pytest.mark.parametrize(
     "impl,mask",
-    [(PALLAS, m) for m in THROUGH_A_JVP] + [(PACKED, "causal_per_item")],
-    ids=THROUGH_A_JVP + ["packed-causal_per_item"],
+    [(PALLAS, m) for m in THROUGH_A_JVP] + [(PACKED, "causal_per_item"), (PIECES, "window_causal")],
+    ids=THROUGH_A_JVP + ["packed-causal_per_item", "pieces-window_causal"],
 )
 def test_grad_through_a_jvp_matches_xla(impl, mask):
     """A gradient through a jvp, in all six of (q, k, v, dq, dk, dv): the first-order kernels and the
     tangent map's transpose in two kernels (tangent_bwd rows and cols), against XLA's tiles; the
     loss reads out, dout and dlse."""
-    args = (*inputs(), *inputs(seed=2))
+    args = (*inputs(**dims(impl)), *inputs(seed=2, **dims(impl)))
 
     def loss(impl):
         attend = lambda q, k, v: jf.attention(q, k, v, mask=MASKS[mask](), softcap=4.0, implementation=impl, return_lse=True)
@@ -219,8 +233,8 @@ CAPTURED = {
 
 
 @pytest.mark.parametrize(
-    "impl,case", [(PALLAS, c) for c in sorted(CAPTURED)] + [(PACKED, "alibi_slopes"), (PACKED, "rows_and_columns_of_tables")],
-    ids=[c for c in sorted(CAPTURED)] + ["packed-alibi_slopes", "packed-rows_and_columns_of_tables"],
+    "impl,case", [(PALLAS, c) for c in sorted(CAPTURED)] + [(PACKED, "alibi_slopes"), (PACKED, "rows_and_columns_of_tables"), (PIECES, "alibi_slopes")],
+    ids=[c for c in sorted(CAPTURED)] + ["packed-alibi_slopes", "packed-rows_and_columns_of_tables", "pieces-alibi_slopes"],
 )  # fmt: skip
 def test_captured_arrays_read_at_points_match_xla(impl, case):
     """Forward, jvp and grad of the kernels reading captured arrays an element at a time, against
@@ -237,7 +251,7 @@ def test_captured_arrays_read_at_points_match_xla(impl, case):
 
         return attend
 
-    args = (*inputs(), *(arrays[i] for i in floats))
+    args = (*inputs(**dims(impl)), *(arrays[i] for i in floats))
     r = np.random.default_rng(5)
     tangents = tuple(jnp.asarray(r.standard_normal(a.shape)) for a in args)
     loss = lambda impl: (lambda *a: jnp.sum(jnp.sin(f(impl)(*a))))

@@ -17,6 +17,7 @@ __all__ = [
     "PACK_GQA_BELOW",
     "decoding",
     "deterministic",
+    "head_pieces",
     "kv_splits",
     "mosaic_bwd_smem",
     "mosaic_bwd_tiles",
@@ -35,6 +36,28 @@ __all__ = [
 
 def pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
+
+
+# The Triton kernels hold a head dim in powers of two of at least 16 (Triton's block and MMA
+# shapes). One such piece pads 576 (MLA's absorbed decoding: 512 latent + 64 rotary dims) to
+# 1024 and 192 (DeepSeek's prefill queries and keys) to 256; two pieces hold them as 512 + 64
+# and 128 + 64, the scores summing a product over each. True once the gpu test
+# test_head_dims_in_two_pieces passes on an H200 and the bench's decode_mla_absorbed row beats
+# the padded kernels; until then the kernels pad to one power of two on GPU unless
+# JAXFORGE_UNVALIDATED_KERNELS=1 (interpret mode too: tests ask for the pieces by this flag).
+TRITON_HEAD_PIECES_VALIDATED = False
+
+
+def head_pieces(n: int, split: bool) -> tuple[int, ...]:
+    """The widths the Triton kernels hold a head dim of ``n`` in: one power of two (at least 16)
+    or, with ``split`` and where that is narrower, the largest power of two below ``n`` and one
+    for the rest (576 -> 512 + 64, 192 -> 128 + 64, 80 -> 64 + 16; 100 stays 128)."""
+    whole = max(16, pow2_at_least(n))
+    if not split or whole == n or n <= 16:
+        return (whole,)
+    head = whole // 2
+    rest = max(16, pow2_at_least(n - head))
+    return (head, rest) if head + rest < whole else (whole,)
 
 
 # Shared memory a Triton program may take, by GPU: what a block may opt in to (sm90 227 KiB, sm80

@@ -5,11 +5,16 @@ item and head, reading the other operand tile by tile through a ``load`` callbac
 (``xla.py``) vmaps them over batch and heads and scans over tiles; the Pallas driver
 (``pallas_triton.py``) calls them from a kernel body with ``load`` slicing a ref. The loops only
 visit the tiles that ``Mods.span`` says can be visible, so causal and windowed masks skip work.
+
+An operand with a head dim (q, k, v, their tangents and cotangents) is an array or a tuple of
+arrays, pieces along the head dim (the Triton driver holds a head dim of 576 as 512 + 64 where one
+power of two would be 1024): products with it sum over its pieces, results from it keep them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,6 +37,7 @@ __all__ = [
     "tangent_bwd_rows",
     "tangent_rows",
     "tile_loop",
+    "zeros",
 ]
 
 
@@ -201,6 +207,24 @@ def _known_le(a, b) -> bool:
         return False
 
 
+def zeros(geo: Geometry, x):
+    """Accumulation-dtype zeros shaped like ``x`` (an array or its pieces)."""
+    return jax.tree.map(lambda piece: jnp.zeros(piece.shape, geo.acc_dtype), x)
+
+
+def _up(geo: Geometry, x):
+    """``x`` (arrays or pieces) in the accumulation dtype: second derivatives are taken there."""
+    return jax.tree.map(lambda piece: piece.astype(geo.acc_dtype), x)
+
+
+def _add(a, b):  # arrays or pieces
+    return jax.tree.map(operator.add, a, b)
+
+
+def _num_rows(x) -> int:
+    return jax.tree.leaves(x)[0].shape[0]
+
+
 def _dot(geo: Geometry, a, b, contract=((1,), (0,))):
     if a.dtype != b.dtype:  # probabilities meet bf16/f16 values: round p like FlashAttention
         a = a.astype(b.dtype)
@@ -218,18 +242,19 @@ def _t_dot(geo, a, b):  # a.T @ b
 # A score tile pairs query-side rows with key-side rows; these keep the products and broadcasts
 # in the geometry's orientation (``Geometry.keys_major``), so each algorithm is written once.
 def _scores(geo: Geometry, a, b):
-    """The tile ``a · bᵀ`` of query-side ``a`` and key-side ``b``."""
-    return _dot_t(geo, b, a) if geo.keys_major else _dot_t(geo, a, b)
+    """The tile ``a · bᵀ`` of query-side ``a`` and key-side ``b``, summed over their pieces."""
+    pieces = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return functools.reduce(operator.add, [_dot_t(geo, y, x) if geo.keys_major else _dot_t(geo, x, y) for x, y in pieces])
 
 
 def _over_keys(geo: Geometry, t, x):
     """``Σ_key t[query, key] x[key]``: query-side rows from a tile and key-side ``x``."""
-    return _t_dot(geo, t, x) if geo.keys_major else _dot(geo, t, x)
+    return jax.tree.map(lambda x: _t_dot(geo, t, x) if geo.keys_major else _dot(geo, t, x), x)
 
 
 def _over_queries(geo: Geometry, t, x):
     """``Σ_query t[query, key] x[query]``: key-side rows from a tile and query-side ``x``."""
-    return _dot(geo, t, x) if geo.keys_major else _t_dot(geo, t, x)
+    return jax.tree.map(lambda x: _dot(geo, t, x) if geo.keys_major else _t_dot(geo, t, x), x)
 
 
 def _per_query(geo: Geometry, x):
@@ -277,8 +302,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
 
     ``kv_range = (start, stop)``: only the key tiles among those (a split of split-KV; the
     splits' results merge through their log-sum-exps)."""
-    rows, mask = q.shape[0], mask.rows_loaded(i)
-    dv = load_kv(0)[1].shape[-1]
+    rows, mask = _num_rows(q), mask.rows_loaded(i)
 
     def body(j, carry, masked):
         m, l, acc, *first = carry
@@ -295,17 +319,18 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         shift = jnp.where(m_new == -jnp.inf, 0, m_new)  # all -inf so far: keep exp() finite
         alpha = jnp.exp(m - shift)
         p = jnp.exp(s - _per_query(geo, shift))
-        return m_new, alpha * l + jnp.sum(p, axis=geo.key_axis), alpha[:, None] * acc + _over_keys(geo, p, v), *first
+        acc = jax.tree.map(lambda a, pv: alpha[:, None] * a + pv, acc, _over_keys(geo, p, v))
+        return m_new, alpha * l + jnp.sum(p, axis=geo.key_axis), acc, *first
 
     init = (
         jnp.full((rows,), -jnp.inf, geo.acc_dtype),
         jnp.zeros((rows,), geo.acc_dtype),
-        jnp.zeros((rows, dv), geo.acc_dtype),
+        jax.tree.map(lambda v: jnp.zeros((rows, v.shape[-1]), geo.acc_dtype), load_kv(0)[1]),
         *[jnp.zeros((rows,), jnp.int32)] * first_keys,
     )
     m, l, acc, *first = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
     seen = l > 0
-    out = acc / jnp.where(seen, l, 1)[:, None]
+    out = jax.tree.map(lambda a: a / jnp.where(seen, l, 1)[:, None], acc)
     lse = jnp.where(seen, jnp.where(m == -jnp.inf, 0, m) + jnp.log(jnp.where(seen, l, 1)), -jnp.inf)
     return (out, lse, *[m] * max_scores, *first)
 
@@ -326,12 +351,12 @@ def tangent_rows(geo: Geometry, mods: Mods, q, dq, out, lse, load, b, h, i, mask
         s, ds = _modify_jvp(mods, raw, draw, b, h_row, q_idx, kv_idx, score_c, dscore)
         p = jnp.where(visible, jnp.exp(s - _per_query(geo, lse_safe)), 0)
         p_ds = p * jnp.where(visible, ds, 0)
-        return r + jnp.sum(p_ds, axis=geo.key_axis), acc + _over_keys(geo, p, dv) + _over_keys(geo, p_ds, v)
+        return r + jnp.sum(p_ds, axis=geo.key_axis), _add(_add(acc, _over_keys(geo, p, dv)), _over_keys(geo, p_ds, v))
 
     lse_safe = jnp.where(jnp.isfinite(lse), lse, 0)
-    init = (jnp.zeros(q.shape[:1], geo.acc_dtype), jnp.zeros(out.shape, geo.acc_dtype))
+    init = (jnp.zeros((_num_rows(q),), geo.acc_dtype), zeros(geo, out))
     r, acc = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
-    return acc - r[:, None] * out.astype(geo.acc_dtype), r
+    return jax.tree.map(lambda a, o: a - r[:, None] * o.astype(geo.acc_dtype), acc, out), r
 
 
 def _modify_jvp(mods: Mods, raw, draw, b, h, q_idx, kv_idx, score_c, dscore):
@@ -408,9 +433,9 @@ def bwd_dq_rows(geo: Geometry, mods: Mods, q, g_out, lse, delta, load_kv, b, h, 
     def body(j, gq, masked):
         k, v = load_kv(j)
         _, g_raw, _ = _score_grads(geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, [], masked)
-        return gq + _over_keys(geo, g_raw, k) * geo.scale
+        return jax.tree.map(lambda a, g: a + g * geo.scale, gq, _over_keys(geo, g_raw, k))
 
-    return tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, jnp.zeros(q.shape, geo.acc_dtype))
+    return tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, zeros(geo, q))
 
 
 def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTiles, score_c, fused=None, const_grads=()):
@@ -433,7 +458,8 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
             p, g_raw, g_floats = _score_grads(
                 geo, mods, q, k, v, g_out, lse, delta, b, h, i, j, mask, score_c, wanted, masked
             )
-            gk, gv = gk + _over_queries(geo, g_raw, q) * geo.scale, gv + _over_queries(geo, p, g_out)
+            gk = jax.tree.map(lambda a, g: a + g * geo.scale, gk, _over_queries(geo, g_raw, q))
+            gv = _add(gv, _over_queries(geo, p, g_out))
             if fused is not None:
                 gq, g_consts = fused
                 rows = tuple(jnp.asarray(x, jnp.int32) for x in (g, i * geo.block_q, 0))  # one index dtype
@@ -444,7 +470,7 @@ def bwd_dkv_cols(geo: Geometry, mods: Mods, k, v, load_q, b, hk, j, mask: MaskTi
 
         return tile_loop(*geo.col_tiles(mods, j, mask), body, carry)
 
-    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
+    init = (zeros(geo, k), zeros(geo, v), fused)
     gk, gv, fused = lax.fori_loop(0, geo.group, head, init)
     return (gk, gv) if fused is None else (gk, gv, fused)
 
@@ -485,25 +511,24 @@ def tangent_bwd_cols(geo: Geometry, mods: Mods, k, v, dk, dv, load_q, b, h, j, m
     query side). The cotangent of ``out`` is ``-gc·g_dout``.
     """
     mask = mask.cols_loaded(j)
-    up = lambda x: x.astype(geo.acc_dtype)  # noqa: E731  (second derivatives in the accumulation dtype)
-    k, v, dk, dv = map(up, (k, v, dk, dv))
+    k, v, dk, dv = _up(geo, (k, v, dk, dv))
 
     def body(i, carry, masked):
         gk, gv, fused = carry
-        q, dq, lse, c, g_dout = map(up, load_q(i))
+        q, dq, lse, c, g_dout = _up(geo, load_q(i))
         pairing = _tile_pairing(geo, mods, dq, dk, dv, g_dout, b, h, i, j, mask, score_c, dscore, masked)
         args = (q, k, v, *_seen(lse, c))
         if fused is None:
             g_k, g_v = jax.grad(pairing, argnums=(1, 2))(*args)
-            return gk + g_k, gv + g_v, None
+            return _add(gk, g_k), _add(gv, g_v), None
         g_q, g_k, g_v, g_lse, g_c = jax.grad(pairing, argnums=(0, 1, 2, 3, 4))(*args)
         start = jnp.asarray(i, jnp.int32) * geo.block_q
         add = lambda whole, tile: lax.dynamic_update_slice_in_dim(  # noqa: E731
             whole, lax.dynamic_slice_in_dim(whole, start, geo.block_q) + tile, start, axis=0
         )
-        return gk + g_k, gv + g_v, tuple(add(x, t) for x, t in zip(fused, (g_q, g_lse, g_c)))
+        return _add(gk, g_k), _add(gv, g_v), tuple(add(x, t) for x, t in zip(fused, (g_q, g_lse, g_c)))
 
-    init = (jnp.zeros(k.shape, geo.acc_dtype), jnp.zeros(v.shape, geo.acc_dtype), fused)
+    init = (zeros(geo, k), zeros(geo, v), fused)
     gk, gv, fused = tile_loop(*geo.col_tiles(mods, j, mask), body, init)
     return (gk, gv) if fused is None else (gk, gv, fused)
 
@@ -512,14 +537,13 @@ def tangent_bwd_rows(geo: Geometry, mods: Mods, q, dq, lse, c, g_dout, load, b, 
     """``(gq, glse, gc)`` of query tile ``i``: the query side of :func:`tangent_bwd_cols`'s terms,
     summed over the key tiles it sees; ``load(j) -> (k, v, dk, dv)``."""
     mask = mask.rows_loaded(i)
-    up = lambda x: x.astype(geo.acc_dtype)  # noqa: E731
-    q, dq, g_dout = map(up, (q, dq, g_dout))
-    lse, c = _seen(up(lse), up(c))
+    q, dq, g_dout = _up(geo, (q, dq, g_dout))
+    lse, c = _seen(*_up(geo, (lse, c)))
 
     def body(j, carry, masked):
-        k, v, dk, dv = map(up, load(j))
+        k, v, dk, dv = _up(geo, load(j))
         pairing = _tile_pairing(geo, mods, dq, dk, dv, g_dout, b, h, i, j, mask, score_c, dscore, masked)
-        return tuple(a + g for a, g in zip(carry, jax.grad(pairing, argnums=(0, 3, 4))(q, k, v, lse, c)))
+        return _add(carry, jax.grad(pairing, argnums=(0, 3, 4))(q, k, v, lse, c))
 
-    init = (jnp.zeros(q.shape, geo.acc_dtype), jnp.zeros(lse.shape, geo.acc_dtype), jnp.zeros(lse.shape, geo.acc_dtype))
+    init = (zeros(geo, q), zeros(geo, lse), zeros(geo, lse))
     return tile_loop(*geo.row_tiles(mods, i, mask), body, init)
