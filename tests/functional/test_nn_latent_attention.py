@@ -144,3 +144,24 @@ def test_a_transformer_of_mla_blocks_decodes_as_it_runs_the_whole_sequence():
     )
     with pytest.raises(ValueError, match=r"init_transformer: `latent_attention` \(MLA\) takes neither `num_kv_heads` nor `attention_sinks`"):
         jf.nn.init_transformer(jax.random.key(5), vocab_size=32, features=FEATURES, depth=2, num_heads=HEADS, num_kv_heads=2, latent_attention=DIMS)
+
+
+def test_decoding_in_the_triton_kernels_in_head_dim_pieces():
+    """The absorbed decoding step through the Triton kernels (interpret mode) with head dims of 48
+    and 44 (kv_rank 44 + rope 4), each held as 32 + 16 (Implementation.head_pieces: 576 = 512 + 64
+    at DeepSeek-V3's sizes), against the whole sequence in XLA's tiles."""
+    import functools
+
+    from jaxforge.functional.attention import Implementation
+
+    params = jf.nn.init_multi_head_latent_attention(jax.random.key(4), FEATURES, HEADS, **{**DIMS, "kv_rank": 44}, dtype=jnp.float64)
+    x = jax.random.normal(jax.random.key(5), (B, S, FEATURES), jnp.float64)
+    whole = jf.nn.multi_head_latent_attention(params, x, mask=jf.masks.causal())
+    pieces = functools.partial(jf.attention, implementation=Implementation("pallas_triton", block_q=8, block_kv=16, head_pieces=True))
+    cache = jf.nn.init_latent_cache(params, (B,), 12)
+    out, cache = jf.nn.multi_head_latent_attention(params, x[:, :6], cache=cache)
+    outs = [out]
+    for t in range(6, S):
+        out, cache = jf.nn.multi_head_latent_attention(params, x[:, t : t + 1], cache=cache, attention_fn=pieces)
+        outs.append(out)
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1), whole, rtol=1e-12, atol=1e-12)
