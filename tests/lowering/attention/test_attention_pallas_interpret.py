@@ -346,12 +346,14 @@ SHARDED_MASKS = {  # built inside the shard from the local blocks of the segment
 }
 
 
-@pytest.mark.parametrize("mask", sorted(SHARDED_MASKS))
-def test_kernels_run_inside_shard_map(mask):
+@pytest.mark.parametrize(
+    "impl,mask", [(PALLAS, m) for m in sorted(SHARDED_MASKS)] + [(PIECES, "document_causal")], ids=[*sorted(SHARDED_MASKS), "pieces-document_causal"]
+)
+def test_kernels_run_inside_shard_map(impl, mask):
     """Inside jf.shard (check_vma on) each device's kernels see their batch block: forward, jvp,
     grad and a grad through the jvp against the unsharded XLA lowering (pallas_call there needs
-    its outputs' varying axes)."""
-    q, k, v = inputs()
+    its outputs' varying axes; head dims in pieces, those of tuples of them)."""
+    q, k, v = inputs(**dims(impl))
 
     def attend(implementation):
         return lambda q, k, v, seg_q, seg_kv: jf.attention(
@@ -360,10 +362,10 @@ def test_kernels_run_inside_shard_map(mask):
 
     mesh = jax.make_mesh((2,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
     spec = jax.sharding.PartitionSpec("data")
-    sharded = jf.shard(attend(PALLAS), mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
+    sharded = jf.shard(attend(impl), mesh=mesh, in_specs=(spec,) * 5, out_specs=spec)
     ours = lambda q, k, v: sharded(q, k, v, SCATTERED[:, :SQ], SCATTERED)
     ref = lambda q, k, v: attend("xla")(q, k, v, SCATTERED[:, :SQ], SCATTERED)
-    tangents = inputs(seed=2)
+    tangents = inputs(seed=2, **dims(impl))
     loss = lambda f: (lambda *a: jnp.sum(jnp.sin(f(*a))))
     jvp_loss = lambda f: (lambda *a: jnp.sum(jnp.sin(jax.jvp(f, a[:3], a[3:])[1])))
     six = tuple(range(6))
