@@ -106,10 +106,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--pack-gqa", action="store_true", help="pack each GQA group's query heads into one tile")
     parser.add_argument("--kv-splits", type=int, default=1)
+    parser.add_argument("--head-pieces", action="store_true", help="hold head dims that are no power of two in two pieces")
     parser.add_argument("--out", help="a folder for one <kernel>.ttir a kernel")
     parser.add_argument("--against", help="b,sq,skv,hq,hkv,d,dv: say which kernels are the same program at these dims")
     args = parser.parse_args(argv)
-    impl = Implementation("pallas_triton", pack_gqa=args.pack_gqa, kv_splits=args.kv_splits)
+    impl = Implementation("pallas_triton", pack_gqa=args.pack_gqa, kv_splits=args.kv_splits, head_pieces=args.head_pieces)
 
     def lowered(text: str, flag: str) -> list[Kernel]:
         dims = tuple(int(x) for x in text.split(","))
