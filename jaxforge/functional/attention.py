@@ -87,7 +87,8 @@ def attention(
         Differentiable like the rest (its gradient too): the kernels' output is rescaled through
         their lse (:func:`merge_attention` with a part of value 0), one more rounding of ``out``.
       implementation: None (the platform's best), "xla", "pallas_triton" or "pallas_mosaic_gpu"
-        (Hopper), or an :class:`Implementation` with tile sizes.
+        (Hopper), or an :class:`Implementation`: one of those with tile sizes, warps, stages, GQA
+        packing, split-KV or head dims in pieces.
 
     Returns:
       ``out`` of shape ``(..., Sq, Hq, Dv)``, or a tuple of ``out``, then ``lse`` and
