@@ -43,8 +43,8 @@ def pow2_at_least(n: int) -> int:
 # 1024 and 192 (DeepSeek's prefill queries and keys) to 256; two pieces hold them as 512 + 64
 # and 128 + 64, the scores summing a product over each. True once the gpu test
 # test_head_dims_in_two_pieces passes on an H200 and the bench's decode_mla_absorbed row beats
-# the padded kernels; until then the kernels pad to one power of two on GPU unless
-# JAXFORGE_UNVALIDATED_KERNELS=1 (interpret mode too: tests ask for the pieces by this flag).
+# the padded kernels; until then the kernels pad to one power of two unless a call asks for the
+# pieces (Implementation.head_pieces) or JAXFORGE_UNVALIDATED_KERNELS=1 (the gpu tests).
 TRITON_HEAD_PIECES_VALIDATED = False
 
 
