@@ -3,7 +3,9 @@ grids, products and loops follow the call's shape, and a kernel's IR does not de
 or the number of keys but through constants."""
 
 import importlib
+import re
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -77,4 +79,11 @@ def test_mla_head_dims_lower_in_two_pieces(triton_ir):
     fwd = pieces["jaxforge_attention_fwd"].ir
     assert "tensor<16x512xbf16> * tensor<512x" in fwd and "tensor<16x64xbf16> * tensor<64x" in fwd
     assert "x1024xbf16>" in padded["jaxforge_attention_fwd"].ir and "x1024xbf16>" not in fwd
+    # the rotary piece is read in place, at offset 512 of the operand's rows: the kernel takes k
+    # whole, 576 wide (no copy of it is made, where the padded kernels take a 1024-wide one)
+    assert "tt.make_range {end = 576 : i32, start = 512 : i32}" in fwd
+    fn, args = triton_ir.attention_call(dims, "fwd", jnp.bfloat16, Implementation("pallas_triton", kv_splits=1, head_pieces=True))
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    (operands,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\((?:.*?)\) \{.*?\} : \((.*?)\) ->", text)
+    assert re.findall(r"tensor<([\dx]+)xbf16>", operands) == ["2x16x1x576", "2x256x1x576", "2x256x1x512"]
     assert list(_lowered(triton_ir, dims, "jvp", head_pieces=True)) == ["jaxforge_attention_fwd", "jaxforge_attention_tangent"]

@@ -3,10 +3,11 @@
 One program per (batch item, head, tile); its body is kernel.py's tile algorithm, with ``load``
 slicing the key/value (or query) refs. Forward and tangent programs own a query tile and loop over
 key tiles; the backward runs two kernels, dq over query tiles and (dk, dv) over key tiles (looping
-over the query heads of its GQA group), so gq, gk and gv need no atomics. Triton wants powers of
-two of at least 16 (block and MMA shapes): a head dim is zero-padded to one, or held in two pieces
-where that is narrower (config.head_pieces: 576 as 512 + 64), each piece an array and ref of its
-own (pallas_call takes them as tuples) and kernel.py's products summing over them.
+over the query heads of its GQA group), so gq, gk and gv need no atomics. Triton's tiles want
+powers of two of at least 16: a head dim is zero-padded to one, or held in two pieces where that
+is narrower (config.head_pieces: 576 as 512 + 64). A piece is a slice of the head dim that a
+program reads and writes on its own (a block 576 wide, loads 512 and 64 wide: no copy of the
+operand is made), and kernel.py's products sum over the pieces.
 
 Arrays a mask or score_mod closes over (a bias table, ALiBi slopes) are handed to every program
 whole, as refs the functions read an element at a time (points.PointArray). Their cotangents sum
@@ -117,50 +118,43 @@ def _seq_major(x, padded: int, width: int):
     return jnp.pad(x.reshape(math.prod(x.shape[:-3]), s, h, d), ((0, 0), (0, padded - s), (0, 0), (0, width - d)))
 
 
-def _pieces(x, padded: int, widths) -> tuple:
-    """``(*batch, S, H, D)`` -> its head-dim pieces, ``(B, padded, H, w)`` for ``w`` in ``widths``:
-    the arrays a kernel takes for ``x``."""
-    whole = _seq_major(x, padded, sum(widths))
-    return tuple(whole[..., start : start + w] for start, w in zip(itertools.accumulate(widths, initial=0), widths))
+def _read(ref, widths, *index):
+    """``ref[*index, :]`` (``index`` by default the block's leading axes whole) in the head-dim
+    pieces of ``widths``: one piece is the row as it is, more are read a slice at a time."""
+    lead = index or (slice(None),) * (len(ref.shape) - 1)
+    if len(widths) == 1:
+        return ref[(*lead, slice(None))]
+    return tuple(ref[(*lead, pl.ds(start, w))] for start, w in zip(itertools.accumulate(widths, initial=0), widths))
 
 
-def _joined(pieces):
-    """A kernel's output pieces as one array along the head dim (zero padding at its end)."""
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
-
-
-def _shapes(pieces, dtype) -> tuple:
-    return tuple(jax.ShapeDtypeStruct(p.shape, dtype) for p in pieces)
-
-
-def _read(refs) -> tuple:
-    return tuple(r[...] for r in refs)
-
-
-def _write(refs, values):
-    for ref, value in zip(refs, values, strict=True):
+def _write(ref, value):
+    """``ref[...] = value`` in ``ref``'s dtype, ``value`` an array or its head-dim pieces."""
+    if not isinstance(value, tuple):
         ref[...] = value.astype(ref.dtype)
+        return
+    lead = (slice(None),) * (len(ref.shape) - 1)
+    for start, piece in zip(itertools.accumulate((p.shape[-1] for p in value), initial=0), value):
+        ref[(*lead, pl.ds(start, piece.shape[-1]))] = piece.astype(ref.dtype)
 
 
-# Block specs of one operand, a spec per head-dim piece of ``widths``.
-def _q_block(geo: Geometry, widths, splits: int = 1):  # one query tile of one head, grid (b, h, i * splits + s)
-    return tuple(pl.BlockSpec((_SQ, geo.block_q, _SQ, w), lambda b, h, p: (b, p // splits, h, 0)) for w in widths)
+def _q_block(geo: Geometry, d: int, splits: int = 1):  # one query tile of one head, grid (b, h, i * splits + s)
+    return pl.BlockSpec((_SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p // splits, h, 0))
 
 
-def _kv_whole(geo: Geometry, s: int, widths):  # a head's whole key/value sequence, grid (b, h, i)
-    return tuple(pl.BlockSpec((_SQ, s, _SQ, w), lambda b, h, i: (b, 0, h // geo.group, 0)) for w in widths)
+def _kv_whole(geo: Geometry, s: int, d: int):  # a head's whole key/value sequence, grid (b, h, i)
+    return pl.BlockSpec((_SQ, s, _SQ, d), lambda b, h, i: (b, 0, h // geo.group, 0))
 
 
 def _row_block(geo: Geometry, splits: int = 1):  # lse/delta rows (B, Hq, S) of one query tile
     return pl.BlockSpec((_SQ, _SQ, geo.block_q), lambda b, h, p: (b, h, p // splits))
 
 
-def _key_block(geo: Geometry, widths):  # one key tile of one kv head, grid (b, hk, j)
-    return tuple(pl.BlockSpec((_SQ, geo.block_kv, _SQ, w), lambda b, hk, j: (b, j, hk, 0)) for w in widths)
+def _key_block(geo: Geometry, d: int):  # one key tile of one kv head, grid (b, hk, j)
+    return pl.BlockSpec((_SQ, geo.block_kv, _SQ, d), lambda b, hk, j: (b, j, hk, 0))
 
 
-def _group_block(geo: Geometry, padded: int, widths):  # every query of the kv head's GQA group, grid (b, hk, j)
-    return tuple(pl.BlockSpec((_SQ, padded, geo.group, w), lambda b, hk, j: (b, 0, hk, 0)) for w in widths)
+def _group_block(geo: Geometry, padded: int, d: int):  # every query of the kv head's GQA group, grid (b, hk, j)
+    return pl.BlockSpec((_SQ, padded, geo.group, d), lambda b, hk, j: (b, 0, hk, 0))
 
 
 def _group_rows(geo: Geometry, padded: int):  # lse/delta rows (B, Hq, S) of the kv head's GQA group
@@ -178,7 +172,7 @@ def _whole(x):
 def _call(kernel, interpret: bool, grid, in_specs, out_specs, out_shape, args, name: str, compiler: tuple[int, int], aliases=None):
     # Inside shard_map (check_vma) pallas_call wants each output's varying mesh axes. The lowering
     # traces on untyped avals (primitives._core), so the outputs take the operands' (empty) ones.
-    mat = jax.typeof(jax.tree.leaves(args)[1]).manual_axis_type
+    mat = jax.typeof(args[1]).manual_axis_type
     out_shape = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
     warps, stages = compiler
     return pl.pallas_call(
@@ -202,8 +196,8 @@ def _global_offsets(geo: Geometry, batch_ids, head_offset):
 
 
 def _load(refs, j, size):
-    """Tile ``j`` of each operand's pieces (``refs``: a tuple of them per operand)."""
-    return tuple(tuple(r[pl.ds(j * size, size), :] for r in pieces) for pieces in refs)
+    """Tile ``j`` of each of ``refs``, ``(ref, widths)`` pairs, in its head-dim pieces."""
+    return tuple(_read(r, widths, pl.ds(j * size, size)) for r, widths in refs)
 
 
 def _back(x, batch, s, d):
@@ -267,11 +261,12 @@ def _mask_operands(geo: Geometry, mods: Mods, mask_c, batch_ids, key_programs: b
 def attention_fwd_pallas(
     q, k, v, *consts, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
-    geo, compiler, (d, dv) = _geometry("fwd", q, k, v, scale, implementation)
+    geo, compiler, (dw, dvw) = _geometry("fwd", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    qp, kp, vp = _pieces(xla.pack_heads(geo, q), sq_pad, d), _pieces(k, skv_pad, d), _pieces(v, skv_pad, dv)
+    d, dv = sum(dw), sum(dvw)
+    qp, kp, vp = _seq_major(xla.pack_heads(geo, q), sq_pad, d), _seq_major(k, skv_pad, d), _seq_major(v, skv_pad, dv)
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m = consts[n_mask:], len(mask_ops)
@@ -283,8 +278,8 @@ def attention_fwd_pallas(
         in_refs, (out_ref, *row_refs) = refs[: -1 - n_rows], refs[-1 - n_rows :]
         mask, score = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
-        load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        out, *rows = fwd_rows(geo, mods, _read(q_ref), load_kv, b, h, i, mask, score, kv_range, max_scores=max_scores, first_keys=first_keys)
+        load_kv = lambda j: _load(((k_ref, dw), (v_ref, dvw)), j, geo.block_kv)
+        out, *rows = fwd_rows(geo, mods, _read(q_ref, dw), load_kv, b, h, i, mask, score, kv_range, max_scores=max_scores, first_keys=first_keys)
         _write(out_ref, out)
         for ref, row in zip(row_refs, rows):
             ref[...] = row
@@ -306,7 +301,7 @@ def attention_fwd_pallas(
         compiler,
     )
     top = _top_of_splits(*top) if max_scores else ()
-    out, lse = _merge_splits(_joined(out), lse)
+    out, lse = _merge_splits(out, lse)
     return _queries_back(geo, batch, out.astype(q.dtype), v.shape[-1]), *(_queries_back(geo, batch, x) for x in (lse, *top))
 
 
@@ -335,17 +330,16 @@ class _Split:
         s = p % self.count
         return p // self.count, (s * self.per_split, (s + 1) * self.per_split)
 
-    def rows_out(self, bsz: int, hq: int, widths, dtype, acc_dtype):
-        """``(specs, shapes)`` of an output of rows of ``dtype``, a spec and shape per head-dim piece."""
+    def rows_out(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
+        """``(spec, shape)`` of an output of ``d`` wide rows of ``dtype``."""
         c, geo = self.count, self.geo
-        dtype = dtype if c == 1 else acc_dtype
-        specs = tuple(pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, w), lambda b, h, p: (b, p % c, p // c, h, 0)) for w in widths)
-        return specs, tuple(jax.ShapeDtypeStruct((bsz, c, geo.num_q_tiles * geo.block_q, hq, w), dtype) for w in widths)
+        spec = pl.BlockSpec((_SQ, _SQ, geo.block_q, _SQ, d), lambda b, h, p: (b, p % c, p // c, h, 0))
+        return spec, jax.ShapeDtypeStruct((bsz, c, geo.num_q_tiles * geo.block_q, hq, d), dtype if c == 1 else acc_dtype)
 
-    def outputs(self, bsz: int, hq: int, widths, dtype, acc_dtype):
+    def outputs(self, bsz: int, hq: int, d: int, dtype, acc_dtype):
         """``(specs, shapes)`` of a forward's or tangent's outputs: rows, and row values."""
         c, geo = self.count, self.geo
-        rows_spec, rows_shape = self.rows_out(bsz, hq, widths, dtype, acc_dtype)
+        rows_spec, rows_shape = self.rows_out(bsz, hq, d, dtype, acc_dtype)
         values_spec = pl.BlockSpec((_SQ, _SQ, _SQ, geo.block_q), lambda b, h, p: (b, p % c, h, p // c))
         return [rows_spec, values_spec], [rows_shape, jax.ShapeDtypeStruct((bsz, c, hq, geo.num_q_tiles * geo.block_q), acc_dtype)]
 
@@ -370,15 +364,16 @@ def _top_of_splits(top, first=None):
 
 
 def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation: Implementation, interpret: bool, batch_ids, head_offset):
-    geo, compiler, (d, dvp) = _geometry("tangent", q, k, v, scale, implementation)
+    geo, compiler, (dw, dvw) = _geometry("tangent", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, *dscore) = list(operands[:n_consts]), operands[n_consts:]
     batch, bsz, hq = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
-    rows = [_pieces(xla.pack_heads(geo, x), sq_pad, w) for x, w in ((q, d), (dq, d), (out, dvp))]
+    d, dvp = sum(dw), sum(dvw)
+    rows = [_seq_major(xla.pack_heads(geo, x), sq_pad, w) for x, w in ((q, d), (dq, d), (out, dvp))]
     rows += [xla.seq_last(xla.pack_heads(geo, lse, rows=True), sq_pad)]
-    cols = [_pieces(x, skv_pad, w) for x, w in ((k, d), (v, dvp), (dk, d), (dv, dvp))]
+    cols = [_seq_major(x, skv_pad, w) for x, w in ((k, d), (v, dvp), (dk, d), (dv, dvp))]
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids)
     score_c, n_m, n_s = consts[n_mask:], len(mask_ops), len(consts) - n_mask
@@ -388,9 +383,9 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         *in_refs, dout_ref, dlse_ref = refs
         mask, values = mask_tiles(in_refs[:n_m]), [points.PointArray(r) for r in in_refs[n_m:]]
         (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
-        load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)
+        load = lambda j: _load(((k_ref, dw), (v_ref, dvw), (dk_ref, dw), (dv_ref, dvw)), j, geo.block_kv)
         dout, dlse = tangent_rows(
-            geo, mods, _read(q_ref), _read(dq_ref), _read(out_ref), lse_ref[...], load, b, h, i,
+            geo, mods, _read(q_ref, dw), _read(dq_ref, dw), _read(out_ref, dvw), lse_ref[...], load, b, h, i,
             mask, values[:n_s], values[n_s:], kv_range,
         )  # fmt: skip
         _write(dout_ref, dout)
@@ -403,7 +398,7 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         interpret,
         (bsz, hq, geo.num_q_tiles * split.count),
         [_whole(offset), q_block(d), q_block(d), q_block(dvp), _row_block(geo, split.count)]
-        + [_kv_whole(geo, skv_pad, w) for w in (d, dvp, d, dvp)]
+        + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
         + mask_specs
         + [_whole(c) for c in (*score_c, *dscore)],
         out_specs,
@@ -412,22 +407,23 @@ def attention_tangent_pallas(q, k, v, out, lse, *operands, mods: Mods, scale: fl
         "jaxforge_attention_tangent",
         compiler,
     )
-    dout, dlse = _joined(dout).sum(axis=1), dlse.sum(axis=1)  # linear in the splits' terms
+    dout, dlse = dout.sum(axis=1), dlse.sum(axis=1)  # linear in the splits' terms
     return _queries_back(geo, batch, dout.astype(out.dtype), out.shape[-1]), _queries_back(geo, batch, dlse)
 
 
 def attention_bwd_pallas(
     q, k, v, out, lse, *operands, mods: Mods, scale: float, const_grads, implementation: Implementation, interpret: bool, batch_ids, head_offset
 ):
-    geo, compiler, (d, dv) = _geometry("bwd", q, k, v, scale, implementation)
+    geo, compiler, (dw, dvw) = _geometry("bwd", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
     *consts, g_out, g_lse = operands
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack, k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     delta = xla.bwd_delta(out, g_out, g_lse, geo.acc_dtype)
-    qp, gp = _pieces(xla.pack_heads(geo, q), sq_pad, d), _pieces(xla.pack_heads(geo, g_out), sq_pad, dv)
+    d, dv = sum(dw), sum(dvw)
+    qp, gp = _seq_major(xla.pack_heads(geo, q), sq_pad, d), _seq_major(xla.pack_heads(geo, g_out), sq_pad, dv)
     lse_p, delta_p = (xla.seq_last(xla.pack_heads(geo, x, rows=True), sq_pad) for x in (lse, delta))
-    kp, vp = _pieces(k, skv_pad, d), _pieces(v, skv_pad, dv)
+    kp, vp = _seq_major(k, skv_pad, d), _seq_major(v, skv_pad, dv)
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids, key_programs=True)
     score_c, n_m = consts[n_mask:], len(mask_ops)
@@ -442,14 +438,12 @@ def attention_bwd_pallas(
         mask = mask_tiles(in_refs[:n_m])
         score = [points.PointArray(r, cotangent=sum_of.get(c)) for c, r in enumerate(in_refs[n_m:])]
         (i, kv_range), b, h = split.program(), offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
-        load_kv = lambda j: _load((k_ref, v_ref), j, geo.block_kv)
-        gq = bwd_dq_rows(geo, mods, _read(q_ref), _read(g_ref), lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score, kv_range)
+        load_kv = lambda j: _load(((k_ref, dw), (v_ref, dvw)), j, geo.block_kv)
+        gq = bwd_dq_rows(geo, mods, _read(q_ref, dw), _read(g_ref, dvw), lse_ref[...], delta_ref[...], load_kv, b, h, i, mask, score, kv_range)
         _write(gq_ref, gq)
 
     n = split.count
     gq_spec, gq_shape = split.rows_out(bsz, hq, d, q.dtype, geo.acc_dtype)
-    operands = (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c)
-    n_leaves = len(jax.tree.leaves(operands))  # the sums' first position among the call's arrays, as the aliases count them
     gq, *g_consts = _call(
         dq_kernel,
         interpret,
@@ -460,10 +454,10 @@ def attention_bwd_pallas(
         + [_whole(c) for c in (*score_c, *sums)],
         [gq_spec, *(_whole(x) for x in sums)],
         [gq_shape, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in sums)],
-        (*operands, *sums),
+        (offset, qp, gp, lse_p, delta_p, kp, vp, *mask_ops, *score_c, *sums),
         "jaxforge_attention_bwd_dq",
         compiler,
-        aliases={n_leaves + s: len(gq_spec) + s for s in range(len(sums))},
+        aliases={n_in + s: 1 + s for s in range(len(sums))},
     )
 
     def dkv_kernel(offset_ref, k_ref, v_ref, q_ref, g_ref, lse_ref, delta_ref, *refs):
@@ -473,10 +467,9 @@ def attention_bwd_pallas(
 
         def load_q(g, i):
             rows = pl.ds(i * geo.block_q, geo.block_q)
-            q, g_out = (tuple(r[rows, g, :] for r in pieces) for pieces in (q_ref, g_ref))
-            return q, g_out, lse_ref[g, rows], delta_ref[g, rows]
+            return _read(q_ref, dw, rows, g), _read(g_ref, dvw, rows, g), lse_ref[g, rows], delta_ref[g, rows]
 
-        gk, gv = bwd_dkv_cols(geo, mods, _read(k_ref), _read(v_ref), load_q, b, hk, j, mask, score)
+        gk, gv = bwd_dkv_cols(geo, mods, _read(k_ref, dw), _read(v_ref, dvw), load_q, b, hk, j, mask, score)
         _write(gk_ref, gk)
         _write(gv_ref, gv)
 
@@ -489,15 +482,15 @@ def attention_bwd_pallas(
         + mask_specs
         + [_whole(c) for c in score_c],
         [keys(d), keys(dv)],
-        [_shapes(kp, k.dtype), _shapes(vp, v.dtype)],
+        [jax.ShapeDtypeStruct(kp.shape, k.dtype), jax.ShapeDtypeStruct(vp.shape, v.dtype)],
         (offset, kp, vp, qp, gp, lse_p, delta_p, *mask_ops, *score_c),
         "jaxforge_attention_bwd_dkv",
         compiler,
     )
     return (
-        _queries_back(geo, batch, _joined(gq).sum(axis=1).astype(q.dtype), q.shape[-1]),  # linear in the splits' terms
-        _back(_joined(gk), batch, geo.skv, k.shape[-1]),
-        _back(_joined(gv), batch, geo.skv, v.shape[-1]),
+        _queries_back(geo, batch, gq.sum(axis=1).astype(q.dtype), q.shape[-1]),  # linear in the splits' terms
+        _back(gk, batch, geo.skv, k.shape[-1]),
+        _back(gv, batch, geo.skv, v.shape[-1]),
         *(g.astype(score_c[c].dtype) for c, g in zip(wanted, g_consts)),
     )
 
@@ -507,16 +500,17 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
     kernels, like the backward's: the query side ``(gq, glse, gc)`` over query tiles, the key side
     ``(gk, gv)`` over key tiles (looping over the query heads of its GQA group); kernel.py's
     tangent_bwd_rows and tangent_bwd_cols."""
-    geo, compiler, (d, dvp) = _geometry("tangent_bwd", q, k, v, scale, implementation)
+    geo, compiler, (dw, dvw) = _geometry("tangent_bwd", q, k, v, scale, implementation)
     offset = _global_offsets(geo, batch_ids, head_offset)
     n_consts = mods.num_mask_consts + mods.num_score_consts
     consts, (dq, dk, dv, g_dout, g_dlse, *dscore) = list(operands[:n_consts]), operands[n_consts:]
     batch, bsz, hq, hkv = q.shape[:-3], math.prod(q.shape[:-3]), q.shape[-2] // geo.pack, k.shape[-2]
     sq_pad, skv_pad = geo.num_q_tiles * geo.block_q, geo.num_kv_tiles * geo.block_kv
     c = -xla.bwd_delta(out, g_dout, g_dlse, geo.acc_dtype)
-    rows = [_pieces(xla.pack_heads(geo, x), sq_pad, w) for x, w in ((q, d), (dq, d), (g_dout, dvp))]
+    d, dvp = sum(dw), sum(dvw)
+    rows = [_seq_major(xla.pack_heads(geo, x), sq_pad, w) for x, w in ((q, d), (dq, d), (g_dout, dvp))]
     rows += [xla.seq_last(xla.pack_heads(geo, x, rows=True), sq_pad) for x in (lse, c)]
-    cols = [_pieces(x, skv_pad, w) for x, w in ((k, d), (v, dvp), (dk, d), (dv, dvp))]
+    cols = [_seq_major(x, skv_pad, w) for x, w in ((k, d), (v, dvp), (dk, d), (dv, dvp))]
     n_mask = mods.num_mask_consts
     mask_ops, mask_specs, mask_tiles = _mask_operands(geo, mods, consts[:n_mask], batch_ids, key_programs=True)
     score_c, n_m, n_s = consts[n_mask:], len(mask_ops), len(consts) - n_mask
@@ -530,9 +524,9 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
     def rows_kernel(offset_ref, q_ref, dq_ref, g_ref, lse_ref, c_ref, k_ref, v_ref, dk_ref, dv_ref, *refs):
         *in_refs, gq_ref, glse_ref, gc_ref = refs
         b, h = offset_ref[pl.program_id(0)], offset_ref[bsz] + pl.program_id(1)
-        load = lambda j: _load((k_ref, v_ref, dk_ref, dv_ref), j, geo.block_kv)  # noqa: E731
+        load = lambda j: _load(((k_ref, dw), (v_ref, dvw), (dk_ref, dw), (dv_ref, dvw)), j, geo.block_kv)  # noqa: E731
         gq, glse, gc = tangent_bwd_rows(
-            geo, mods, _read(q_ref), _read(dq_ref), lse_ref[...], c_ref[...], _read(g_ref), load, b, h, pl.program_id(2), *refs_of(in_refs)
+            geo, mods, _read(q_ref, dw), _read(dq_ref, dw), lse_ref[...], c_ref[...], _read(g_ref, dvw), load, b, h, pl.program_id(2), *refs_of(in_refs)
         )
         _write(gq_ref, gq)
         glse_ref[...], gc_ref[...] = glse, gc
@@ -542,10 +536,10 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
         interpret,
         (bsz, hq, geo.num_q_tiles),
         [_whole(offset), _q_block(geo, d), _q_block(geo, d), _q_block(geo, dvp), _row_block(geo), _row_block(geo)]
-        + [_kv_whole(geo, skv_pad, w) for w in (d, dvp, d, dvp)]
+        + [_kv_whole(geo, skv_pad, x.shape[-1]) for x in cols]
         + extra_specs,
         [_q_block(geo, d), _row_block(geo), _row_block(geo)],
-        [_shapes(rows[0], q.dtype), *(jax.ShapeDtypeStruct(rows[3].shape, geo.acc_dtype) for _ in range(2))],
+        [jax.ShapeDtypeStruct(rows[0].shape, q.dtype), *(jax.ShapeDtypeStruct(rows[3].shape, geo.acc_dtype) for _ in range(2))],
         (offset, *rows, *cols, *extra),
         "jaxforge_attention_tangent_bwd_rows",
         compiler,
@@ -554,13 +548,12 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
     def cols_kernel(offset_ref, k_ref, v_ref, dk_ref, dv_ref, q_ref, dq_ref, g_ref, lse_ref, c_ref, *refs):
         *in_refs, gk_ref, gv_ref = refs
         b, hk, j = offset_ref[pl.program_id(0)], offset_ref[bsz] // geo.group + pl.program_id(1), pl.program_id(2)
-        key_side = [_read(r) for r in (k_ref, v_ref, dk_ref, dv_ref)]
+        key_side = [_read(r, w) for r, w in ((k_ref, dw), (v_ref, dvw), (dk_ref, dw), (dv_ref, dvw))]
 
         def head(g, acc):
             def load_q(i):
                 rows = pl.ds(i * geo.block_q, geo.block_q)
-                q, dq, g_dout = (tuple(r[rows, g, :] for r in pieces) for pieces in (q_ref, dq_ref, g_ref))
-                return q, dq, lse_ref[g, rows], c_ref[g, rows], g_dout
+                return _read(q_ref, dw, rows, g), _read(dq_ref, dw, rows, g), lse_ref[g, rows], c_ref[g, rows], _read(g_ref, dvw, rows, g)
 
             grads = tangent_bwd_cols(geo, mods, *key_side, load_q, b, hk * geo.group + g, j, *refs_of(in_refs))
             return jax.tree.map(operator.add, acc, grads)
@@ -577,14 +570,14 @@ def attention_tangent_bwd_pallas(q, k, v, out, lse, *operands, mods: Mods, scale
         [_whole(offset), keys(d), keys(dvp), keys(d), keys(dvp), group(d), group(d), group(dvp), _group_rows(geo, sq_pad), _group_rows(geo, sq_pad)]
         + extra_specs,
         [keys(d), keys(dvp)],
-        [_shapes(cols[0], k.dtype), _shapes(cols[1], v.dtype)],
+        [jax.ShapeDtypeStruct(cols[0].shape, k.dtype), jax.ShapeDtypeStruct(cols[1].shape, v.dtype)],
         (offset, *cols, *rows, *extra),
         "jaxforge_attention_tangent_bwd_cols",
         compiler,
     )
-    gq, glse, gc = _queries_back(geo, batch, _joined(gq), q.shape[-1]), _queries_back(geo, batch, glse), _queries_back(geo, batch, gc)
+    gq, glse, gc = _queries_back(geo, batch, gq, q.shape[-1]), _queries_back(geo, batch, glse), _queries_back(geo, batch, gc)
     gout = -gc[..., None] * g_dout.astype(geo.acc_dtype)
-    return gq, _back(_joined(gk), batch, geo.skv, k.shape[-1]), _back(_joined(gv), batch, geo.skv, v.shape[-1]), gout.astype(out.dtype), glse.astype(lse.dtype)
+    return gq, _back(gk, batch, geo.skv, k.shape[-1]), _back(gv, batch, geo.skv, v.shape[-1]), gout.astype(out.dtype), glse.astype(lse.dtype)
 
 
 def _wanted_consts(score_c, const_grads) -> list[int]:
