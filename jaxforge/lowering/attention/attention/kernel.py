@@ -303,6 +303,7 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
     ``kv_range = (start, stop)``: only the key tiles among those (a split of split-KV; the
     splits' results merge through their log-sum-exps)."""
     rows, mask = _num_rows(q), mask.rows_loaded(i)
+    v_tile = load_kv(0)[1]  # its width: the accumulator's
 
     def body(j, carry, masked):
         m, l, acc, *first = carry
@@ -319,13 +320,13 @@ def fwd_rows(geo: Geometry, mods: Mods, q, load_kv, b, h, i, mask: MaskTiles, sc
         shift = jnp.where(m_new == -jnp.inf, 0, m_new)  # all -inf so far: keep exp() finite
         alpha = jnp.exp(m - shift)
         p = jnp.exp(s - _per_query(geo, shift))
-        acc = jax.tree.map(lambda a, pv: alpha[:, None] * a + pv, acc, _over_keys(geo, p, v))
-        return m_new, alpha * l + jnp.sum(p, axis=geo.key_axis), acc, *first
+        l = alpha * l + jnp.sum(p, axis=geo.key_axis)
+        return m_new, l, _add(jax.tree.map(lambda a: alpha[:, None] * a, acc), _over_keys(geo, p, v)), *first
 
     init = (
         jnp.full((rows,), -jnp.inf, geo.acc_dtype),
         jnp.zeros((rows,), geo.acc_dtype),
-        jax.tree.map(lambda v: jnp.zeros((rows, v.shape[-1]), geo.acc_dtype), load_kv(0)[1]),
+        jax.tree.map(lambda v: jnp.zeros((rows, v.shape[-1]), geo.acc_dtype), v_tile),
         *[jnp.zeros((rows,), jnp.int32)] * first_keys,
     )
     m, l, acc, *first = tile_loop(*geo.row_tiles(mods, i, mask, kv_range), body, init)
