@@ -87,3 +87,13 @@ def test_mla_head_dims_lower_in_two_pieces(triton_ir):
     (operands,) = re.findall(r"custom_call @__gpu\$xla\.gpu\.triton\((?:.*?)\) \{.*?\} : \((.*?)\) ->", text)
     assert re.findall(r"tensor<([\dx]+)xbf16>", operands) == ["2x16x1x576", "2x256x1x576", "2x256x1x512"]
     assert list(_lowered(triton_ir, dims, "jvp", head_pieces=True)) == ["jaxforge_attention_fwd", "jaxforge_attention_tangent"]
+
+
+def test_head_dims_of_one_piece_lower_to_the_same_kernels_asked_for_pieces_or_not(triton_ir):
+    """A power-of-two head dim is one piece: asking for pieces changes none of the kernels (the
+    ones the H200 validated), forward, backward and tangent alike."""
+    dims = (2, 40, 300, 8, 2, 128, 64)
+    for mode in ("fwd+bwd", "jvp"):
+        asked, not_asked = (_lowered(triton_ir, dims, mode, head_pieces=flag) for flag in (True, False))
+        assert list(asked) == list(not_asked)
+        assert all(asked[name].program() == not_asked[name].program() for name in asked)
