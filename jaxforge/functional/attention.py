@@ -511,8 +511,9 @@ def resolve_implementation(impl, fn: str = "attention") -> Implementation:
             f"block_kv None, 64 or 128, no num_warps (it runs warpgroups), no pack_gqa or kv_splits, got {impl!r}"
         )
     for name in ("pack_gqa", "head_pieces"):
-        if getattr(impl, name) is not None and not isinstance(getattr(impl, name), bool):
-            raise ValueError(f"{fn}: Implementation.{name} must be None, True or False, got {getattr(impl, name)!r}")
+        switch = getattr(impl, name)
+        if switch is not None and not isinstance(switch, bool):
+            raise ValueError(f"{fn}: Implementation.{name} must be None, True or False, got {switch!r}")
     warps = impl.num_warps
     if warps is not None and (not isinstance(warps, int) or warps not in (1, 2, 4, 8, 16)):
         raise ValueError(f"{fn}: Implementation.num_warps must be one of 1, 2, 4, 8, 16, got {warps!r}")

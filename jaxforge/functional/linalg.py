@@ -194,8 +194,9 @@ def _unitary_factor_jvp(primals, tangents):
     # K_jk = 1/(s_j + s_k). Off the diagonal X − Xᴴ meets it; on it, only an imaginary part does
     # (a complex gauge), so a real a's diagonal is 0 and not 0·∞ at a zero singular value.
     sums = s[..., :, None] + s[..., None, :]
-    k = 1 / sums
-    if not jnp.iscomplexobj(a):
+    if jnp.iscomplexobj(a):
+        k = 1 / sums
+    else:
         diagonal = jnp.eye(s.shape[-1], dtype=bool)
         k = jnp.where(diagonal, 0, 1 / jnp.where(diagonal, 1, sums))
     k = k.astype(a.dtype)

@@ -53,11 +53,9 @@ def head_pieces(n: int, split: bool) -> tuple[int, ...]:
     or, with ``split`` and where that is narrower, the largest power of two below ``n`` and one
     for the rest (576 -> 512 + 64, 192 -> 128 + 64, 80 -> 64 + 16; 100 stays 128)."""
     whole = max(16, pow2_at_least(n))
-    if not split or whole == n or n <= 16:
-        return (whole,)
     head = whole // 2
     rest = max(16, pow2_at_least(n - head))
-    return (head, rest) if head + rest < whole else (whole,)
+    return (head, rest) if split and head + rest < whole else (whole,)
 
 
 # Shared memory a Triton program may take, by GPU: what a block may opt in to (sm90 227 KiB, sm80
