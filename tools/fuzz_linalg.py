@@ -21,7 +21,7 @@ matrices, ``hermitian``: the matrix's Hermitian part; polar's ``side``). It chec
   complements of a full decomposition; lstsq's solution, residuals and singular values; the
   pseudo-inverse and polar's factors, also at repeated values) against central finite differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
   a scalar of them (forward over reverse against differences of the gradient, reverse over reverse
-  against forward over reverse; polar's at distinct values only, where it takes the SVD's).
+  against forward over reverse; polar's also at repeated values).
 
     PYTHONPATH=. python tools/fuzz_linalg.py [--seconds 600] [--seed 0] [--count N]
 
@@ -224,7 +224,7 @@ def check_polar(rng, dtype, a64, s_true, kind) -> None:
         np.testing.assert_allclose(u64, w @ vh, rtol=0, atol=tol * s_true[0] / s_true[-1])
     _check_transforms(call, (a,), (True,), tol * 1e3, gauge=lambda out: out)
     if dtype in (np.float64, np.complex128) and kind in ("distinct", "repeated") and k:
-        _check_derivatives(rng, lambda a: list(call(a)), (a,), s_true[0], second_order=kind == "distinct")
+        _check_derivatives(rng, lambda a: list(call(a)), (a,), s_true[0])
 
 
 def _check_transforms(call, args, batched, tol, gauge) -> None:
@@ -253,9 +253,9 @@ def _close_trees(actual, expected, tol) -> None:
         np.testing.assert_allclose(x, y, rtol=tol, atol=tol)
 
 
-def _check_derivatives(rng, fn, args, size, second_order: bool = True) -> None:
+def _check_derivatives(rng, fn, args, size) -> None:
     """The jvp against central differences (a step of ``1e-6 size``, ``size`` the largest singular
-    value), the vjp as its transpose, and on small problems (where ``second_order``) the
+    value), the vjp as its transpose, and on small problems the
     Hessian-vector products of a scalar of the results (forward over reverse against differences of
     the gradient, reverse over reverse against forward over reverse)."""
     tangents = tuple(jnp.asarray(random(rng, x.shape, x.dtype)) for x in args)
@@ -266,7 +266,7 @@ def _check_derivatives(rng, fn, args, size, second_order: bool = True) -> None:
     # JAX pairs a cotangent with a tangent without conjugation: Re Σ c·t
     lhs, rhs = _pair(cotangents, jvp_out), _pair(pulled, tangents)
     assert abs(lhs - rhs) <= 1e-9 * max(1.0, abs(lhs)), (lhs, rhs)
-    if not second_order or sum(x.size for x in args) > 300:
+    if sum(x.size for x in args) > 300:
         return  # second order on small problems only: seconds, not minutes
     argnums = tuple(range(len(args)))
     grad = jax.grad(lambda *a: _pair(cotangents, fn(*a), traced=True), argnums=argnums)

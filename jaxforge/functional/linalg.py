@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxforge.functional._static import common_dtype, concrete_scalar, static_bool
 from jaxforge.primitives._core import named_residuals
-from jaxforge.primitives.linalg import lstsq_p, svd_p
+from jaxforge.primitives.linalg import lstsq_p, svd_p, sylvester_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
 from jaxforge.primitives.linalg.lstsq import default_rcond
 from jaxforge.primitives.linalg.svd import RESIDUAL_NAMES as SVD_RESIDUALS
@@ -152,12 +152,15 @@ def polar(a, side: str = "right"):
 
         dU = \left(W\, [(X - X^H) \circ K] + (dA\, V - W X) S^{-1}\right) V^H,
 
-    and ``dP`` by the product rule on ``P = Uᴴa`` (``a Uᴴ`` left). They are finite where singular
-    values repeat, where those taken through an SVD (``W Vᴴ`` of ``svd``'s factors, as
-    ``jax.scipy.linalg.polar(method="svd")`` does) meet ``1/(s_j − s_k)``; only a rank-deficient
-    ``a``, whose ``U`` is not unique, makes them inf or NaN (a real square ``a`` of one zero
-    singular value gets the derivative of the branch its SVD chose). Second derivatives go through
-    the SVD's (finite for distinct singular values).
+    and ``dP`` by the product rule on ``P = Uᴴa`` (``a Uᴴ`` left). Its two terms are solves with
+    :math:`P = V S V^H`: :math:`U\Omega` where :math:`P\Omega + \Omega P = C - C^H`
+    (:math:`C = U^H dA`, :math:`\Omega = V[(X - X^H) \circ K]V^H`), and :math:`(dA - UC)P^{-1}`.
+    Taken by ``sylvester_p``, differentiated in :math:`P` alone, they keep derivatives of every
+    order exact where singular values repeat (an
+    ``a`` with orthonormal columns: all of them), where those taken through an SVD (``W Vᴴ`` of
+    ``svd``'s factors, as ``jax.scipy.linalg.polar(method="svd")`` does) meet ``1/(s_j − s_k)``;
+    only a rank-deficient ``a``, whose ``U`` is not unique, makes them inf or NaN (a real square
+    ``a`` of one zero singular value gets the derivative of the branch its SVD chose).
 
     Example (orthogonal Procrustes: the rotation nearest to carrying points ``x`` onto ``y``):
       >>> import jax.numpy as jnp, jaxforge as jf
@@ -176,34 +179,36 @@ def polar(a, side: str = "right"):
     return u, (p + _adjoint(p)) / 2  # Hermitian to the last bit
 
 
-@jax.custom_jvp
 def _unitary_factor(a):
-    """``W Vᴴ`` of the thin SVD of a tall ``a`` (``m >= n``)."""
-    _, w, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    """``W Vᴴ`` of the thin SVD of a tall ``a`` (``m >= n``); its derivatives are ``_polar_unitary``'s."""
+    factors = svd_p.bind(jax.lax.stop_gradient(a), full_matrices=False, compute_uv=True, grad_eps=0.0)
+    return _polar_unitary(a, *named_residuals(factors, SVD_RESIDUALS))  # jf.remat.save_linalg keeps them
+
+
+@jax.custom_jvp
+def _polar_unitary(a, s, w, vh):
+    """``U = W Vᴴ`` from ``a = W diag(s) Vᴴ``, differentiated in ``a`` alone: the factors are read for
+    their values (their own derivatives meet ``1/(s_j − s_k)``, infinite at a tie)."""
     return _matmul(w, vh)
 
 
-@_unitary_factor.defjvp
-def _unitary_factor_jvp(primals, tangents):
-    (a,), (da,) = primals, tangents
-    s, w, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
-    s, w, vh = named_residuals((s, w, vh), SVD_RESIDUALS)  # jf.remat.save_linalg keeps them
+@_polar_unitary.defjvp
+def _polar_unitary_jvp(primals, tangents):
+    # With P = Uᴴa = V diag(s) Vᴴ and C = Uᴴ dA: Ω = Uᴴ dU solves PΩ + ΩP = C − Cᴴ, and the part of
+    # dA outside U's span (none when square) gives (dA − UC)P⁻¹. Both solves are sylvester_p's, whose
+    # rules (like this one, through `u`) keep every higher derivative in P and off the factors.
+    a, s, w, vh = primals
+    da = tangents[0]
+    u = _polar_unitary(a, s, w, vh)
     v = _adjoint(vh)
-    da_v = _matmul(da, v)
-    x = _matmul(_adjoint(w), da_v)
-    # K_jk = 1/(s_j + s_k). Off the diagonal X − Xᴴ meets it; on it, only an imaginary part does
-    # (a complex gauge), so a real a's diagonal is 0 and not 0·∞ at a zero singular value.
-    sums = s[..., :, None] + s[..., None, :]
-    if jnp.iscomplexobj(a):
-        k = 1 / sums
-    else:
-        diagonal = jnp.eye(s.shape[-1], dtype=bool)
-        k = jnp.where(diagonal, 0, 1 / jnp.where(diagonal, 1, sums))
-    k = k.astype(a.dtype)
-    du = _matmul(w, (x - _adjoint(x)) * k)
-    if a.shape[-2] > a.shape[-1]:  # the part of dA V outside the span of W (none when square)
-        du = du + (da_v - _matmul(w, x)) * (1 / s).astype(a.dtype)[..., None, :]
-    return _matmul(w, vh), _matmul(du, vh)
+    p = _matmul(_adjoint(u), a)
+    p = (p + _adjoint(p)) / 2
+    c = _matmul(_adjoint(u), da)
+    (omega,) = sylvester_p.bind(p, s, v, c - _adjoint(c), two_sided=True)
+    du = _matmul(u, omega)
+    if a.shape[-2] > a.shape[-1]:
+        du = du + sylvester_p.bind(p, s, v, da - _matmul(u, c), two_sided=False)[0]
+    return u, du
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

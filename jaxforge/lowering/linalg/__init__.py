@@ -1,3 +1,3 @@
 """Lowerings of the linear-algebra primitives, one package per op."""
 
-from jaxforge.lowering.linalg import lstsq, svd  # noqa: F401  (importing registers)
+from jaxforge.lowering.linalg import lstsq, svd, sylvester  # noqa: F401  (importing registers)
