@@ -21,6 +21,7 @@ from jaxforge.functional._static import common_dtype, concrete_scalar, static_bo
 from jaxforge.primitives._core import named_residuals
 from jaxforge.primitives.linalg import lstsq_p, svd_p, sylvester_p
 from jaxforge.primitives.linalg._checks import check_dtype, check_matrix
+from jaxforge.primitives.linalg._ops import pinv_tangent
 from jaxforge.primitives.linalg.lstsq import default_rcond
 from jaxforge.primitives.linalg.svd import RESIDUAL_NAMES as SVD_RESIDUALS
 
@@ -227,13 +228,8 @@ def _pinv(a, atol, rtol, hermitian):
 @_pinv.defjvp
 def _pinv_jvp(hermitian, primals, tangents):
     a, atol, rtol = primals
-    da = tangents[0]
     p = _pinv(a, atol, rtol, hermitian)
-    ph, dah = _adjoint(p), _adjoint(da)
-    left = _matmul(_matmul(p, ph), dah)  # A⁺A⁺ᴴ dAᴴ, then times (I − AA⁺)
-    right = _matmul(dah, _matmul(ph, p))  # dAᴴ A⁺ᴴA⁺, after (I − A⁺A)
-    dp = -_matmul(_matmul(p, da), p) + left - _matmul(_matmul(left, a), p) + right - _matmul(p, _matmul(a, right))
-    return p, dp
+    return p, pinv_tangent(a, p, tangents[0])
 
 
 def _matmul(x, y):  # the default precision of a GPU's float32 products is TF32's 10-bit mantissa

@@ -88,6 +88,17 @@ def truncated_pinv(u, s, v, keep, y):
     return mm(v, kept_reciprocal(s, keep).astype(y.dtype)[..., :, None] * mm(ct(u), y))
 
 
+def pinv_tangent(a, p, da):
+    """Golub and Pereyra's ``dA⁺`` where the rank is locally constant, from ``P = A⁺`` and ``A``:
+    ``−P dA P + PPᴴ dAᴴ (I − AP) + (I − PA) dAᴴ PᴴP``. Products of ``P`` and ``A`` alone, so a
+    rule that calls itself for ``P``'s tangent gives derivatives of every order, also where
+    singular values repeat."""
+    ph, dah = ct(p), ct(da)
+    left = mm(mm(p, ph), dah)  # A⁺A⁺ᴴ dAᴴ, then times (I − AA⁺)
+    right = mm(dah, mm(ph, p))  # dAᴴ A⁺ᴴA⁺, after (I − A⁺A)
+    return -mm(mm(p, da), p) + left - mm(mm(left, a), p) + right - mm(p, mm(a, right))
+
+
 def within_rank(rank, k: int):
     """``(..., k)`` booleans: index ``i < rank``, the singular triplets a rank keeps."""
     return lax.broadcast_to_rank(jnp.arange(k, dtype=rank.dtype), rank.ndim + 1) < rank[..., None]

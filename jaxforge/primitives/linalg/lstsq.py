@@ -32,7 +32,11 @@ carries its own tangent, :math:`dR = (\operatorname{triu}(H, 1) + \tfrac12\opera
 truncated pseudo-inverse from the SVD of the forward's ``R``, computed only when some matrix in the
 batch is rank-deficient (``lax.cond`` on device). The singular vectors of ``A`` come from that SVD
 (:math:`U = AVS^{-1}`), and ds's own SVD of ``R`` runs only where a tangent of ``s`` is used (XLA
-drops it from a gradient of ``x`` alone). The residuals follow
+drops it from a gradient of ``x`` alone). ``R``'s tangent is not defined where ``A`` is
+rank-deficient (0 there), so that pseudo-inverse is differentiated in ``A`` alone, by the same
+formula (products of :math:`A^+` and ``A``): second derivatives of ``x`` and the residuals hold
+there too, also where singular values repeat; in such a batch ds takes ``A``'s own SVD, whose
+vectors' derivatives its own second derivatives need (exact at distinct singular values, as svd's). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`. The JVP names what it reads of
 the forward, ``(x, rank, r)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint`` policy may keep
@@ -62,6 +66,7 @@ from jaxforge.primitives.linalg._ops import (
     diagonal,
     kept_reciprocal,
     mm,
+    pinv_tangent,
     positive_diagonal,
     truncated_pinv,
     upper_inverse,
@@ -179,7 +184,11 @@ def _tangents(a, b, x, rank, r, da, db):
         lambda: _mixed_rank_tangent(a, b, x, rank, r_inv, s_r, v_r, da, db),
     )
     s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
-    ds = _singular_value_tangent(a, s, v_r, rank, da)
+    s, ds = lax.cond(
+        all_full,
+        lambda: (s, _singular_value_tangent(a, s, v_r, rank, da)),
+        lambda: _singular_values_through_a(after_on_cpu(a, v_r), s, rank, da),
+    )
     m, n = a.shape[-2:]
     dres = _residual_tangent(a, b, x, da, db, dx) if m > n else jnp.zeros((*a.shape[:-2], 0), ds.dtype)
     return s, dx, dres, ds, dr
@@ -208,6 +217,19 @@ def _singular_value_tangent(a, s, v_r, rank, da):
     where the singular values have no derivative."""
     u, v = _singular_vectors(a, s, v_r, rank)
     return jnp.real(diagonal(mm(mm(ct(u), da), v)))
+
+
+def _singular_values_through_a(a, s, rank, da):
+    """``(s, ds)`` in a batch holding a rank-deficient matrix: ``s``'s values (``R``'s, as the
+    forward's) and its derivatives those of ``A``'s own SVD, as is ``ds = Re diag(Uᴴ dA V)`` (0 past
+    the rank). ``R``'s tangent is not defined where ``A`` is rank-deficient (0 there), so vectors
+    from its SVD would give ``ds`` a wrong derivative; ``A``'s give exact ones at distinct values."""
+    s_a, u, vh = svd_p.bind(a, full_matrices=False, compute_uv=True, grad_eps=0.0)
+    kept = within_rank(rank, s.shape[-1])
+    # where, not a product: past the rank svd's tangents of u and vh meet 1/(0 - 0)
+    u, v = (jnp.where(kept[..., None, :], x, 0) for x in (u, ct(vh)))
+    moving = jnp.where(kept, s_a - lax.stop_gradient(s_a), 0)  # 0, with s_a's tangent
+    return lax.stop_gradient(s) + moving, jnp.real(diagonal(mm(mm(ct(u), da), v)))
 
 
 def _seminormal_tangent(a, b, x, r_inv, da, db):
@@ -251,28 +273,36 @@ def _mixed_rank_tangent(a, b, x, rank, r_inv, s, v_r, da, db):
     """Per matrix: the seminormal tangent where the rank is full, Golub–Pereyra's with the truncated
     pseudo-inverse from the SVD of the forward's ``R`` (``(s, V_R)``) elsewhere."""
     full = (rank == r_inv.shape[-1])[..., None, None]
-    u, v = _singular_vectors(a, s, v_r, rank)
     return jnp.where(
         full,
         _seminormal_tangent(a, b, x, r_inv, da, db),
-        _pinv_tangent(a, b, x, u, s, v, rank, da, db),
+        _pinv_tangent(a, b, x, _truncated_pinv(a, s, v_r, rank), da, db),
     )
 
 
-def _pinv_tangent(a, b, x, u, s, v, rank, da, db):
-    """Golub–Pereyra with the truncated pseudo-inverse A_r⁺ = V S_r⁻¹ Uᴴ of the thin SVD of A."""
-    keep = within_rank(rank, s.shape[-1])
+def _pinv_tangent(a, b, x, p, da, db):
+    """Golub–Pereyra's ``dx`` with the truncated pseudo-inverse ``P = A_r⁺``."""
+    w = mm(ct(da), mm(ct(p), x))
+    return mm(p, db - mm(da, x) + mm(ct(p), mm(ct(da), b - mm(a, x)))) + w - mm(p, mm(a, w))
 
-    def pinv(y):  # A⁺ y
-        return truncated_pinv(u, s, v, keep, y)
 
-    def pinv_h(y):  # A⁺ᴴ y
-        return truncated_pinv(v, s, u, keep, y)
+@jax.custom_jvp
+def _truncated_pinv(a, s, v_r, rank):
+    """``A_r⁺ = V S_r⁻¹ Uᴴ`` from ``(s, V_R)`` of the forward's ``R``, differentiated in ``a`` alone
+    with its rank held (``pinv_tangent``): ``R``'s own tangent is not defined where ``A`` is
+    rank-deficient (0 there), so second derivatives taken through its SVD would be wrong."""
+    u, v = _singular_vectors(a, s, v_r, rank)
+    return mm(v * kept_reciprocal(s, within_rank(rank, s.shape[-1])).astype(a.dtype)[..., None, :], ct(u))
 
-    kept = keep.astype(a.dtype)[..., :, None]  # A⁺A = V diag(kept) Vᴴ
-    res = b - mm(a, x)
-    w = mm(ct(da), pinv_h(x))
-    return pinv(db - mm(da, x)) + pinv(pinv_h(mm(ct(da), res))) + w - mm(v, kept * mm(ct(v), w))
+
+@_truncated_pinv.defjvp
+def _truncated_pinv_jvp(primals, tangents):
+    a, s, v_r, rank = primals
+    p = _truncated_pinv(a, s, v_r, rank)
+    # Tied (0·ds, linear and finite) to the tangent of s, which it does not read: in a second
+    # derivative's program the SVD of R that gives it then waits, on CPU, for the LAPACK calls
+    # before it as its input's tangent does (_ops.after; without a use XLA would drop the tie).
+    return p, pinv_tangent(a, p, tangents[0]) + 0 * tangents[1][..., :1, None].astype(p.dtype)
 
 
 def _example_args():

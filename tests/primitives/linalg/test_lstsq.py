@@ -314,6 +314,30 @@ def test_both_branches_give_a_full_rank_matrix_the_same_gradient(m, n):
         np.testing.assert_allclose(got[:1], want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+@pytest.mark.parametrize("m,n", [(6, 4), (4, 6)])
+@pytest.mark.parametrize("values", [(3.0, 2.0, 1.0), (2.0, 2.0, 1.0)])
+def test_second_derivatives_of_a_rank_deficient_matrix(values, m, n, dtype):
+    """Along directions that hold the rank (``a = L Rᴴ`` with ``L``, ``R`` of 3 columns, moved):
+    x and the residuals to second order, also where singular values repeat; s at distinct values
+    (at a tie it has none, as svd's). Through the forward's R, whose tangent is 0 where the rank
+    is deficient, x's Hessian-vector products were off by as much as they measure (2026-12-07)."""
+    rng = np.random.default_rng(20)
+    a = with_singular_values(rng, (), m, n, np.array([*values, *[0.0] * (min(m, n) - 3)]), dtype)
+    u, s, vh = np.linalg.svd(a)
+    left, right = u[:, :3] * s[:3], np.conj(vh[:3].T)
+    b = random(rng, (m, 2), dtype)
+
+    def outputs(left, right, b):
+        x, residuals, _, s = jf.linalg.lstsq(left @ jnp.conj(right.T), b)
+        return (x, residuals, s) if len(set(values)) == len(values) else (x, residuals)
+
+    assert jf.linalg.lstsq(a, b).rank == 3
+    # eps: a central difference's truncation error, eps² times a third derivative, is 1e-6 here at
+    # the default 1e-4 (complex, wide); at 1e-5 rounding still stays far below the tolerance
+    check_grads(outputs, (left, right, b), order=2, modes=("fwd", "rev"), atol=1e-6, rtol=1e-6, eps=1e-5)
+
+
 @pytest.mark.parametrize("m,n", [(8, 5), (5, 8)])
 def test_singular_value_tangents_of_a_rank_deficient_matrix(m, n):
     """ds from the forward's R (U = AVS⁻¹): Re(uᵢᴴ dA vᵢ) for the nonzero singular values, and 0 for
