@@ -36,7 +36,8 @@ drops it from a gradient of ``x`` alone). ``R``'s tangent is not defined where `
 rank-deficient (0 there), so that pseudo-inverse is differentiated in ``A`` alone, by the same
 formula (products of :math:`A^+` and ``A``): second derivatives of ``x`` and the residuals hold
 there too, also where singular values repeat; in such a batch ds takes ``A``'s own SVD, whose
-vectors' derivatives its own second derivatives need (exact at distinct singular values, as svd's). The residuals follow
+vectors' derivatives its own second derivatives need (exact at distinct singular values, as
+svd's). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`. The JVP names what it reads of
 the forward, ``(x, rank, r)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint`` policy may keep
