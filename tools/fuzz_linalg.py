@@ -16,8 +16,8 @@ matrices, ``hermitian``: the matrix's Hermitian part; polar's ``side``). It chec
   jitted against eager, vmapped
   over a batch axis against a loop, and a NaN in one matrix giving it NaN results and leaving the
   others' alone;
-* where derivatives are defined (float64 or complex128, distinct singular values; full rank for
-  lstsq), the jvp of gauge-invariant results (``s``, ``u diag(w(s)) vh``, the projectors onto the
+* where derivatives are defined (float64 or complex128, distinct singular values; for lstsq full
+  rank, or a rank-deficient ``a = L Rᴴ`` moved through its factors, which holds the rank), the jvp of gauge-invariant results (``s``, ``u diag(w(s)) vh``, the projectors onto the
   complements of a full decomposition; lstsq's solution, residuals and singular values; the
   pseudo-inverse and polar's factors, also at repeated values) against central finite differences, ``vjp`` as the jvp's transpose, and on small problems Hessian-vector products of
   a scalar of them (forward over reverse against differences of the gradient, reverse over reverse
@@ -141,6 +141,8 @@ def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
         b_batch = ()
     elif batch and not vector and rng.random() < 0.3:  # b broadcasts: a leading dim of one, or fewer dims
         b_batch = (1, *batch[1:]) if rng.random() < 0.5 else batch[1:]
+        if (*b_batch, m, cols) == a64.shape[:-1]:  # torch's rule, lstsq's, reads that b as vectors
+            b_batch = batch
     b64 = random(rng, (*b_batch, m) if vector else (*b_batch, m, cols), a64.dtype)
     rcond = rng.choice([None, None, -1.0, 1e-3])
     a, b = jnp.asarray(a64.astype(dtype)), jnp.asarray(b64.astype(dtype))
@@ -171,6 +173,18 @@ def check_lstsq(rng, dtype, a64, s_true, kind) -> None:
             return [x, s] + ([residuals] if residuals.size else [])
 
         _check_derivatives(rng, differentiable, (a, b), s_true[0])
+    rank_held = int(np.sum(s_true > 0))
+    if kind == "zeros" and dtype in (np.float64, np.complex128) and 0 < rank_held < min(m, n):
+        # along directions that hold the rank: a = L Rᴴ with L, R of rank_held columns, moved; the
+        # cut-off far from both the kept values (2 to 1) and the rounding the product leaves
+        u, s_np, vh = np.linalg.svd(a64, full_matrices=False)
+        left, right = u[..., :rank_held] * s_np[..., None, :rank_held], np.conj(np.swapaxes(vh[..., :rank_held, :], -1, -2))
+
+        def held(left, right, b):
+            x, residuals, _, s = jf.linalg.lstsq(left @ jnp.conj(jnp.swapaxes(right, -1, -2)), b, rcond=1e-6)
+            return [x, s] + ([residuals] if residuals.size else [])
+
+        _check_derivatives(rng, held, (jnp.asarray(left), jnp.asarray(right), b), s_true[0])
 
 
 def check_pinv(rng, dtype, a64, s_true, kind) -> None:
