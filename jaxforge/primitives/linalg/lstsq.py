@@ -187,7 +187,7 @@ def _tangents(a, b, x, rank, r, da, db):
     s, v_r = _right_svd(after_on_cpu(r_tied, v_r))
     s, ds = lax.cond(
         all_full,
-        lambda: (s, _singular_value_tangent(a, s, v_r, rank, da)),
+        lambda: (s, _singular_value_tangent(*_singular_vectors(a, s, v_r, rank), da)),
         lambda: _singular_values_through_a(after_on_cpu(a, v_r), s, rank, da),
     )
     m, n = a.shape[-2:]
@@ -213,10 +213,9 @@ def _singular_vectors(a, s, v_r, rank):
     return (v_r, q_u) if wide else (q_u, v_r)
 
 
-def _singular_value_tangent(a, s, v_r, rank, da):
-    """``ds = Re diag(Uᴴ dA V)``, the vectors from ``(s, V_R)`` of the forward's ``R``; 0 past the rank,
-    where the singular values have no derivative."""
-    u, v = _singular_vectors(a, s, v_r, rank)
+def _singular_value_tangent(u, v, da):
+    """``ds = Re diag(Uᴴ dA V)``; 0 past the rank, where the vectors are 0 (the singular values have
+    no derivative there)."""
     return jnp.real(diagonal(mm(mm(ct(u), da), v)))
 
 
@@ -230,7 +229,7 @@ def _singular_values_through_a(a, s, rank, da):
     # where, not a product: past the rank svd's tangents of u and vh meet 1/(0 - 0)
     u, v = (jnp.where(kept[..., None, :], x, 0) for x in (u, ct(vh)))
     moving = jnp.where(kept, s_a - lax.stop_gradient(s_a), 0)  # 0, with s_a's tangent
-    return lax.stop_gradient(s) + moving, jnp.real(diagonal(mm(mm(ct(u), da), v)))
+    return lax.stop_gradient(s) + moving, _singular_value_tangent(u, v, da)
 
 
 def _seminormal_tangent(a, b, x, r_inv, da, db):

@@ -5,6 +5,8 @@ an explicit mesh, and errors naming the operand."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from jax.test_util import check_grads
 
 from jaxforge.lowering.linalg.sylvester import IMPLEMENTATIONS
 from jaxforge.primitives.linalg import sylvester_p, sylvester_reference
+from tests.linalg_inputs import random, unitary
 from tests.transforms.test_sharding_rules import collectives, compiled
 
 EIGENVALUES = {"distinct": [3.0, 2.0, 1.0, 0.5], "a tie": [3.0, 2.0, 2.0, 0.5], "all equal": [1.0, 1.0, 1.0, 1.0]}
@@ -21,15 +24,14 @@ EIGENVALUES = {"distinct": [3.0, 2.0, 1.0, 0.5], "a tie": [3.0, 2.0, 2.0, 0.5], 
 
 def hermitian(rng, eigenvalues, batch=(), complex_=False):
     """``V diag(s) Vᴴ`` with random unitary ``V``: ``(p, s, v)``, the eigenvalues exactly as given."""
-    n = len(eigenvalues)
-    x = rng.standard_normal((*batch, n, n)) + (1j * rng.standard_normal((*batch, n, n)) if complex_ else 0)
-    v, _ = np.linalg.qr(x)
+    n, dtype = len(eigenvalues), np.complex128 if complex_ else np.float64
+    v = np.stack([unitary(rng, n, dtype) for _ in range(math.prod(batch))]).reshape(*batch, n, n)
     s = np.broadcast_to(np.asarray(eigenvalues), (*batch, n)).copy()
     return (v * s[..., None, :]) @ np.conj(np.swapaxes(v, -1, -2)), s, v
 
 
 def rhs(rng, shape, two_sided, complex_=False):
-    c = rng.standard_normal(shape) + (1j * rng.standard_normal(shape) if complex_ else 0)
+    c = random(rng, shape, np.complex128 if complex_ else np.float64)
     return c - np.conj(np.swapaxes(c, -1, -2)) if two_sided else c
 
 
