@@ -194,6 +194,7 @@ def load(kernel: Kernel, library: pathlib.Path) -> None:
     handle = ctypes.CDLL(str(library))
     for target, symbol in kernel.targets.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="CUDA")
+        jax.ffi.register_ffi_target_as_batch_partitionable(target)  # see _core.kernel_call
 
 
 def _first_gpu():

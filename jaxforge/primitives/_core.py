@@ -11,7 +11,9 @@ and becomes one more batch dim (never a Python loop). A primitive brings three f
 * a default implementation in jax operations, registered by ``lowering/`` with
   :func:`register_lowering`, which runs on every platform.
 
-This module is the only one in jaxforge that touches ``jax.extend`` and ``jax.interpreters``.
+It also holds :func:`kernel_call`, the FFI call every batched CUDA kernel goes through, marked so
+that XLA's partitioner splits it along its batch dims. This module is the only one in jaxforge
+that touches ``jax.extend`` and ``jax.interpreters``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "is_linear_input",
     "is_symbolic_zero",
     "jvp_along",
+    "kernel_call",
     "jvp_in_floats",
     "literal_value",
     "mesh_axes",
@@ -172,6 +175,7 @@ def register_lowering(
     platform: str | None = None,
     shards: bool = False,
     shared_operands: Callable[..., Sequence[bool]] | None = None,
+    partitionable: bool = False,
 ) -> None:
     """Lowers ``prim`` by tracing ``impl`` (jax operations) into the enclosing computation.
 
@@ -185,7 +189,9 @@ def register_lowering(
     is a sum over the shards (the cotangent of a shared operand) and is all-reduced. With
     ``shards``, ``impl`` receives ``shards=``: per dim of its first operand, ``(shard index, number
     of shards)``, or None when unsharded, to recover global indices. Under automatic sharding the
-    partitioner splits ``impl``'s operations.
+    partitioner splits ``impl``'s operations; a platform's ``impl`` whose custom calls it cannot
+    split (a Pallas kernel's) warns there, unless ``partitionable``: its kernels are
+    :func:`kernel_call`'s, split along their batch dims.
     """
 
     def lowering(ctx, *args, **params):
@@ -198,7 +204,7 @@ def register_lowering(
             shared = shared_operands(len(args), **params) if shared_operands else [False] * len(args)
             fn = _per_shard(fn, ctx.avals_in, ctx.avals_out, shared, shards)
         else:
-            if platform is not None and (devices := getattr(ctx.module_context.axis_context, "num_devices", 1)) > 1:
+            if platform is not None and not partitionable and (devices := getattr(ctx.module_context.axis_context, "num_devices", 1)) > 1:
                 _warn_whole_on_every_device(prim.name, platform, devices)
             if shards:
                 fn = functools.partial(fn, shards=None)
@@ -209,8 +215,9 @@ def register_lowering(
 
 def _warn_whole_on_every_device(name: str, platform: str, devices: int) -> None:
     """A kernel lowering under ``jit`` over several devices with automatic axes: XLA's partitioner
-    cannot split its custom call. (A ``custom_partitioning`` bound here would, but jax 0.10 hands
-    the device assignment it needs only to the lowerings of primitives in a private registry.)"""
+    cannot split its custom call, a Pallas kernel's, whose grid is fixed at lowering. (A
+    ``custom_partitioning`` bound here would, but jax 0.10 hands the device assignment it needs only
+    to the lowerings of primitives in a private registry.)"""
     warnings.warn(
         f"jaxforge: {name} under jax.jit over {devices} devices with automatic mesh axes runs its {platform} "
         "kernel on the whole of its operands on every device (XLA's partitioner cannot split a custom "
@@ -565,3 +572,62 @@ def _leading_batch_rule(prim: Primitive, args: Sequence, dims: Sequence, **param
     ]
     outs = prim.bind(*moved, **params)
     return outs, [0] * len(outs)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batched kernel calls
+
+
+def kernel_call(target: str, result_types: Sequence, *operands, **attributes) -> list:
+    """``jax.ffi.ffi_call(target, result_types)(*operands, **attributes)`` for a batched kernel:
+    its operands and results lead with the same batch dims (the first operand's all but its last
+    two), and the call says so as jax's own cuSOLVER calls do (XLA's ``num_batch_dims``, Shardy's
+    sharding rule). Where ``target`` is registered batch-partitionable
+    (``jax.ffi.register_ffi_target_as_batch_partitionable``, as ``build.load`` registers every
+    kernel), XLA's partitioner then runs it per shard of those dims under automatic sharding, where
+    it would otherwise gather the operands and run the whole batch on every device."""
+    batch = tuple(operands[0].shape[:-2])
+    if any(tuple(x.shape[: len(batch)]) != batch for x in (*operands, *result_types)):
+        shapes = [tuple(x.shape) for x in (*operands, *result_types)]
+        raise ValueError(f"kernel_call {target}: operands and results must lead with the batch dims {batch}, got {shapes}")
+    results = tuple(core.ShapedArray(tuple(r.shape), r.dtype) for r in result_types)
+    return _kernel_call_p.bind(*operands, target=target, results=results, attributes=tuple(sorted(attributes.items())))
+
+
+def _kernel_call_lowering(ctx, *args, target: str, results, attributes):
+    del results  # ctx.avals_out
+    batch = len(ctx.avals_in[0].shape) - 2
+    shapes_in, shapes_out = ([tuple(a.shape) for a in avals] for avals in (ctx.avals_in, ctx.avals_out))
+    extra = {}
+    if all(isinstance(n, int) for shape in shapes_in + shapes_out for n in shape):  # symbolic: left whole, as jax's
+        extra["mhlo.frontend_attributes"] = mlir.ir.DictAttr.get({"num_batch_dims": mlir.ir.StringAttr.get(str(batch))})
+        if getattr(jax.config, "jax_use_shardy_partitioner", True):  # GSPMD reads num_batch_dims alone
+            extra["sdy.sharding_rule"] = mlir.ir.Attribute.parse(_batch_sharding_rule(batch, shapes_in, shapes_out))
+    return jax.ffi.ffi_lowering(target, extra_attributes=extra)(ctx, *args, **dict(attributes))
+
+
+def _batch_sharding_rule(batch: int, shapes_in: Sequence[tuple], shapes_out: Sequence[tuple]) -> str:
+    """Shardy's rule for a call whose tensors share their first ``batch`` dims: a factor for each of
+    those, common to all, and one of its own for every other dim (which the partitioner keeps
+    whole). Factors are named as Shardy prints them: ``i`` to ``z``, then ``z_1``, ``z_2``, ..."""
+    sizes: list[int] = list(shapes_in[0][:batch])
+
+    def factors(shape) -> str:
+        own = range(len(sizes), len(sizes) + len(shape) - batch)
+        sizes.extend(shape[batch:])
+        return "[" + ", ".join(_factor_name(k) for k in (*range(batch), *own)) + "]"
+
+    lhs, rhs = (", ".join(factors(s) for s in shapes) for shapes in (shapes_in, shapes_out))
+    table = ", ".join(f"{_factor_name(k)}={n}" for k, n in enumerate(sizes))
+    return f"#sdy.op_sharding_rule<({lhs})->({rhs}) {{{table}}}, custom>"
+
+
+def _factor_name(k: int) -> str:
+    return chr(ord("i") + k) if k < 18 else f"z_{k - 17}"
+
+
+_kernel_call_p = Primitive("jaxforge_kernel_call")
+_kernel_call_p.multiple_results = True
+_kernel_call_p.def_abstract_eval(lambda *avals, results, **_: results)
+_kernel_call_p.def_impl(functools.partial(_impl_through_jit, _kernel_call_p))
+mlir.register_lowering(_kernel_call_p, _kernel_call_lowering)

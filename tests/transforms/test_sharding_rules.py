@@ -4,9 +4,13 @@ gathered — on 8 CPU devices."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import pathlib
 import re
+import shutil
+import subprocess
 import warnings
 
 import jax
@@ -424,7 +428,7 @@ def equations(jaxpr):
 def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_every_device(batch):
     """A platform's (kernel) lowering under jit over several devices with automatic axes cannot be
     split by XLA's partitioner: one warning names the primitive and what to do. Explicitly sharded,
-    on one device, or in the default lowering: none."""
+    on one device, in the default lowering, or where the kernels are batch-partitionable: none."""
     prim = Primitive("kernel_probe")
     prim.def_abstract_eval(lambda x: (x,))
     prim.multiple_results = True
@@ -439,6 +443,52 @@ def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_ever
         jax.jit(prim.bind)(jax.device_put(x, batch))  # explicit: per shard
         jax.jit(prim.bind)(x)  # one device
         jax.jit(lambda a: jf.linalg.svd(a, compute_uv=False), in_shardings=NamedSharding(auto, P("batch")))(np.ones((8, 3, 2)))  # its default lowering
+    partitioned = Primitive("partitioned_kernel_probe")
+    partitioned.def_abstract_eval(lambda x: (x,))
+    partitioned.multiple_results = True
+    _core.register_lowering(partitioned, lambda x: (2 * x,), platform="cpu", partitionable=True)  # svd's and lstsq's cuda
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(partitioned.bind, in_shardings=NamedSharding(auto, P("batch")))(x)
+
+
+@pytest.fixture(scope="module")
+def row_sums_targets(tmp_path_factory):
+    """Two CPU FFI targets of ``row_sums_ffi.cc``, the first registered batch-partitionable (as
+    ``build.load`` registers every kernel), the second not."""
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no host C++ compiler (g++)")
+    library = tmp_path_factory.mktemp("ffi") / "row_sums.so"
+    source = pathlib.Path(__file__).with_name("row_sums_ffi.cc")
+    subprocess.run([compiler, "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", str(source), "-o", str(library)], check=True)
+    handler = jax.ffi.pycapsule(ctypes.CDLL(str(library)).RowSums)
+    targets = ("jaxforge_test_row_sums_partitioned", "jaxforge_test_row_sums_whole")
+    for target in targets:
+        jax.ffi.register_ffi_target(target, handler, platform="cpu")
+    jax.ffi.register_ffi_target_as_batch_partitionable(targets[0])
+    return targets
+
+
+@pytest.mark.parametrize("shardy", [True, False], ids=["shardy", "gspmd"])
+def test_a_kernel_call_runs_on_each_devices_matrices_under_automatic_sharding(row_sums_targets, shardy):
+    """``_core.kernel_call`` marks its batch dims as jax's cuSOLVER calls do, so that under automatic
+    axes XLA's partitioner (Shardy's, or GSPMD's) hands a batch-partitionable kernel each device's
+    matrices; a kernel not registered so is handed the whole batch on every device, gathered."""
+    auto = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    x = np.random.default_rng(3).standard_normal((16, 3, 5)).astype(np.float32)
+    results = (jax.ShapeDtypeStruct((16, 3), jnp.float32), jax.ShapeDtypeStruct((16,), jnp.int32))
+    was = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", shardy)
+    try:
+        for target, matrices in zip(row_sums_targets, (2, 16)):
+            call = jax.jit(functools.partial(_core.kernel_call, target, results), in_shardings=NamedSharding(auto, P("batch")))
+            sums, seen = call(x)
+            np.testing.assert_allclose(sums, x.sum(-1), rtol=1e-6)
+            np.testing.assert_array_equal(seen, np.full(16, matrices))
+            assert ("all-gather" in call.lower(x).compile().as_text()) == (matrices == 16)
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", was)
 
 
 def test_a_tangent_placed_otherwise_than_its_primal_is_resharded_like_it(batch):

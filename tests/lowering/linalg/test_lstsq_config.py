@@ -95,6 +95,7 @@ def test_the_cuda_lowering_calls_the_fused_kernel_with_numpy_s_cut_off(monkeypat
         assert float(rcond) == default_rcond(dtype, 64, 16)
         operands = f"(tensor<8x64x16x{short}>, tensor<8x64x1x{short}>)"
         assert f"{operands} -> (tensor<8x17x17x{short}>, tensor<8x16x1x{short}>, tensor<8xi32>)" in call
+        assert 'num_batch_dims = "1"' in call and "([i, j, k], [i, l, m])->([i, n, o], [i, p, q], [i])" in call  # batch-partitionable
         assert "jaxforge_qr_r" not in text  # the kernel's certificate replaces the factor-only call
         wide = lowered_for_cuda(16, 40, 2, dtype)  # R of Aᵀ: 16 x 16
         assert f"-> (tensor<8x16x16x{short}>, tensor<8x40x2x{short}>, tensor<8xi32>)" in wide

@@ -126,6 +126,9 @@ def test_the_cuda_lowering_calls_the_warp_kernel_with_real_singular_values(gpu_m
     element = {np.float32: "f32", np.complex64: "complex<f32>"}[dtype]
     assert f"@{target}(" in call
     assert f"-> (tensor<8x12xf32>, tensor<8x20x12x{element}>, tensor<8x12x12x{element}>, tensor<8xi32>)" in call
+    # batch-partitionable, as jax's cuSOLVER calls: one batch factor shared by every operand and result
+    assert 'num_batch_dims = "1"' in call
+    assert "#sdy.op_sharding_rule<([i, j, k])->([i, l], [i, m, n], [i, o, p], [i]) {i=8, j=20, k=12, l=12, m=20, n=12, o=12, p=12}, custom>" in call
 
 
 @pytest.mark.parametrize("slots", [True, False])

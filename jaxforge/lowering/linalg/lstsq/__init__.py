@@ -9,4 +9,4 @@ from jaxforge.primitives.linalg.lstsq import lstsq_p
 IMPLEMENTATIONS = {"xla": lstsq_xla}
 
 _core.register_lowering(lstsq_p, lstsq_xla)
-_core.register_lowering(lstsq_p, lstsq_cuda, platform="cuda")
+_core.register_lowering(lstsq_p, lstsq_cuda, platform="cuda", partitionable=True)

@@ -25,6 +25,7 @@ from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import config
 from jaxforge.lowering.linalg.lstsq.cholesky_qr import cholesky_qr2, cholesky_qr2_thin
 from jaxforge.lowering.linalg.lstsq.xla import augmented_qr, lstsq_xla, qr_r_lapack
+from jaxforge.primitives import _core
 
 QR_R_TARGETS = {
     "float32": "jaxforge_qr_r_f32",
@@ -79,7 +80,7 @@ def qr_r_kernel(x):
     """R of ``x`` by the block kernel (loaded, ``x`` within its limits), whatever the dispatch says:
     for the benchmark and the profiler."""
     *batch, _, cols = x.shape
-    return jax.ffi.ffi_call(QR_R_TARGETS[x.dtype.name], jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype))(x)
+    return _core.kernel_call(QR_R_TARGETS[x.dtype.name], (jax.ShapeDtypeStruct((*batch, cols, cols), x.dtype),), x)[0]
 
 
 def qr_solve_cuda(a, b, rcond: float, targets=QR_SOLVE_TARGETS):
@@ -94,7 +95,7 @@ def qr_solve_cuda(a, b, rcond: float, targets=QR_SOLVE_TARGETS):
         jax.ShapeDtypeStruct((*batch, n, k), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), jnp.int32),
     )
-    r, x, certified = jax.ffi.ffi_call(targets[a.dtype.name], result_types)(a, b, rcond=np.float64(rcond))
+    r, x, certified = _core.kernel_call(targets[a.dtype.name], result_types, a, b, rcond=np.float64(rcond))
     if m < n:
         return r, x, certified != 0, None
     r_a, qhb = r[..., :n, :n], r[..., :n, n:]

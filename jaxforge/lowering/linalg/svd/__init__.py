@@ -9,4 +9,4 @@ from jaxforge.primitives.linalg.svd import svd_p
 IMPLEMENTATIONS = {"xla": svd_xla}
 
 _core.register_lowering(svd_p, svd_xla)
-_core.register_lowering(svd_p, svd_cuda, platform="cuda")
+_core.register_lowering(svd_p, svd_cuda, platform="cuda", partitionable=True)

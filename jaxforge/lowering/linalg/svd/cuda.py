@@ -23,6 +23,7 @@ from jaxforge.lowering.linalg.lstsq.cuda import thin_qr
 from jaxforge.lowering.linalg.svd import config
 from jaxforge.lowering.linalg.svd.polar import svd_polar
 from jaxforge.lowering.linalg.svd.xla import svd_xla
+from jaxforge.primitives import _core
 from jaxforge.primitives.linalg._ops import ct, mm
 
 WARP_TARGETS = {
@@ -149,7 +150,7 @@ def jacobi_svd(a, target: str):
         jax.ShapeDtypeStruct((*batch, k, n), a.dtype),
         jax.ShapeDtypeStruct(tuple(batch), np.int32),  # sweeps used, -1 where the result is NaN
     )
-    s, u, vh, _ = jax.ffi.ffi_call(target, result_types)(a)
+    s, u, vh, _ = _core.kernel_call(target, result_types, a)
     return s, u, vh
 
 
@@ -161,7 +162,7 @@ def jacobi_values(a, target: str):
         jax.ShapeDtypeStruct((*batch, min(m, n)), jnp.finfo(a.dtype).dtype),
         jax.ShapeDtypeStruct(tuple(batch), np.int32),
     )
-    return jax.ffi.ffi_call(target, result_types)(a)[0]
+    return _core.kernel_call(target, result_types, a)[0]
 
 
 CUSOLVER_ALGORITHMS = {
