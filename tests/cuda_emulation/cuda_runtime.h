@@ -1,10 +1,11 @@
 // Host emulation of the CUDA subset jaxforge's kernels use, so that their logic runs on a CPU.
 //
-// Shadows <cuda_runtime.h> (it comes first on the include path) when a kernel header is compiled
-// by the host compiler with JAXFORGE_HOST_EMULATION defined. Every CUDA thread of a block is a
-// fiber on the calling OS thread (started by makecontext/setcontext, then switched by _setjmp and
-// _longjmp, which unlike swapcontext make no signal-mask syscall: the block SVD of a 72x66 matrix,
-// 512 threads, runs in 2.5 s instead of 20), run round-robin and switched only where it waits:
+// Shadows <cuda_runtime.h> (it comes first on the include path) when a kernel header, or a
+// kernel's FFI handler, is compiled by the host compiler with JAXFORGE_HOST_EMULATION defined.
+// Every CUDA thread of a block is a fiber on the calling OS thread (started by
+// makecontext/setcontext, then switched by _setjmp and _longjmp, which unlike swapcontext make no
+// signal-mask syscall: the block SVD of a 72x66 matrix, 512 threads, runs in 2.5 s instead of
+// 20), run round-robin and switched only where it waits:
 // __syncthreads and __syncwarp are barriers of the block's and the warp's fibers, shuffles and
 // votes exchange through a per-warp slot array between two warp barriers, and a thread that
 // returns drops out of both barriers (as an exited thread does). Blocks run one after another.
@@ -35,6 +36,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #define __global__
@@ -128,10 +130,15 @@ inline void fiber_entry() {
   _longjmp(scheduler, 1);  // never returns: its stack is freed with the block
 }
 
+// Launches run one at a time (the state above is shared): XLA may call the handlers that make them
+// from several threads, one a device.
+inline std::mutex launching;
+
 // Runs body() as grid blocks of `threads` threads (1-D launches, as the kernels make).
 template <typename Body>
 void launch(unsigned grid, unsigned threads, Body body) {
   constexpr size_t kStackBytes = 128 * 1024;
+  const std::lock_guard<std::mutex> one_at_a_time(launching);
   grid_dim = {grid, 1, 1};
   block_dim = {threads, 1, 1};
   kernel_body = body;
@@ -233,6 +240,11 @@ cudaError_t cudaFuncSetAttribute(F kernel, cudaFuncAttribute, int bytes) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorString(cudaError_t err) { return err == cudaSuccess ? "no error" : "invalid value"; }
+inline cudaError_t cudaMemsetAsync(void* data, int value, size_t bytes, cudaStream_t = nullptr) {
+  std::memset(data, value, bytes);
+  return cudaSuccess;
+}
 // Blocks an SM holds by shared memory and threads only: registers are not emulated.
 template <typename F>
 cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F, int threads, size_t shared_bytes) {

@@ -3,8 +3,11 @@
 // always_inline on templates), which are kept out of each build's warnings here, once.
 #pragma once
 
+#include <cuda_runtime.h>
+
 #include <complex>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #pragma nv_diagnostic push
@@ -18,6 +21,15 @@
 #include "csrc/scalar.h"
 
 namespace jaxforge {
+
+// The context a handler binds for its stream: the CUDA stream XLA runs it on; under the host
+// emulation (tests/cuda_emulation/, where the tests register the handlers as CPU targets) a null
+// one, as the emulated kernels run on the calling thread.
+#ifdef JAXFORGE_HOST_EMULATION
+struct Stream {};
+#else
+using Stream = xla::ffi::PlatformStream<cudaStream_t>;
+#endif
 
 // The kernels' element type for an FFI buffer's: Complex<R> for std::complex<R> (same layout).
 template <typename N>
@@ -54,3 +66,13 @@ inline std::string ShapeString(xla::ffi::Span<const int64_t> dims) {
 }
 
 }  // namespace jaxforge
+
+#ifdef JAXFORGE_HOST_EMULATION
+template <>
+struct xla::ffi::CtxDecoding<jaxforge::Stream> {
+  using Type = cudaStream_t;
+  static std::optional<Type> Decode(const XLA_FFI_Api*, XLA_FFI_ExecutionContext*, DiagnosticEngine&) {
+    return nullptr;
+  }
+};
+#endif

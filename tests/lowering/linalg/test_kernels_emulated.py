@@ -8,31 +8,22 @@ from __future__ import annotations
 
 import math
 import pathlib
-import shutil
 import subprocess
 
 import numpy as np
 import pytest
 
-from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq.xla import _two_norm_bound
+from tests.cuda_emulation import COMPILER, HARNESS, compile_emulated
 from tests.linalg_checks import check_svd
 from tests.linalg_inputs import random, with_singular_values
-
-HARNESS = pathlib.Path(__file__).resolve().parents[2] / "cuda_emulation"
-COMPILER = shutil.which("g++")
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
 
 
 def emulated(source: str, exe: pathlib.Path) -> pathlib.Path:
     """``tests/cuda_emulation/<source>`` built by the host compiler against the emulation."""
-    subprocess.run(
-        [COMPILER, "-std=c++20", "-O2", "-U_FORTIFY_SOURCE", "-pthread", "-ffp-contract=off", "-DJAXFORGE_HOST_EMULATION",
-         f"-I{HARNESS}", f"-I{build.PACKAGE_LOWERING}", str(HARNESS / source), "-o", str(exe)],
-        check=True,
-    )  # fmt: skip
-    return exe
+    return compile_emulated([HARNESS / source], exe)
 
 
 def test_emulation_runs_barriers_shuffles_and_early_exits_and_reports_a_deadlock(tmp_path):

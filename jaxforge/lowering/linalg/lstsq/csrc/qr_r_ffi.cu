@@ -133,7 +133,7 @@ ffi::Error QrSolveImpl(cudaStream_t stream, ffi::Buffer<DT> a, ffi::Buffer<DT> b
 template <ffi::DataType DT>
 auto QrRBinding() {
   return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<jaxforge::Stream>()
       .template Arg<ffi::Buffer<DT>>()   // x
       .template Ret<ffi::Buffer<DT>>();  // r
 }
@@ -141,7 +141,7 @@ auto QrRBinding() {
 template <ffi::DataType DT>
 auto QrSolveBinding() {
   return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<jaxforge::Stream>()
       .template Arg<ffi::Buffer<DT>>()          // a
       .template Arg<ffi::Buffer<DT>>()          // b
       .template Attr<double>("rcond")

@@ -116,7 +116,7 @@ ffi::Error SvdJacobiValues(cudaStream_t stream, ffi::Buffer<DT> a, ffi::ResultBu
 template <ffi::DataType DT>
 auto SvdJacobiBinding() {
   return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<jaxforge::Stream>()
       .template Arg<ffi::Buffer<DT>>()         // a
       .template Ret<ffi::Buffer<ffi::ToReal(DT)>>()  // s
       .template Ret<ffi::Buffer<DT>>()         // u
@@ -127,7 +127,7 @@ auto SvdJacobiBinding() {
 template <ffi::DataType DT>
 auto SvdJacobiValuesBinding() {
   return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<jaxforge::Stream>()
       .template Arg<ffi::Buffer<DT>>()         // a
       .template Ret<ffi::Buffer<ffi::ToReal(DT)>>()  // s
       .template Ret<ffi::Buffer<ffi::S32>>();  // info

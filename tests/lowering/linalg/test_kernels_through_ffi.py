@@ -1,0 +1,140 @@
+"""The linalg kernels' XLA FFI handlers on the CPU: their ``.cu`` files, compiled by the host
+compiler against the CUDA emulation (tests/cuda_emulation/), are registered as CPU targets under
+the kernels' own names, so that the cuda lowerings' calls (``_core.kernel_call``) run through XLA,
+the handlers (bindings, dtype dispatch, shape checks, errors) and the emulated kernels, checked
+against float64 numpy; and, on 8 CPU devices, through XLA's partitioner."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxforge.lowering import build
+from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
+from jaxforge.lowering.linalg.svd import cuda as svd_cuda
+from jaxforge.primitives import _core
+from tests.cuda_emulation import COMPILER, HARNESS, compile_emulated
+from tests.linalg_checks import check_svd
+from tests.linalg_inputs import random
+
+pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
+
+DTYPES = {"f32": np.float32, "f64": np.float64, "c64": np.complex64, "c128": np.complex128}
+SVD_TARGETS = [t for t in svd_cuda.KERNEL.targets if t not in svd_cuda.VALUES_TARGETS.values()]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def handlers(tmp_path_factory):
+    """Every linalg kernel's handler registered as a CPU target, batch-partitionable (as
+    ``build.load`` registers it for CUDA)."""
+    kernels = (svd_cuda.KERNEL, lstsq_cuda.KERNEL)
+    library = tmp_path_factory.mktemp("ffi") / "linalg_handlers.so"
+    sources = [*(build.PACKAGE_LOWERING / kernel.sources[0] for kernel in kernels), HARNESS / "ffi_handlers.cc"]
+    compile_emulated(sources, library, "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", optimize="-O1")
+    handle = ctypes.CDLL(str(library))
+    for kernel in kernels:
+        for target, symbol in kernel.targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+            jax.ffi.register_ffi_target_as_batch_partitionable(target)
+
+
+def dtype_of(target: str):
+    return DTYPES[target.rsplit("_", 1)[1]]
+
+
+def svd_with_info(a, target: str):
+    """The four results of an SVD handler, ``info`` (sweeps, or -1 for NaN results) included."""
+    *batch, m, n = a.shape
+    k = min(m, n)
+    results = [((*batch, k), np.finfo(a.dtype).dtype), ((*batch, m, k), a.dtype), ((*batch, k, n), a.dtype), (tuple(batch), np.int32)]
+    types = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in results]
+    return jax.jit(lambda a: _core.kernel_call(target, types, a))(a)
+
+
+def solutions(a, b):
+    """numpy's minimum-norm least-squares solution of each problem, in float64."""
+    wide = np.result_type(a.dtype, np.float64)
+    return np.stack([np.linalg.lstsq(m, c, rcond=None)[0] for m, c in zip(a.astype(wide), b.astype(wide))])
+
+
+@pytest.mark.parametrize("target", SVD_TARGETS)
+@pytest.mark.parametrize("shape", [(5, 9, 6), (3, 4, 7)], ids=["tall", "wide"])
+def test_every_svd_handler_and_its_values_twin_match_numpy(target, shape):
+    dtype = dtype_of(target)
+    a = random(np.random.default_rng(1), shape, dtype)
+    with jax.enable_x64(np.finfo(dtype).bits == 64):
+        s, u, vh, info = svd_with_info(a, target)
+        values = jax.jit(svd_cuda.jacobi_values, static_argnums=1)(a, svd_cuda.VALUES_TARGETS[target])
+    assert s.dtype == np.finfo(dtype).dtype and u.dtype == dtype and u.shape == (*shape[:2], min(shape[1:]))
+    check_svd(a, s, u, vh)
+    assert (np.asarray(info) > 0).all()
+    np.testing.assert_array_equal(values, s)  # the twin's bits are the full kernel's
+
+
+@pytest.mark.parametrize("target", [svd_cuda.WARP_TARGETS["float32"], svd_cuda.BLOCK_TARGETS["complex64"]])
+def test_a_matrix_holding_nan_or_inf_gets_nan_results_and_info_minus_one(target):
+    a = random(np.random.default_rng(2), (4, 6, 5), dtype_of(target))
+    a[1, 2, 3], a[3, 0, 0] = np.nan, np.inf
+    s, u, vh, info = map(np.asarray, svd_with_info(a, target))
+    assert list(info == -1) == [False, True, False, True]
+    assert all(np.isnan(x[[1, 3]]).all() for x in (s, u, vh))
+    check_svd(a[[0, 2]], s[::2], u[::2], vh[::2])
+
+
+def test_empty_matrices_and_batches_launch_nothing():
+    target = svd_cuda.WARP_TARGETS["float32"]
+    s, u, vh, info = svd_with_info(np.ones((3, 4, 0), np.float32), target)  # k = 0: the handler zeroes info
+    assert (s.shape, u.shape, vh.shape) == ((3, 0), (3, 4, 0), (3, 0, 0))
+    np.testing.assert_array_equal(info, np.zeros(3, np.int32))
+    s, u, vh, info = svd_with_info(np.ones((0, 4, 3), np.float32), target)
+    assert (s.shape, u.shape, vh.shape, info.shape) == ((0, 3), (0, 4, 3), (0, 3, 3), (0,))
+
+
+def test_a_shape_past_a_kernels_limit_is_refused_by_its_handler_naming_it():
+    with pytest.raises(Exception, match=r"svd_jacobi: operand shape \(2, 40, 40\) exceeds the limit m, n <= 32"):
+        svd_with_info(np.ones((2, 40, 40), np.float32), svd_cuda.WARP_TARGETS["float32"])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.complex64])
+def test_the_qr_handlers_match_numpy(dtype):
+    rng = np.random.default_rng(3)
+    a, b = random(rng, (4, 12, 5), dtype), random(rng, (4, 12, 2), dtype)
+    wide_a, wide_b = np.swapaxes(a, -1, -2)[:, :, :8].copy(), b[:, :5].copy()  # 5 x 8: minimum norm
+    solve = lambda targets: jax.jit(lambda a, b: lstsq_cuda.qr_solve_cuda(a, b, 1e-4, targets)[1:3])  # noqa: E731
+    with jax.enable_x64(np.finfo(dtype).bits == 64):
+        r = jax.jit(lstsq_cuda.qr_r_kernel)(a)
+        tall = [solve(lstsq_cuda.QR_SOLVE_TARGETS)(a, b)]
+        if dtype != np.complex64:  # the one-warp kernel is real
+            tall.append(solve(lstsq_cuda.QR_SOLVE_WARP_TARGETS)(a, b))
+        wide = solve(lstsq_cuda.QR_SOLVE_TARGETS)(wide_a, wide_b)
+    tol = 100 * np.finfo(dtype).eps
+    r_np = np.linalg.qr(a.astype(np.result_type(dtype, np.float64)), mode="r")
+    np.testing.assert_allclose(np.abs(np.asarray(r)), np.abs(r_np), atol=tol * np.abs(r_np).max())
+    for (x, certified), (problem_a, problem_b) in zip([*tall, wide], [(a, b)] * len(tall) + [(wide_a, wide_b)]):
+        want = solutions(problem_a, problem_b)
+        np.testing.assert_allclose(x, want, atol=tol * np.abs(want).max())
+        assert np.asarray(certified).all()
+
+
+def test_the_cuda_lowering_runs_each_devices_matrices_under_automatic_sharding(monkeypatch):
+    """svd's cuda lowering, as a GPU machine dispatches it, jitted over 8 devices with the batch on
+    automatic axes: each device's kernel call takes its 2 of the 16 matrices, none is gathered, and
+    the results are the bits of one device's call."""
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    monkeypatch.setitem(build._LOADED, svd_cuda.KERNEL.name, True)
+    svd = lambda a: svd_cuda.svd_cuda(a, full_matrices=False, compute_uv=True, grad_eps=0.0)  # noqa: E731
+    a = random(np.random.default_rng(4), (16, 9, 6), np.float32)
+    auto = jax.make_mesh((8,), ("batch",), axis_types=(jax.sharding.AxisType.Auto,))
+    split = jax.jit(svd, in_shardings=NamedSharding(auto, P("batch")))
+    text = split.lower(a).compile().as_text()
+    calls = re.findall(r"custom_call_target=\"jaxforge_svd_jacobi\w*\", operand_layout_constraints=\{(f32\[[\d,]+\])", text)
+    assert calls == ["f32[2,9,6]"] and "all-gather" not in text, text
+    whole = jax.jit(svd)(a)
+    for x, y in zip(split(a), whole):
+        np.testing.assert_array_equal(x, y)
+    check_svd(a, *whole)
