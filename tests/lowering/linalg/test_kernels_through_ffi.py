@@ -7,6 +7,7 @@ against float64 numpy; and, on 8 CPU devices, through XLA's partitioner."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 import jax
@@ -138,3 +139,70 @@ def test_the_cuda_lowering_runs_each_devices_matrices_under_automatic_sharding(m
     for x, y in zip(split(a), whole):
         np.testing.assert_array_equal(x, y)
     check_svd(a, *whole)
+
+
+@pytest.fixture
+def gpu_machine(monkeypatch):
+    """The cuda lowerings as they see an sm_90a machine after the kernels' build, every kernel
+    enabled (JAXFORGE_UNVALIDATED_KERNELS, as the gpu tests run them)."""
+    monkeypatch.setenv("JAXFORGE_UNVALIDATED_KERNELS", "1")
+    monkeypatch.setattr(build, "gpu_arch", lambda: "sm_90a")
+    for kernel in (svd_cuda.KERNEL, lstsq_cuda.KERNEL):
+        monkeypatch.setitem(build._LOADED, kernel.name, True)
+
+
+def lstsq_problems(rng, m: int, n: int, dtype):
+    """Two batches of ``(a, b)``: random, all of full rank (the kernel's certificate holds: its
+    solutions are the results); and random, rank 2 (``L Rᴴ``), holding NaN, zero, random (the
+    certificate fails: the exact branch runs on the kernel's factor)."""
+    a, b = random(rng, (2, 5, m, n), dtype), random(rng, (2, 5, m, 2), dtype)
+    a[1, 1] = random(rng, (m, 2), dtype) @ random(rng, (2, n), dtype)
+    a[1, 2, 0, 1], a[1, 3] = np.nan, 0
+    return zip(a, b)
+
+
+LSTSQ_ROUTES = {  # the kernel lstsq's cuda lowering takes, once the config names it
+    "one-warp fused solve": ("jaxforge_qr_solve_warp", dict()),
+    "block fused solve": ("jaxforge_qr_solve_", dict(QR_KERNELS_FASTER=True, use_qr_solve_warp=lambda *shape: False)),
+    "block R factor": ("jaxforge_qr_r_", dict(QR_KERNELS_FASTER=True, use_qr_solve_warp=lambda *shape: False, use_qr_solve=lambda *shape: False)),
+}
+
+
+@pytest.mark.parametrize("route", LSTSQ_ROUTES)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lstsqs_cuda_lowering_through_each_kernel_gives_the_default_lowerings_results(gpu_machine, monkeypatch, route, dtype):
+    """x, residuals, rank and singular values of lstsq's cuda lowering, each kernel route through the
+    handlers, against the default (LAPACK) lowering on the same batches (:func:`lstsq_problems`)."""
+    from jaxforge.lowering.linalg.lstsq import config
+    from jaxforge.lowering.linalg.lstsq.xla import lstsq_xla
+
+    target, patches = LSTSQ_ROUTES[route]
+    for name, value in patches.items():
+        monkeypatch.setattr(config, name, value)
+    rcond, tol = 100 * np.finfo(dtype).eps, 100 * np.finfo(dtype).eps
+    for a, b in lstsq_problems(np.random.default_rng(5), 10, 4, dtype):
+        with jax.enable_x64(dtype == np.float64):
+            cuda = jax.jit(lambda a, b: lstsq_cuda.lstsq_cuda(a, b, rcond=rcond))
+            assert target in cuda.lower(a, b).as_text()
+            got, want = cuda(a, b), jax.jit(lambda a, b: lstsq_xla(a, b, rcond=rcond))(a, b)
+        (x, residuals, rank, s), (x_want, residuals_want, rank_want, s_want) = got[:4], want[:4]
+        np.testing.assert_array_equal(rank, rank_want)
+        for value, expected in ((x, x_want), (residuals, residuals_want), (s, s_want)):
+            np.testing.assert_allclose(value, expected, rtol=tol, atol=tol * np.nanmax(np.abs(expected)))  # NaN where expected
+
+
+def test_svds_cuda_lowering_through_the_values_twin_and_after_a_qr(gpu_machine):
+    """svd's cuda lowering where only the values are asked for (the values twin) and for tall
+    matrices no kernel holds (the R of their QR through the warp kernel); NaN where a matrix holds
+    NaN, the others exact."""
+    svd = lambda a, uv: svd_cuda.svd_cuda(a, full_matrices=False, compute_uv=uv, grad_eps=0.0)  # noqa: E731
+    for shape, target in (((4, 9, 6), svd_cuda.VALUES_TARGETS[svd_cuda.PAIRS_TARGET]), ((3, 300, 20), svd_cuda.PAIRS_TARGET)):
+        a = random(np.random.default_rng(6), shape, np.float32)
+        a[1, 0, 0] = np.nan
+        values, vectors = (jax.jit(functools.partial(svd, uv=uv)) for uv in (False, True))
+        assert target in (values if shape[1] < 32 else vectors).lower(a).as_text()
+        (s,), (s_uv, u, vh) = values(a), vectors(a)
+        assert np.isnan(s[1]).all() and all(np.isnan(x[1]).all() for x in (s_uv, u, vh))
+        finite = np.arange(shape[0]) != 1
+        check_svd(a[finite], s_uv[finite], u[finite], vh[finite])
+        np.testing.assert_allclose(s[finite], s_uv[finite], rtol=1e-5)
