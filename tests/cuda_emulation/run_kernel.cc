@@ -18,26 +18,13 @@
 #include "linalg/lstsq/csrc/qr_solve.cuh"
 #include "linalg/lstsq/csrc/qr_solve_warp.cuh"
 #include "linalg/svd/csrc/svd_jacobi_block.cuh"
+#include "shared_memory.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-// The kernels' `extern __shared__ unsigned char smem[]`, one per kernel namespace.
-namespace jaxforge::qr_r {
-alignas(16) unsigned char smem[emu::kSharedBytes];
-}
-namespace jaxforge::qr_solve_warp {
-alignas(16) unsigned char smem[emu::kSharedBytes];
-}
-namespace jaxforge::svd_jacobi {
-alignas(16) unsigned char smem[emu::kSharedBytes];
-}
-namespace jaxforge::svd_jacobi_block {
-alignas(16) unsigned char smem[emu::kSharedBytes];
-}
 
 namespace {
 
@@ -132,8 +119,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "usage: %s KERNEL f32|f64|c64|c128 BATCH M N IN OUT [K RCOND for qr_solve]\n", argv[0]);
     return 2;
   }
-  emu::shared_arrays = {jaxforge::qr_r::smem, jaxforge::qr_solve_warp::smem, jaxforge::svd_jacobi::smem,
-                        jaxforge::svd_jacobi_block::smem};
+  register_shared_memory();
   const std::string kernel = argv[1], dtype = argv[2];
   const int64_t batch = std::stoll(argv[3]);
   const int m = std::stoi(argv[4]), n = std::stoi(argv[5]);
