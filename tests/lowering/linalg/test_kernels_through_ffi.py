@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -32,7 +35,7 @@ SVD_TARGETS = [t for t in svd_cuda.KERNEL.targets if t not in svd_cuda.VALUES_TA
 @pytest.fixture(scope="module", autouse=True)
 def handlers(tmp_path_factory):
     """Every linalg kernel's handler registered as a CPU target, batch-partitionable (as
-    ``build.load`` registers it for CUDA)."""
+    ``build.load`` registers it for CUDA). Returns the library's path."""
     kernels = (svd_cuda.KERNEL, lstsq_cuda.KERNEL)
     library = tmp_path_factory.mktemp("ffi") / "linalg_handlers.so"
     sources = [*(build.PACKAGE_LOWERING / kernel.sources[0] for kernel in kernels), HARNESS / "ffi_handlers.cc"]
@@ -42,6 +45,7 @@ def handlers(tmp_path_factory):
         for target, symbol in kernel.targets.items():
             jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
             jax.ffi.register_ffi_target_as_batch_partitionable(target)
+    return library
 
 
 def dtype_of(target: str):
@@ -206,3 +210,26 @@ def test_svds_cuda_lowering_through_the_values_twin_and_after_a_qr(gpu_machine):
         finite = np.arange(shape[0]) != 1
         check_svd(a[finite], s_uv[finite], u[finite], vh[finite])
         np.testing.assert_allclose(s[finite], s_uv[finite], rtol=1e-5)
+
+
+# The primitives' tests of values, derivatives (first and second order), batching, NaN and named
+# shapes; not those that read LAPACK's calls in the compiled program, nor the slow thread-pool one.
+PRIMITIVE_TESTS = (
+    "(check_grads or jvp_matches or vmap or named_shapes or nan or nonfinite or full_matrices or matches_numpy"
+    " or rank_deficient_reports or rank_deficient_gradient or both_branches) and not (test_lstsq and order_2)"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_svds_and_lstsqs_primitive_tests_pass_through_their_cuda_lowerings(handlers):
+    """svd's and lstsq's own tests, run in a process whose CPU lowerings of the two primitives are
+    the cuda ones (``tests/cuda_emulation/gpu_lowerings.py``) over the emulated kernels: their rules
+    (JVPs, transposes, batching) on the kernels' factors, with every kernel enabled."""
+    tests = [f"tests/primitives/linalg/{name}" for name in ("test_svd.py", "test_lstsq.py")]
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", "-p", "tests.cuda_emulation.gpu_lowerings"]
+    env = dict(os.environ, JAXFORGE_EMULATED_HANDLERS=str(handlers))
+    run = subprocess.run([*command, *tests, "-k", PRIMITIVE_TESTS], capture_output=True, text=True, env=env, timeout=560, cwd=HARNESS.parents[1])
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) >= 100, run.stdout[-500:]  # the selection ran (129 tests on 2026-12-07)
