@@ -452,7 +452,7 @@ def test_a_kernel_lowering_under_automatic_axes_warns_that_it_runs_whole_on_ever
         jax.jit(partitioned.bind, in_shardings=NamedSharding(auto, P("batch")))(x)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # once a process: XLA refuses a second registration of a name
 def row_sums_targets(tmp_path_factory):
     """Two CPU FFI targets of ``row_sums_ffi.cc``, the first registered batch-partitionable (as
     ``build.load`` registers every kernel), the second not."""

@@ -32,7 +32,7 @@ DTYPES = {"f32": np.float32, "f64": np.float64, "c64": np.complex64, "c128": np.
 SVD_TARGETS = [t for t in svd_cuda.KERNEL.targets if t not in svd_cuda.VALUES_TARGETS.values()]
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)  # once a process: XLA refuses a second registration of a name
 def handlers(tmp_path_factory):
     """Every linalg kernel's handler registered as a CPU target, batch-partitionable (as
     ``build.load`` registers it for CUDA). Returns the library's path."""
