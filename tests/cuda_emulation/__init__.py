@@ -3,6 +3,7 @@ kernels' FFI handlers (``.cu`` files, read as C++), run on a CPU."""
 
 from __future__ import annotations
 
+import ctypes
 import pathlib
 import shutil
 import subprocess
@@ -25,3 +26,32 @@ def compile_emulated(sources, output: pathlib.Path, *flags: str, optimize: str =
         check=True,
     )  # fmt: skip
     return output
+
+
+def linalg_kernels() -> tuple:
+    """svd's and lstsq's kernels (``build.Kernel``), whose handlers ``ffi_handlers.cc`` links."""
+    from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
+    from jaxforge.lowering.linalg.svd import cuda as svd_cuda
+
+    return svd_cuda.KERNEL, lstsq_cuda.KERNEL
+
+
+def build_handlers(output: pathlib.Path) -> pathlib.Path:
+    """The linalg kernels' FFI handlers, emulated, as one shared library at ``output``."""
+    import jax
+
+    sources = [*(build.PACKAGE_LOWERING / kernel.sources[0] for kernel in linalg_kernels()), HARNESS / "ffi_handlers.cc"]
+    return compile_emulated(sources, output, "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", optimize="-O1")
+
+
+def register_handlers(library: pathlib.Path) -> None:
+    """Every handler of ``library`` (``build_handlers``') registered as a CPU target under its
+    kernel's name, batch-partitionable, as ``build.load`` registers it for CUDA. Once a process:
+    XLA refuses a second registration of a name."""
+    import jax
+
+    handle = ctypes.CDLL(str(library))
+    for kernel in linalg_kernels():
+        for target, symbol in kernel.targets.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
+            jax.ffi.register_ffi_target_as_batch_partitionable(target)

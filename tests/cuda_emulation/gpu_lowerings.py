@@ -1,31 +1,26 @@
 """A pytest plugin that runs svd's and lstsq's cuda lowerings on the CPU: every linalg kernel's FFI
-handler, emulated (the library ``JAXFORGE_EMULATED_HANDLERS`` names, built by
-``test_kernels_through_ffi.py``), is registered as a CPU target, and the cuda lowerings replace
+handler, emulated (the library ``JAXFORGE_EMULATED_HANDLERS`` names, ``build_handlers``'), is
+registered as a CPU target, and the cuda lowerings replace
 the CPU ones, dispatching as on an sm_90a machine with every kernel enabled. For a subprocess
 (``python -m pytest -p tests.cuda_emulation.gpu_lowerings ...``): it changes the process's
 lowerings for good."""
 
 from __future__ import annotations
 
-import ctypes
 import os
 
 
 def pytest_configure(config):
-    import jax
-
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
     from jaxforge.lowering.linalg.svd import cuda as svd_cuda
     from jaxforge.primitives import _core
     from jaxforge.primitives.linalg.lstsq import lstsq_p
     from jaxforge.primitives.linalg.svd import svd_p
+    from tests.cuda_emulation import linalg_kernels, register_handlers
 
-    handle = ctypes.CDLL(os.environ["JAXFORGE_EMULATED_HANDLERS"])
-    for kernel in (svd_cuda.KERNEL, lstsq_cuda.KERNEL):
-        for target, symbol in kernel.targets.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
-            jax.ffi.register_ffi_target_as_batch_partitionable(target)
+    register_handlers(os.environ["JAXFORGE_EMULATED_HANDLERS"])
+    for kernel in linalg_kernels():
         build._LOADED[kernel.name] = True
     build.gpu_arch = lambda: "sm_90a"
     os.environ["JAXFORGE_UNVALIDATED_KERNELS"] = "1"

@@ -6,7 +6,6 @@ against float64 numpy; and, on 8 CPU devices, through XLA's partitioner."""
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import re
@@ -22,7 +21,7 @@ from jaxforge.lowering import build
 from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
 from jaxforge.lowering.linalg.svd import cuda as svd_cuda
 from jaxforge.primitives import _core
-from tests.cuda_emulation import COMPILER, HARNESS, compile_emulated
+from tests.cuda_emulation import COMPILER, HARNESS, build_handlers, register_handlers
 from tests.linalg_checks import check_svd
 from tests.linalg_inputs import random
 
@@ -34,17 +33,9 @@ SVD_TARGETS = [t for t in svd_cuda.KERNEL.targets if t not in svd_cuda.VALUES_TA
 
 @pytest.fixture(scope="session", autouse=True)  # once a process: XLA refuses a second registration of a name
 def handlers(tmp_path_factory):
-    """Every linalg kernel's handler registered as a CPU target, batch-partitionable (as
-    ``build.load`` registers it for CUDA). Returns the library's path."""
-    kernels = (svd_cuda.KERNEL, lstsq_cuda.KERNEL)
-    library = tmp_path_factory.mktemp("ffi") / "linalg_handlers.so"
-    sources = [*(build.PACKAGE_LOWERING / kernel.sources[0] for kernel in kernels), HARNESS / "ffi_handlers.cc"]
-    compile_emulated(sources, library, "-shared", "-fPIC", f"-I{jax.ffi.include_dir()}", optimize="-O1")
-    handle = ctypes.CDLL(str(library))
-    for kernel in kernels:
-        for target, symbol in kernel.targets.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)), platform="cpu")
-            jax.ffi.register_ffi_target_as_batch_partitionable(target)
+    """Every linalg kernel's handler registered as a CPU target. Returns the library's path."""
+    library = build_handlers(tmp_path_factory.mktemp("ffi") / "linalg_handlers.so")
+    register_handlers(library)
     return library
 
 
