@@ -1250,6 +1250,7 @@ def picture(mask, q_len: int, kv_len: int, *, block: int = 16, b: int = 0, h: in
     ``░`` some, ``·`` none; headed by the share of blocks hidden. FlexAttention's printed BlockMask,
     at any resolution (``block=1``: each pair). ``mask``: a Mask, a ``mask_mod`` or a boolean array.
     Every pair is evaluated at once (``q_len · kv_len`` booleans): a picture is for a notebook's sizes.
+    A mask's per-item arrays are read at ``b`` as jnp indexes: past their last item, the last one's.
 
     Example:
       >>> import jaxforge as jf
