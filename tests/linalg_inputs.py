@@ -38,3 +38,16 @@ def random(rng, shape: tuple, dtype=np.float64) -> np.ndarray:
     if np.issubdtype(dtype, np.complexfloating):
         x = x + 1j * rng.standard_normal(shape)
     return x.astype(dtype)
+
+
+def exactly_rank_deficient(rng, shape: tuple, dtype=np.float64) -> np.ndarray:
+    """Random matrices with their trailing half of columns (of rows, when wide) zero, the first a
+    zero matrix: singular values exactly 0, where a Jacobi kernel's normalised vectors are zero."""
+    a = random(rng, shape, dtype)
+    m, n = shape[-2:]
+    if m >= n:
+        a[..., :, n // 2 :] = 0
+    else:
+        a[..., m // 2 :, :] = 0
+    a[0] = 0
+    return a

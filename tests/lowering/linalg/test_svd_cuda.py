@@ -10,7 +10,7 @@ import pytest
 
 import jaxforge as jf
 from tests.linalg_checks import check_singular_values, check_svd
-from tests.linalg_inputs import random, with_singular_values
+from tests.linalg_inputs import exactly_rank_deficient, random, with_singular_values
 
 pytestmark = pytest.mark.gpu
 
@@ -73,6 +73,17 @@ def test_ill_conditioned_and_rank_deficient():
     _, (u, s, vh) = gpu_svd(deficient)
     np.testing.assert_allclose(s[:, 10:], 0, atol=1e-5)
     np.testing.assert_allclose(np.asarray(u[:, :, :10]) * np.asarray(s[:, None, :10]) @ np.asarray(vh[:, :10]), deficient, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(8, 20, 12), (8, 12, 20), (8, 70, 40), (8, 40, 70)])
+def test_exact_zero_singular_values_get_orthonormal_vectors(shape):
+    """A zero matrix and matrices with zero columns (rows, when wide): u and vh orthonormal, as
+    numpy's, through the warp and block kernels (the lowering completes the basis where a kernel
+    leaves zero vectors)."""
+    a = exactly_rank_deficient(np.random.default_rng(8), shape, np.float32)
+    f, (u, s, vh) = gpu_svd(a)
+    assert "jaxforge_svd_jacobi" in f.lower(on_gpu(a)).as_text()
+    check_svd(a, s, u, vh)
 
 
 def test_nan_inf_and_empty():
