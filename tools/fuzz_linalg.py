@@ -23,7 +23,10 @@ matrices, ``hermitian``: the matrix's Hermitian part; polar's ``side``). It chec
   a scalar of them (forward over reverse against differences of the gradient, reverse over reverse
   against forward over reverse; polar's also at repeated values).
 
-    PYTHONPATH=. python tools/fuzz_linalg.py [--seconds 600] [--seed 0] [--count N]
+    PYTHONPATH=. python tools/fuzz_linalg.py [--seconds 600] [--seed 0] [--count N] [--emulated-kernels]
+
+``--emulated-kernels`` (CPU) sends svd and lstsq through their cuda lowerings over the CUDA kernels
+and FFI handlers built against tests/cuda_emulation/, every kernel enabled: the GPU path's logic.
 
 prints each failing seed with its error, and last the count of seeds run and failed (exit 1 if any
 failed). A seed reruns alone with ``--seed S --count 1``.
@@ -31,6 +34,7 @@ failed). A seed reruns alone with ``--seed S --count 1``.
 
 from __future__ import annotations
 
+import pathlib
 import sys
 
 import jax
@@ -311,7 +315,16 @@ def run_seed(seed: int) -> None:
 
 
 def main(argv=None) -> int:
-    args = fuzz_loop.parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    parser = fuzz_loop.parser(__doc__.split("\n\n")[0])
+    parser.add_argument("--emulated-kernels", action="store_true", help="svd and lstsq through their cuda lowerings and kernels, emulated on the CPU")
+    args = parser.parse_args(argv)
+    if args.emulated_kernels:
+        import tempfile
+
+        from tests.cuda_emulation import build_handlers
+        from tests.cuda_emulation.gpu_lowerings import use_cuda_lowerings
+
+        use_cuda_lowerings(build_handlers(pathlib.Path(tempfile.mkdtemp()) / "linalg_handlers.so"))
     return fuzz_loop.run(run_seed, args)
 
 

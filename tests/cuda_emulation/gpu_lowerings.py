@@ -11,6 +11,12 @@ import os
 
 
 def pytest_configure(config):
+    use_cuda_lowerings(os.environ["JAXFORGE_EMULATED_HANDLERS"])
+
+
+def use_cuda_lowerings(library) -> None:
+    """Registers the emulated handlers of ``library`` and makes svd's and lstsq's cuda lowerings
+    their CPU ones, for the rest of the process (``tools/fuzz_linalg.py --emulated-kernels`` too)."""
     from jaxforge.lowering import build
     from jaxforge.lowering.linalg.lstsq import cuda as lstsq_cuda
     from jaxforge.lowering.linalg.svd import cuda as svd_cuda
@@ -19,7 +25,7 @@ def pytest_configure(config):
     from jaxforge.primitives.linalg.svd import svd_p
     from tests.cuda_emulation import linalg_kernels, register_handlers
 
-    register_handlers(os.environ["JAXFORGE_EMULATED_HANDLERS"])
+    register_handlers(library)
     for kernel in linalg_kernels():
         build._LOADED[kernel.name] = True
     build.gpu_arch = lambda: "sm_90a"
