@@ -1,9 +1,8 @@
 """A pytest plugin that runs svd's and lstsq's cuda lowerings on the CPU: every linalg kernel's FFI
 handler, emulated (the library ``JAXFORGE_EMULATED_HANDLERS`` names, ``build_handlers``'), is
-registered as a CPU target, and the cuda lowerings replace
-the CPU ones, dispatching as on an sm_90a machine with every kernel enabled. For a subprocess
-(``python -m pytest -p tests.cuda_emulation.gpu_lowerings ...``): it changes the process's
-lowerings for good."""
+registered as a CPU target, and the cuda lowerings replace the CPU ones, dispatching as on an
+sm_90a machine with every kernel enabled. For a subprocess (``python -m pytest -p
+tests.cuda_emulation.gpu_lowerings ...``): it changes the process's lowerings for good."""
 
 from __future__ import annotations
 
