@@ -6,6 +6,8 @@
 
 #include <cuda_runtime.h>
 
+#include "csrc/scalar.h"
+
 namespace jaxforge {
 
 __device__ __forceinline__ float add_rn(float x, float y) { return __fadd_rn(x, y); }
@@ -16,6 +18,11 @@ __device__ __forceinline__ T warp_sum(T x) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) x = add_rn(x, __shfl_xor_sync(0xffffffffu, x, off));
   return x;
+}
+
+template <typename R>
+__device__ __forceinline__ Complex<R> warp_sum(Complex<R> x) {
+  return {warp_sum(x.re), warp_sum(x.im)};
 }
 
 template <typename T>

@@ -16,7 +16,7 @@ import pytest
 from jaxforge.lowering.linalg.lstsq.xla import _two_norm_bound
 from tests.cuda_emulation import COMPILER, HARNESS, compile_emulated
 from tests.linalg_checks import check_svd
-from tests.linalg_inputs import random, with_singular_values
+from tests.linalg_inputs import exactly_rank_deficient, random, with_singular_values
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
 
@@ -399,6 +399,30 @@ def test_svd_nonfinite_matrices_give_nan_and_info_minus_one(run_kernel, kernel, 
     assert np.all(info[bad] == -1) and all(np.isnan(v[bad]).all() for v in (s, u, vh))
     keep = [i for i in range(x.shape[0]) if i not in bad]
     check_svd(x[keep], s[keep], u[keep], vh[keep])
+
+
+@pytest.mark.parametrize(
+    "kernel,dtype",
+    [("svd_jacobi", np.float32), ("svd_jacobi", np.float64), ("svd_jacobi", np.complex64),
+     ("svd_jacobi", np.complex128), ("svd_jacobi_lanes", np.float32), ("svd_jacobi_pairs", np.float32),
+     ("svd_jacobi_block", np.float32), ("svd_jacobi_block", np.float64), ("svd_jacobi_block", np.complex64),
+     ("svd_jacobi_block", np.complex128), ("svd_jacobi_slots", np.float32)],
+)  # fmt: skip
+def test_exact_zero_singular_values_get_a_completed_orthonormal_basis(run_kernel, kernel, dtype):
+    """Where a singular value is exactly 0 the normalised factor (u when tall, vh when wide) has no
+    vector of its own; the kernel completes the basis, so u and vh are orthonormal as LAPACK's: for a
+    zero matrix, zero columns (rows), and a matrix whose vectors are unit vectors (the completion
+    must start from the others)."""
+    rng = np.random.default_rng(9)
+    one_warp = kernel not in ("svd_jacobi_block", "svd_jacobi_slots")
+    tall = (3, 9, 6) if one_warp else (3, 40, 36 if kernel == "svd_jacobi_slots" else 12)
+    for shape in (tall, (tall[0], tall[2], tall[1])):
+        x = exactly_rank_deficient(rng, shape, dtype)
+        x[1] = 0
+        x[1, :2, :2] = np.diag([3, 2])  # u's (vh's) first vectors are e_0 and e_1
+        s, u, vh, info = svd(run_kernel, kernel, x)
+        assert np.all(info > 0) and np.all(s[:, -1] == 0)  # the case: no vector from the kernel's sweeps
+        check_svd(x, s, u, vh)
 
 
 @pytest.mark.parametrize(

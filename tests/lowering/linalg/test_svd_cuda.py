@@ -78,8 +78,7 @@ def test_ill_conditioned_and_rank_deficient():
 @pytest.mark.parametrize("shape", [(8, 20, 12), (8, 12, 20), (8, 70, 40), (8, 40, 70)])
 def test_exact_zero_singular_values_get_orthonormal_vectors(shape):
     """A zero matrix and matrices with zero columns (rows, when wide): u and vh orthonormal, as
-    numpy's, through the warp and block kernels (the lowering completes the basis where a kernel
-    leaves zero vectors)."""
+    numpy's, through the warp and block kernels (which complete the basis where s is exactly 0)."""
     a = exactly_rank_deficient(np.random.default_rng(8), shape, np.float32)
     f, (u, s, vh) = gpu_svd(a)
     assert "jaxforge_svd_jacobi" in f.lower(on_gpu(a)).as_text()

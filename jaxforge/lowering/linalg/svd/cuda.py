@@ -151,23 +151,7 @@ def jacobi_svd(a, target: str):
         jax.ShapeDtypeStruct(tuple(batch), np.int32),  # sweeps used, -1 where the result is NaN
     )
     s, u, vh, _ = _core.kernel_call(target, result_types, a)
-    if m >= n:  # the factor the kernels normalise
-        return s, complete_basis(u, s), vh
-    return s, u, ct(complete_basis(ct(vh), s))
-
-
-def complete_basis(q, s):
-    """The kernels' normalised factor ``q`` (orthonormal columns, but zero where ``s`` is exactly 0:
-    a kernel does not complete the basis) with those columns completed to an orthonormal basis of
-    the others' complement, as LAPACK's are. The thin QR of ``q`` fills its trailing zero columns
-    (``s`` descends: they come last) with unit vectors orthogonal to the columns before them, which
-    it keeps up to their phase; ``q``'s own columns are kept. A batch without an exact zero skips
-    the QR."""
-
-    def completed():
-        return jnp.where((s == 0)[..., None, :], jnp.linalg.qr(q)[0], q)
-
-    return jax.lax.cond(jnp.any(s == 0), completed, lambda: q)
+    return s, u, vh
 
 
 def jacobi_values(a, target: str):

@@ -14,9 +14,9 @@
 // neither held nor rotated; W's rotations, which alone decide s and the sweeps, are the same
 // operations as with the vectors, so s and info are bit-identical to theirs.
 // Zero singular values: the factor built by normalising the work matrix (u when m >= n, vt when
-// m < n) gets a zero vector wherever the corresponding column's squared norm is exactly 0 (all of
-// it for a zero matrix); completing an orthonormal basis is not worth its cost in a warp. The other
-// factor is always orthonormal, being a product of rotations.
+// m < n) has no vector where the corresponding column's squared norm is exactly 0 (all of them for
+// a zero matrix); complete_basis fills those with an orthonormal completion, as LAPACK's, so both
+// factors are orthonormal (the other being a product of rotations). Only such matrices pay for it.
 //
 // Work matrix W = A (m >= n) or Aᴴ (m < n), R = max(m, n) rows by C = min(m, n) columns. Lane i
 // owns row i of W and of the C x C rotation accumulator V, stored in a per-warp slice of shared
@@ -596,6 +596,67 @@ __device__ void store_vectors(T* dst, int len, int k, bool as_rows, const S* src
   }
 }
 
+// dst's vectors of ranks [nonzero, k) (laid out as store_vectors writes them: zero where their
+// singular value is exactly 0), each replaced in turn by the unit vector e_p less its projection
+// on the vectors before it, projected out twice (Gram-Schmidt with reorthogonalisation, so
+// orthogonal to rounding), then normalised. The pivot p is the element where the vectors before
+// weigh least: those r < len weights Σ_t |f_t(p)|² add up to r, so e_p keeps at least 1 - r/len of
+// its squared norm. Rows are completed as they are stored (conjugated or not, a set of vectors is
+// orthonormal alike). One warp, all 32 lanes, after a barrier that makes dst's stores visible;
+// lane l then reads and writes only elements l, l + 32, ... of each vector.
+template <typename T>
+__device__ __forceinline__ void complete_basis(T* dst, int len, int k, bool as_rows, int nonzero, int lane) {
+  using R = RealOf<T>;
+  const int apart = as_rows ? len : 1;  // from one vector to the next
+  const int step = as_rows ? 1 : k;     // from one element to the next
+#pragma unroll 1
+  for (int r = nonzero; r < k; ++r) {
+    T* x = dst + r * apart;
+    R least = Real<R>::kMax;
+    int pivot = len;
+#pragma unroll 1
+    for (int i = lane; i < len; i += 32) {
+      R weight = R(0);
+#pragma unroll 1
+      for (int t = 0; t < r; ++t) weight += abs2(dst[t * apart + i * step]);
+      if (weight < least) least = weight, pivot = i;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {  // the least (weight, index) pair: the same in every lane
+      const R other = __shfl_xor_sync(kFullMask, least, off);
+      const int other_pivot = __shfl_xor_sync(kFullMask, pivot, off);
+      if (other < least || (other == least && other_pivot < pivot)) least = other, pivot = other_pivot;
+    }
+#pragma unroll 1
+    for (int i = lane; i < len; i += 32) x[i * step] = T(i == pivot);
+#pragma unroll 1
+    for (int pass = 0; pass < 2 * r; ++pass) {
+      const T* f = dst + pass % r * apart;
+      T dot = T(0);
+#pragma unroll 1
+      for (int i = lane; i < len; i += 32) dot += conjugate(f[i * step]) * x[i * step];
+      dot = warp_sum(dot);
+#pragma unroll 1
+      for (int i = lane; i < len; i += 32) x[i * step] -= f[i * step] * dot;
+    }
+    R norm2 = R(0);
+#pragma unroll 1
+    for (int i = lane; i < len; i += 32) norm2 += abs2(x[i * step]);
+    const R norm = Real<R>::sqrt(warp_sum(norm2));
+#pragma unroll 1
+    for (int i = lane; i < len; i += 32) x[i * step] = x[i * step] / norm;
+  }
+}
+
+// How many of the cols column norms sv are nonzero: the ranks complete_basis keeps.
+template <typename R>
+__device__ int count_nonzero(const R* sv, int cols) {
+  int count = 0;
+#pragma unroll 1
+  for (int j = 0; j < cols; ++j) count += sv[j] > R(0);
+  return count;
+}
+
 template <typename T>
 __device__ void fill(T* dst, int count, T value, int tid, int threads) {
 #pragma unroll 1
@@ -670,6 +731,10 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
                   perm, lane, 32);
     store_vectors(vt, n, k, true, transposed ? W : V, transposed ? l.ldw : l.ldv, sv, transposed,
                   perm, lane, 32);
+    if (sv[perm[k - 1]] == R(0)) {  // the least norm: some vector of the normalised factor is zero
+      __syncwarp();
+      complete_basis(transposed ? vt : u, rows, k, transposed, count_nonzero(sv, cols), lane);
+    }
   }
 }
 

@@ -1,8 +1,8 @@
 // Batched thin SVD of medium matrices (max(m, n) <= 256, min(m, n) <= 128, within the shared
 // memory a block may have; float32, float64, complex64, complex128) by one-sided (Hestenes) Jacobi,
 // one thread block per matrix, the column pairs in the round-robin parallel order. Same contract as
-// svd_jacobi.cuh (layout, descending real s, info = sweeps used or -1 with NaN results, zero vectors
-// for zero singular values in the normalised factor). The slot sweeps (column pairs in registers)
+// svd_jacobi.cuh (layout, descending real s, info = sweeps used or -1 with NaN results, the basis
+// completed where singular values are exactly 0). The slot sweeps (column pairs in registers)
 // are float32's only: wider pairs would not fit a thread's registers. Complex pairs rotate by the
 // warp kernel's unitary rotation (svd_jacobi::jacobi_rotation), V then in complex double.
 //
@@ -447,6 +447,12 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   } else {  // u = W / s, vt = V^T
     svd_jacobi::store_vectors(u, m, k, false, W, l.ldw, sv, true, perm, tid, threads);
     svd_jacobi::store_vectors(vt, n, k, true, V, l.ldv, sv, false, perm, tid, threads);
+  }
+  if (sv[perm[k - 1]] == R(0)) {  // the least norm: some vector of the normalised factor is zero
+    __syncthreads();
+    if (warp == 0) {
+      svd_jacobi::complete_basis(transposed ? vt : u, rows, k, transposed, svd_jacobi::count_nonzero(sv, cols), lane);
+    }
   }
 }
 
