@@ -9,9 +9,11 @@
 // __syncthreads and __syncwarp are barriers of the block's and the warp's fibers, shuffles and
 // votes exchange through a per-warp slot array between two warp barriers, and a thread that
 // returns drops out of both barriers (as an exited thread does). Blocks run one after another.
-// Between two barriers each thread runs alone, in thread order, so a read of shared memory that
-// another thread writes without a sync between sees the old bytes (all ones, NaN, at first) for
-// every writer after it: such races give wrong results here. A barrier some thread can never reach
+// Between two barriers each thread runs alone, in thread order (or the reverse, where the
+// environment sets JAXFORGE_EMULATED_THREAD_ORDER=reverse), so a read of memory that another
+// thread writes without a sync between sees the old bytes (all ones, NaN, for shared memory at
+// first) for every writer after it: such races give wrong results here, or results that differ
+// between the two orders. A barrier some thread can never reach
 // stops the run with a message instead of hanging, and a launch that asks for more than 48 KiB of
 // dynamic shared memory without the kernel's cudaFuncSetAttribute opt-in aborts, as a GPU refuses it.
 //
@@ -130,6 +132,15 @@ inline void fiber_entry() {
   _longjmp(scheduler, 1);  // never returns: its stack is freed with the block
 }
 
+// Whether threads run in reverse order between barriers (see the top).
+inline bool reverse_order() {
+  static const bool reverse = [] {
+    const char* order = std::getenv("JAXFORGE_EMULATED_THREAD_ORDER");
+    return order != nullptr && std::strcmp(order, "reverse") == 0;
+  }();
+  return reverse;
+}
+
 // Launches run one at a time (the state above is shared): XLA may call the handlers that make them
 // from several threads, one a device.
 inline std::mutex launching;
@@ -159,7 +170,8 @@ void launch(unsigned grid, unsigned threads, Body body) {
     }
     for (unsigned left = threads; left > 0;) {
       const long before = progress;
-      for (unsigned t = 0; t < threads; ++t) {
+      for (unsigned i = 0; i < threads; ++i) {
+        const unsigned t = reverse_order() ? threads - 1 - i : i;
         if (done[t]) continue;
         thread_idx = {t, 0, 0};
         resume(fibers[t]);

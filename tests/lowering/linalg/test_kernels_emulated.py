@@ -7,6 +7,7 @@ to the gpu tests."""
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import subprocess
 
@@ -39,19 +40,21 @@ def test_emulation_runs_barriers_shuffles_and_early_exits_and_reports_a_deadlock
 
 @pytest.fixture(scope="module")
 def run_kernel(tmp_path_factory):
-    """``run_kernel(kernel, x, *extra, tail=None)``: the kernel on the (batch, m, n) array ``x`` (and
-    the extra arguments and second input ``tail`` some kernels take); returns the raw bytes of its
+    """``run_kernel(kernel, x, *extra, tail=None, order="forward")``: the kernel on the (batch, m, n)
+    array ``x`` (and the extra arguments and second input ``tail`` some kernels take), its threads
+    run in ``order`` ("forward" or "reverse") between barriers; returns the raw bytes of its
     outputs, back to back."""
     work = tmp_path_factory.mktemp("emulated")
     exe = emulated("run_kernel.cc", work / "run_kernel")
 
-    def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None) -> bytes:
+    def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None, order: str = "forward") -> bytes:
         batch, m, n = x.shape
         dtype = {np.float32: "f32", np.float64: "f64", np.complex64: "c64", np.complex128: "c128"}[x.dtype.type]
         data = x.tobytes() if tail is None else x.tobytes() + tail.astype(x.dtype).tobytes()
         (work / "in.bin").write_bytes(data)
         args = [str(exe), kernel, dtype, str(batch), str(m), str(n), str(work / "in.bin"), str(work / "out.bin")]
-        subprocess.run([*args, *map(str, extra)], check=True, timeout=120)
+        env = {**os.environ, "JAXFORGE_EMULATED_THREAD_ORDER": order}
+        subprocess.run([*args, *map(str, extra)], check=True, timeout=120, env=env)
         return (work / "out.bin").read_bytes()
 
     return run
@@ -449,3 +452,35 @@ def test_values_alone_are_the_full_kernels_bits(run_kernel, kernel, dtype):
         np.testing.assert_array_equal(s, s_full)
         np.testing.assert_array_equal(info, info_full)
         assert (info[-1] == -1) == (x.shape[0] > 1) and np.all(info[:-1] > 0)
+
+
+RACE_CASES = {  # kernel: (dtype, shape, extra arguments), a batch that fills more than one block where one warp serves a matrix
+    "qr_r": [(np.float32, (3, 20, 7), ()), (np.complex128, (2, 9, 5), ())],
+    "qr_solve": [(np.float64, (3, 12, 5), (2, "1e-6")), (np.complex64, (2, 5, 8), (1, "1e-4"))],
+    "qr_solve_warp": [(np.float32, (9, 20, 6), (2, "1e-4"))],
+    "svd_jacobi": [(np.float32, (9, 12, 10), ()), (np.complex64, (3, 7, 12), ()), (np.float64, (3, 9, 6), ())],
+    "svd_jacobi_lanes": [(np.float32, (9, 12, 10), ())],
+    "svd_jacobi_pairs": [(np.float32, (9, 10, 12), ())],
+    "svd_jacobi_block": [(np.float64, (3, 40, 12), ()), (np.complex64, (3, 12, 36), ())],
+    "svd_jacobi_slots": [(np.float32, (3, 40, 36), ()), (np.float32, (1, 72, 66), ())],
+    "svd_jacobi_values": [(np.float32, (9, 12, 10), ())],
+    "svd_jacobi_block_values": [(np.float32, (3, 40, 12), ())],
+    "svd_jacobi_slots_values": [(np.float32, (3, 36, 40), ())],
+}
+
+
+@pytest.mark.parametrize("kernel", RACE_CASES)
+def test_results_do_not_depend_on_the_order_threads_run_in(run_kernel, kernel):
+    """A race, a read of memory another thread writes with no sync between, reads the old bytes
+    here where the writer runs after the reader (tests/cuda_emulation/cuda_runtime.h): the bits of
+    every output must then differ between the forward and the reverse order of the threads. Each
+    batch holds a zero matrix and one with zero columns (rows when wide) or a repeated column, so
+    the completion of an SVD's basis and a QR's zero reflections run too."""
+    rng = np.random.default_rng(10)
+    for dtype, shape, extra in RACE_CASES[kernel]:
+        x = exactly_rank_deficient(rng, shape, dtype)
+        x[-1] = random(rng, shape[1:], dtype)
+        tail = random(rng, (shape[0], shape[1], extra[0]), dtype) if extra else None
+        forward, reverse = (run_kernel(kernel, x, *extra, tail=tail, order=order) for order in ("forward", "reverse"))
+        assert forward == reverse, (kernel, dtype, shape)
+
