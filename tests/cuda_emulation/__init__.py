@@ -21,7 +21,7 @@ def compile_emulated(sources, output: pathlib.Path, *flags: str, optimize: str =
     for source in map(pathlib.Path, sources):
         files += ["-x", "c++", str(source), "-x", "none"] if source.suffix == ".cu" else [str(source)]
     subprocess.run(
-        [COMPILER, "-std=c++20", optimize, "-U_FORTIFY_SOURCE", "-pthread", "-ffp-contract=off", "-DJAXFORGE_HOST_EMULATION",
+        [COMPILER, "-std=c++20", optimize, "-pthread", "-ffp-contract=off", "-DJAXFORGE_HOST_EMULATION",
          f"-I{HARNESS}", f"-I{build.PACKAGE_LOWERING}", *flags, *files, "-o", str(output)],
         check=True,
     )  # fmt: skip

@@ -3,9 +3,9 @@
 // Shadows <cuda_runtime.h> (it comes first on the include path) when a kernel header, or a
 // kernel's FFI handler, is compiled by the host compiler with JAXFORGE_HOST_EMULATION defined.
 // Every CUDA thread of a block is a fiber on the calling OS thread (started by
-// makecontext/setcontext, then switched by _setjmp and _longjmp, which unlike swapcontext make no
-// signal-mask syscall: the block SVD of a 72x66 matrix, 512 threads, runs in 2.5 s instead of
-// 20), run round-robin and switched only where it waits:
+// makecontext/setcontext, then switched by __builtin_setjmp and __builtin_longjmp, which unlike
+// swapcontext make no signal-mask syscall: the block SVD of a 72x66 matrix, 512 threads, runs in
+// 2 s instead of 20), run round-robin and switched only where it waits:
 // __syncthreads and __syncwarp are barriers of the block's and the warp's fibers, shuffles and
 // votes exchange through a per-warp slot array between two warp barriers, and a thread that
 // returns drops out of both barriers (as an exited thread does). Blocks run one after another.
@@ -13,20 +13,20 @@
 // environment sets JAXFORGE_EMULATED_THREAD_ORDER=reverse), so a read of memory that another
 // thread writes without a sync between sees the old bytes (all ones, NaN, for shared memory at
 // first) for every writer after it: such races give wrong results here, or results that differ
-// between the two orders. A barrier some thread can never reach
-// stops the run with a message instead of hanging, and a launch that asks for more than 48 KiB of
-// dynamic shared memory without the kernel's cudaFuncSetAttribute opt-in aborts, as a GPU refuses it.
+// between the two orders. A barrier some thread can never reach stops the run with a message
+// instead of hanging, and a launch that asks for more than 48 KiB of dynamic shared memory without
+// the kernel's cudaFuncSetAttribute opt-in aborts, as a GPU refuses it. Built with
+// AddressSanitizer, it reports an access past the dynamic shared memory a launch asked for.
 //
 // It checks logic (indexing, reductions, convergence, NaN paths), not timing, occupancy, register
 // limits or the device memory model; a kernel still has to pass its gpu tests on a GPU.
 #pragma once
 
 #include <math.h>
-#include <setjmp.h>
 #include <ucontext.h>
 
-#if defined(__USE_FORTIFY_LEVEL) && __USE_FORTIFY_LEVEL > 0
-#error "compile the emulation with -U_FORTIFY_SOURCE: its fibers _longjmp between stacks, which the checked longjmp refuses"
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
 #endif
 
 #include <algorithm>
@@ -56,35 +56,55 @@ struct dim3 {
 namespace emu {
 
 // Dynamic shared memory: the harness defines each kernel namespace's `smem` with kSharedBytes and
-// registers it, so that every block starts from all-ones bytes (NaN for floats), not zeros.
+// registers it, so that every block starts from all-ones bytes (NaN for floats), not zeros. Under
+// AddressSanitizer the bytes past a launch's dynamic shared memory are poisoned.
 constexpr size_t kSharedBytes = 256 * 1024;
 inline std::vector<unsigned char*> shared_arrays;
+
+inline void shared_memory_for(size_t bytes) {
+  for (unsigned char* shared : shared_arrays) {
+#if defined(__SANITIZE_ADDRESS__)
+    ASAN_UNPOISON_MEMORY_REGION(shared, kSharedBytes);
+    const size_t usable = (bytes + 7) / 8 * 8;  // ASan's granule
+    ASAN_POISON_MEMORY_REGION(shared + usable, kSharedBytes - usable);
+#endif
+    std::memset(shared, 0xff, bytes);
+  }
+}
 
 inline dim3 block_dim, grid_dim, thread_idx, block_idx;  // thread_idx: the running fiber's
 inline long progress = 0;  // arrivals and finished threads; a pass of the block without any: deadlock
 
+// Where a fiber or the scheduler waits: saved by __builtin_setjmp (0, then 1 when resumed),
+// resumed by jump_to. The switches are kept from AddressSanitizer (no_sanitize_address; the builtins
+// have no interceptor): before each jump out of a function it would unpoison the whole stack it
+// leaves, at a syscall a switch, which made the sanitized runs 25 times slower.
+using Context = void* [5];
+
+[[gnu::noinline, gnu::no_sanitize_address]] inline void jump_to(Context& context) { __builtin_longjmp(context, 1); }
+
 // A fiber's first entry (its own stack) and, once it has run, where it waits to be resumed.
 struct Fiber {
   ucontext_t start;
-  jmp_buf resume;
+  Context resume;
   bool started = false;
 };
-inline jmp_buf scheduler;
+inline Context scheduler;
 inline Fiber* running = nullptr;
 
-inline void yield() {
-  if (_setjmp(running->resume) == 0) _longjmp(scheduler, 1);
+[[gnu::noinline, gnu::no_sanitize_address]] inline void yield() {
+  if (__builtin_setjmp(running->resume) == 0) jump_to(scheduler);
 }
 
 // Runs `fiber` until it yields or finishes, then returns here, on the scheduler's stack.
-inline void resume(Fiber& fiber) {
+[[gnu::noinline, gnu::no_sanitize_address]] inline void resume(Fiber& fiber) {
   running = &fiber;
-  if (_setjmp(scheduler) != 0) return;
+  if (__builtin_setjmp(scheduler) != 0) return;
   if (!fiber.started) {
     fiber.started = true;
     setcontext(&fiber.start);
   }
-  _longjmp(fiber.resume, 1);
+  jump_to(fiber.resume);
 }
 
 // A barrier of `expected` fibers; phases complete when the last one arrives.
@@ -123,13 +143,13 @@ inline std::vector<char>* finished = nullptr;
 inline unsigned tid() { return thread_idx.x; }
 inline Barrier& warp() { return block->warps[tid() / 32]; }
 
-inline void fiber_entry() {
+[[gnu::no_sanitize_address]] inline void fiber_entry() {
   kernel_body();
   block->all.arrive_and_drop();
   warp().arrive_and_drop();
   (*finished)[tid()] = 1;
   ++progress;
-  _longjmp(scheduler, 1);  // never returns: its stack is freed with the block
+  jump_to(scheduler);  // never returns: its stack is freed with the block
 }
 
 // Whether threads run in reverse order between barriers (see the top).
@@ -145,16 +165,17 @@ inline bool reverse_order() {
 // from several threads, one a device.
 inline std::mutex launching;
 
-// Runs body() as grid blocks of `threads` threads (1-D launches, as the kernels make).
+// Runs body() as grid blocks of `threads` threads (1-D launches, as the kernels make) with
+// `shared_bytes` of dynamic shared memory.
 template <typename Body>
-void launch(unsigned grid, unsigned threads, Body body) {
+void launch(unsigned grid, unsigned threads, size_t shared_bytes, Body body) {
   constexpr size_t kStackBytes = 128 * 1024;
   const std::lock_guard<std::mutex> one_at_a_time(launching);
   grid_dim = {grid, 1, 1};
   block_dim = {threads, 1, 1};
   kernel_body = body;
   for (unsigned b = 0; b < grid; ++b) {
-    for (unsigned char* shared : shared_arrays) std::memset(shared, 0xff, kSharedBytes);
+    shared_memory_for(shared_bytes);
     Block state(static_cast<int>(threads));
     std::vector<char> done(threads, 0);
     block = &state, finished = &done, block_idx = {b, 0, 0};
@@ -234,7 +255,7 @@ auto launcher(unsigned grid, unsigned threads, size_t shared_bytes, const void* 
                    shared_bytes, shared_limit(id));
       std::abort();
     }
-    launch(grid, threads, [=] { kernel(args...); });
+    launch(grid, threads, shared_bytes, [=] { kernel(args...); });
   };
 }
 

@@ -40,8 +40,8 @@ void deadlock() {
 
 int main(int argc, char** argv) {
   const std::string mode = argc == 2 ? argv[1] : "";
-  if (mode == "barriers") emu::launch(2, kThreads, barriers);
-  else if (mode == "deadlock") emu::launch(1, 64, deadlock);
+  if (mode == "barriers") emu::launch(2, kThreads, 0, barriers);
+  else if (mode == "deadlock") emu::launch(1, 64, 0, deadlock);
   else return 2;
   return 0;
 }

@@ -42,7 +42,7 @@ std::vector<T> read(const char* path, size_t count) {
 
 template <typename V>
 void write(FILE* f, const V& values) {
-  std::fwrite(values.data(), sizeof(values[0]), values.size(), f);
+  if (!values.empty()) std::fwrite(values.data(), sizeof(values[0]), values.size(), f);
 }
 
 template <typename T>

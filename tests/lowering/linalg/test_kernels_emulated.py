@@ -38,14 +38,11 @@ def test_emulation_runs_barriers_shuffles_and_early_exits_and_reports_a_deadlock
     assert "emulated block 0: deadlock, 64 threads wait at barriers that cannot complete" in deadlock.stderr
 
 
-@pytest.fixture(scope="module")
-def run_kernel(tmp_path_factory):
-    """``run_kernel(kernel, x, *extra, tail=None, order="forward")``: the kernel on the (batch, m, n)
-    array ``x`` (and the extra arguments and second input ``tail`` some kernels take), its threads
-    run in ``order`` ("forward" or "reverse") between barriers; returns the raw bytes of its
-    outputs, back to back."""
-    work = tmp_path_factory.mktemp("emulated")
-    exe = emulated("run_kernel.cc", work / "run_kernel")
+def kernel_runner(exe: pathlib.Path, work: pathlib.Path, env: dict | None = None):
+    """``run(kernel, x, *extra, tail=None, order="forward")``: the kernel on the (batch, m, n) array
+    ``x`` (and the extra arguments and second input ``tail`` some kernels take) through the harness
+    ``exe``, its threads run in ``order`` ("forward" or "reverse") between barriers; returns the raw
+    bytes of its outputs, back to back."""
 
     def run(kernel: str, x: np.ndarray, *extra, tail: np.ndarray | None = None, order: str = "forward") -> bytes:
         batch, m, n = x.shape
@@ -53,11 +50,29 @@ def run_kernel(tmp_path_factory):
         data = x.tobytes() if tail is None else x.tobytes() + tail.astype(x.dtype).tobytes()
         (work / "in.bin").write_bytes(data)
         args = [str(exe), kernel, dtype, str(batch), str(m), str(n), str(work / "in.bin"), str(work / "out.bin")]
-        env = {**os.environ, "JAXFORGE_EMULATED_THREAD_ORDER": order}
-        subprocess.run([*args, *map(str, extra)], check=True, timeout=120, env=env)
+        env_run = {**os.environ, **(env or {}), "JAXFORGE_EMULATED_THREAD_ORDER": order}
+        subprocess.run([*args, *map(str, extra)], check=True, timeout=300, env=env_run)
         return (work / "out.bin").read_bytes()
 
     return run
+
+
+@pytest.fixture(scope="module")
+def run_kernel(tmp_path_factory):
+    """kernel_runner over the harness built as the tests' other programs are."""
+    work = tmp_path_factory.mktemp("emulated")
+    return kernel_runner(emulated("run_kernel.cc", work / "run_kernel"), work)
+
+
+@pytest.fixture(scope="module")
+def run_sanitized(tmp_path_factory):
+    """kernel_runner over the harness built with AddressSanitizer and UndefinedBehaviorSanitizer, either
+    stopping the run at its first report: an access past a buffer, past the dynamic shared memory a
+    launch asked for (poisoned: tests/cuda_emulation/cuda_runtime.h), or undefined arithmetic."""
+    work = tmp_path_factory.mktemp("sanitized")
+    sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
+    exe = compile_emulated([HARNESS / "run_kernel.cc"], work / "run_kernel", *sanitize, optimize="-O1")
+    return kernel_runner(exe, work, {"ASAN_OPTIONS": "detect_leaks=0"})
 
 
 def qr_r(run_kernel, x):
@@ -469,18 +484,20 @@ RACE_CASES = {  # kernel: (dtype, shape, extra arguments), a batch that fills mo
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel", RACE_CASES)
-def test_results_do_not_depend_on_the_order_threads_run_in(run_kernel, kernel):
+def test_no_races_or_out_of_bounds_accesses(run_sanitized, kernel):
     """A race, a read of memory another thread writes with no sync between, reads the old bytes
-    here where the writer runs after the reader (tests/cuda_emulation/cuda_runtime.h): the bits of
-    every output must then differ between the forward and the reverse order of the threads. Each
-    batch holds a zero matrix and one with zero columns (rows when wide) or a repeated column, so
-    the completion of an SVD's basis and a QR's zero reflections run too."""
+    here where the writer runs after the reader (tests/cuda_emulation/cuda_runtime.h), so the bits
+    of an output it reaches differ between the forward and the reverse order of the threads; the
+    sanitizers stop a run at an access out of bounds. Each batch holds a zero matrix and one with
+    zero columns (rows when wide), so the completion of an SVD's basis and a QR's zero reflections
+    run too."""
     rng = np.random.default_rng(10)
     for dtype, shape, extra in RACE_CASES[kernel]:
         x = exactly_rank_deficient(rng, shape, dtype)
         x[-1] = random(rng, shape[1:], dtype)
         tail = random(rng, (shape[0], shape[1], extra[0]), dtype) if extra else None
-        forward, reverse = (run_kernel(kernel, x, *extra, tail=tail, order=order) for order in ("forward", "reverse"))
+        forward, reverse = (run_sanitized(kernel, x, *extra, tail=tail, order=order) for order in ("forward", "reverse"))
         assert forward == reverse, (kernel, dtype, shape)
 
