@@ -42,7 +42,8 @@ def random(rng, shape: tuple, dtype=np.float64) -> np.ndarray:
 
 def exactly_rank_deficient(rng, shape: tuple, dtype=np.float64) -> np.ndarray:
     """Random matrices with their trailing half of columns (of rows, when wide) zero, the first a
-    zero matrix: singular values exactly 0, where a Jacobi kernel's normalised vectors are zero."""
+    zero matrix: singular values exactly 0, where a Jacobi kernel has no normalised vector of its
+    own and completes the basis."""
     a = random(rng, shape, dtype)
     m, n = shape[-2:]
     if m >= n:

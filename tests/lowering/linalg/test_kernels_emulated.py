@@ -22,9 +22,9 @@ from tests.linalg_inputs import exactly_rank_deficient, random, with_singular_va
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
 
 
-def emulated(source: str, exe: pathlib.Path) -> pathlib.Path:
+def emulated(source: str, exe: pathlib.Path, *flags: str, optimize: str = "-O2") -> pathlib.Path:
     """``tests/cuda_emulation/<source>`` built by the host compiler against the emulation."""
-    return compile_emulated([HARNESS / source], exe)
+    return compile_emulated([HARNESS / source], exe, *flags, optimize=optimize)
 
 
 def test_emulation_runs_barriers_shuffles_and_early_exits_and_reports_a_deadlock(tmp_path):
@@ -71,7 +71,7 @@ def run_sanitized(tmp_path_factory):
     launch asked for (poisoned: tests/cuda_emulation/cuda_runtime.h), or undefined arithmetic."""
     work = tmp_path_factory.mktemp("sanitized")
     sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer"]
-    exe = compile_emulated([HARNESS / "run_kernel.cc"], work / "run_kernel", *sanitize, optimize="-O1")
+    exe = emulated("run_kernel.cc", work / "run_kernel", *sanitize, optimize="-O1")
     return kernel_runner(exe, work, {"ASAN_OPTIONS": "detect_leaks=0"})
 
 
@@ -490,9 +490,9 @@ def test_no_races_or_out_of_bounds_accesses(run_sanitized, kernel):
     """A race, a read of memory another thread writes with no sync between, reads the old bytes
     here where the writer runs after the reader (tests/cuda_emulation/cuda_runtime.h), so the bits
     of an output it reaches differ between the forward and the reverse order of the threads; the
-    sanitizers stop a run at an access out of bounds. Each batch holds a zero matrix and one with
-    zero columns (rows when wide), so the completion of an SVD's basis and a QR's zero reflections
-    run too."""
+    sanitizers stop a run at an access out of bounds. Each batch of several matrices holds a zero
+    matrix and one with zero columns (rows when wide), so the completion of an SVD's basis and a
+    QR's zero reflections run too."""
     rng = np.random.default_rng(10)
     for dtype, shape, extra in RACE_CASES[kernel]:
         x = exactly_rank_deficient(rng, shape, dtype)
