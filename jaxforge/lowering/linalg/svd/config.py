@@ -87,12 +87,12 @@ def jacobi_warp_sweeps(dtype) -> str:
 
 def jacobi_block_bytes(rows: int, cols: int, dtype=np.dtype(np.float32)) -> int:
     """The block kernel's shared memory for an R x C work matrix of ``dtype`` (``block_layout<T>`` in
-    csrc/svd_jacobi_block.cuh): V in double width, W, real norms, 16 real reduction slots, perm, flag."""
+    csrc/svd_jacobi_block.cuh): V in double width, W, real norms, 16 real reduction slots, perm."""
     complex_ = dtype.kind == "c"
     real = dtype.itemsize // 2 if complex_ else dtype.itemsize
     v = (cols | 1) * cols * (16 if complex_ else 8)
     w = (rows | 1) * cols * dtype.itemsize
-    return (v + w + cols * real + 16 * real + cols * 4 + 4 + 15) // 16 * 16
+    return (v + w + cols * real + 16 * real + cols * 4 + 15) // 16 * 16
 
 
 def jacobi_slots_bytes(rows: int, cols: int) -> int:

@@ -528,6 +528,7 @@ __device__ int jacobi_sweeps_pairs(T* W, int ldw, T* V, int ldv, int rows, int c
     }
     if (!__any_sync(kFullMask, rotated)) sweeps = sweep;
   }
+  __syncwarp();  // a column comes back to another lane than loaded it; shuffles order no memory
   pair.store(W, ldw, V, ldv, rows, cols, row0);
   __syncwarp();
   return sweeps;

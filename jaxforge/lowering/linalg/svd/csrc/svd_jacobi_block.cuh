@@ -55,13 +55,12 @@ using AccOf = typename AccType<T>::type;  // V's element
 
 // The block's dynamic shared memory, in bytes from its start: V (C x C of AccOf<T>; none for the
 // values alone) first, for its alignment, then W (R x C of T), the C column norms, a reduction slot
-// a warp (both real), perm (C ints: perm[r] = column holding the r-th largest norm) and the flag (whether a sweep
-// rotated). V and W are column-major with odd leading dims, as in the warp kernel: a column is
+// a warp (both real) and perm (C ints: perm[r] = column holding the r-th largest norm). V and W are column-major with odd leading dims, as in the warp kernel: a column is
 // stride-1 across lanes, a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py
 // mirrors `bytes` (with V).
 struct BlockLayout {
   int ldw, ldv;
-  int w_byte, s_byte, red_byte, perm_byte, flag_byte;
+  int w_byte, s_byte, red_byte, perm_byte;
   int bytes;  // a multiple of 16
 };
 
@@ -74,19 +73,18 @@ __host__ __device__ inline BlockLayout block_layout(int rows, int cols, bool vec
   l.s_byte = l.w_byte + l.ldw * cols * static_cast<int>(sizeof(T));
   l.red_byte = l.s_byte + cols * static_cast<int>(sizeof(RealOf<T>));
   l.perm_byte = l.red_byte + kMaxThreads / 32 * static_cast<int>(sizeof(RealOf<T>));
-  l.flag_byte = l.perm_byte + cols * static_cast<int>(sizeof(int));
-  l.bytes = (l.flag_byte + static_cast<int>(sizeof(int)) + 15) & ~15;
+  l.bytes = (l.perm_byte + cols * static_cast<int>(sizeof(int)) + 15) & ~15;
   return l;
 }
 
 // Orthogonalises columns p and q of W (rows long) and applies the same rotation to columns p and q
 // of V (cols long; kV); one warp, warp-uniform control flow (the butterfly gives every lane the same
 // sums). The rotation is the warp kernel's (svd_jacobi::jacobi_rotation: Rutishauser's, made unitary
-// by the Gram entry's phase for complex T), computed in AccOf<T> from W's sums. Sets *flag when it
-// rotates.
+// by the Gram entry's phase for complex T), computed in AccOf<T> from W's sums. Returns whether it
+// rotated.
 template <typename T, bool kV>
-__device__ void rotate_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int p, int q,
-                            RealOf<T> tol, int* flag, int lane) {
+__device__ bool rotate_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int p, int q,
+                            RealOf<T> tol, int lane) {
   using R = RealOf<T>;
   T* wp = W + p * ldw;
   T* wq = W + q * ldw;
@@ -107,26 +105,25 @@ __device__ void rotate_pair(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int c
     }
   }
   svd_jacobi::warp_sum_gram(alpha, beta, gamma);
-  if (!svd_jacobi::needs_rotation(alpha, beta, magnitude(gamma), tol)) return;
-  if (lane == 0) *flag = 1;
+  if (!svd_jacobi::needs_rotation(alpha, beta, magnitude(gamma), tol)) return false;
   const auto rot = svd_jacobi::jacobi_rotation(Acc(alpha), Acc(beta), AccOf<T>(gamma));
   const T sp(rot.sp), sq(rot.sq);
   svd_jacobi::rotate_columns(wp, wq, rows, static_cast<R>(rot.c), sp, sq, lane);
   if constexpr (kV) svd_jacobi::rotate_columns(V + p * ldv, V + q * ldv, cols, rot.c, rot.sp, rot.sq, lane);
+  return true;
 }
 
 // Sweeps of the parallel-ordered one-sided Jacobi on W, accumulating into V (kV). Block-uniform.
 // Returns the sweeps used (the last rotated nothing), or -1 at the cap.
 template <typename T, bool kV>
-__device__ int jacobi_sweeps(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols, int* flag) {
+__device__ int jacobi_sweeps(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int cols) {
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const RealOf<T> tol = svd_jacobi::jacobi_tolerance<RealOf<T>>(rows);
   const int players = cols + (cols & 1);
 #pragma unroll 1
   for (int sweep = 1; sweep <= kMaxSweeps; ++sweep) {
-    if (threadIdx.x == 0) *flag = 0;
-    __syncthreads();
+    bool rotated = false;
 #pragma unroll 1
     for (int t = 0; t < players - 1; ++t) {
 #pragma unroll 1
@@ -135,13 +132,13 @@ __device__ int jacobi_sweeps(T* W, int ldw, AccOf<T>* V, int ldv, int rows, int 
         const int y = svd_jacobi::player(players - 1 - pair, t, players);
         const int p = min(x, y);
         const int q = max(x, y);
-        if (q < cols) rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, flag, lane);
+        if (q < cols) rotated |= rotate_pair<T, kV>(W, ldw, V, ldv, rows, cols, p, q, tol, lane);
       }
-      __syncthreads();  // the next step pairs these columns with others
+      if (t < players - 2) __syncthreads();  // the next step pairs these columns with others
     }
-    const bool rotated = *flag != 0;
-    __syncthreads();  // every thread has read the flag before thread 0 clears it
-    if (!rotated) return sweep;
+    // The last step's barrier, which also tells every thread whether any warp rotated (a vote, not
+    // a flag in shared memory that the warps would write at once).
+    if (!__syncthreads_or(rotated)) return sweep;
   }
   return -1;
 }
@@ -362,7 +359,6 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
   R* sv = reinterpret_cast<R*>(smem + l.s_byte);
   R* red = reinterpret_cast<R*>(smem + l.red_byte);
   int* perm = reinterpret_cast<int*>(smem + l.perm_byte);
-  int* flag = reinterpret_cast<int*>(smem + l.flag_byte);
   const int tid = threadIdx.x;
   const int threads = blockDim.x;  // kThreads, or the slots' (at most kMaxThreads)
   const int lane = tid & 31;
@@ -406,7 +402,7 @@ __device__ void svd_one(const T* a, RealOf<T>* s, T* u, T* vt, int32_t* info, in
                                                                    : SlotV::kRegisters;
       sweeps = jacobi_sweeps_slots<kV>(W, l.ldw, V, l.ldv, rows, cols, smem);
     } else {
-      sweeps = jacobi_sweeps<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols, flag);
+      sweeps = jacobi_sweeps<T, kVectors>(W, l.ldw, V, l.ldv, rows, cols);
     }
   }
   if (tid == 0) *info = sweeps;
