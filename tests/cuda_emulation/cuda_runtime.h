@@ -16,10 +16,13 @@
 // between the two orders. A barrier some thread can never reach stops the run with a message
 // instead of hanging, and a launch that asks for more than 48 KiB of dynamic shared memory without
 // the kernel's cudaFuncSetAttribute opt-in aborts, as a GPU refuses it. Built with
-// AddressSanitizer, it reports an access past the dynamic shared memory a launch asked for.
+// AddressSanitizer, it reports an access past the dynamic shared memory a launch asked for; built
+// with ThreadSanitizer, any race within a block, whatever the order (see happens_before below).
+// JAXFORGE_EMULATED_GRID caps the blocks a launch runs (see grid_limit).
 //
-// It checks logic (indexing, reductions, convergence, NaN paths), not timing, occupancy, register
-// limits or the device memory model; a kernel still has to pass its gpu tests on a GPU.
+// It checks logic (indexing, reductions, convergence, NaN paths) and, sanitized, CUDA's ordering
+// of memory within a block, not timing, occupancy or register limits; a kernel still has to pass
+// its gpu tests on a GPU.
 #pragma once
 
 #include <math.h>
@@ -27,6 +30,9 @@
 
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/asan_interface.h>
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
 #endif
 
 #include <algorithm>
@@ -72,6 +78,23 @@ inline void shared_memory_for(size_t bytes) {
   }
 }
 
+// Under ThreadSanitizer every fiber is a TSan fiber, switched without ordering anything, and the
+// only happens-before edges are the ones CUDA promises within a block: __syncthreads and __syncwarp
+// (shuffles and votes exchange values but order no memory), and a block's start after the launch
+// and its end before the next block (blocks run in turn, so races between blocks go unseen). TSan
+// then reports any two accesses of a block's threads, one a write, that no barrier orders: in
+// whatever order the threads run. The emulation's own bookkeeping is left uninstrumented (and out of
+// line, so that it stays so).
+#if defined(__SANITIZE_THREAD__)
+#define EMU_UNCHECKED gnu::no_sanitize_thread, gnu::noinline
+inline void happens_before(void* sync) { __tsan_release(sync); }
+inline void happens_after(void* sync) { __tsan_acquire(sync); }
+#else
+#define EMU_UNCHECKED gnu::noinline
+inline void happens_before(void*) {}
+inline void happens_after(void*) {}
+#endif
+
 inline dim3 block_dim, grid_dim, thread_idx, block_idx;  // thread_idx: the running fiber's
 inline long progress = 0;  // arrivals and finished threads; a pass of the block without any: deadlock
 
@@ -81,25 +104,44 @@ inline long progress = 0;  // arrivals and finished threads; a pass of the block
 // leaves, at a syscall a switch, which made the sanitized runs 25 times slower.
 using Context = void* [5];
 
-[[gnu::noinline, gnu::no_sanitize_address]] inline void jump_to(Context& context) { __builtin_longjmp(context, 1); }
+[[gnu::no_sanitize_address, EMU_UNCHECKED]] inline void jump_to(Context& context) { __builtin_longjmp(context, 1); }
 
 // A fiber's first entry (its own stack) and, once it has run, where it waits to be resumed.
 struct Fiber {
   ucontext_t start;
   Context resume;
   bool started = false;
+#if defined(__SANITIZE_THREAD__)
+  void* tsan = __tsan_create_fiber(0);
+  Fiber() = default;
+  Fiber(const Fiber&) = delete;
+  ~Fiber() { __tsan_destroy_fiber(tsan); }
+#endif
 };
 inline Context scheduler;
 inline Fiber* running = nullptr;
 
-[[gnu::noinline, gnu::no_sanitize_address]] inline void yield() {
-  if (__builtin_setjmp(running->resume) == 0) jump_to(scheduler);
+// Tells ThreadSanitizer which fiber runs next (`fiber`, or the scheduler for nullptr), just before
+// the jump there; a switch orders nothing.
+inline void* scheduler_tsan = nullptr;
+inline void switching_to([[maybe_unused]] Fiber* fiber) {
+#if defined(__SANITIZE_THREAD__)
+  __tsan_switch_to_fiber(fiber ? fiber->tsan : scheduler_tsan, __tsan_switch_to_fiber_no_sync);
+#endif
+}
+
+[[gnu::no_sanitize_address, EMU_UNCHECKED]] inline void yield() {
+  if (__builtin_setjmp(running->resume) == 0) {
+    switching_to(nullptr);
+    jump_to(scheduler);
+  }
 }
 
 // Runs `fiber` until it yields or finishes, then returns here, on the scheduler's stack.
-[[gnu::noinline, gnu::no_sanitize_address]] inline void resume(Fiber& fiber) {
+[[gnu::no_sanitize_address, EMU_UNCHECKED]] inline void resume(Fiber& fiber) {
   running = &fiber;
   if (__builtin_setjmp(scheduler) != 0) return;
+  switching_to(&fiber);
   if (!fiber.started) {
     fiber.started = true;
     setcontext(&fiber.start);
@@ -107,21 +149,27 @@ inline Fiber* running = nullptr;
   jump_to(fiber.resume);
 }
 
-// A barrier of `expected` fibers; phases complete when the last one arrives.
+// A barrier of `expected` fibers; phases complete when the last one arrives. Where it orders
+// memory (a sync, not a shuffle), what each fiber did before it happens before what any does after
+// it; the phases alternate two sync addresses, so that a fiber already at the next phase's barrier
+// adds nothing to this one's.
 struct Barrier {
   int expected;
   int arrived = 0;
   unsigned phase = 0;
-  void arrive_and_wait() {
+  char sync[2] = {};
+  [[EMU_UNCHECKED]] void arrive_and_wait(bool orders_memory) {
     ++progress;
     const unsigned mine = phase;
+    if (orders_memory) happens_before(&sync[mine % 2]);
     if (++arrived == expected) {
       arrived = 0, ++phase;
-      return;
+    } else {
+      while (phase == mine) yield();
     }
-    while (phase == mine) yield();
+    if (orders_memory) happens_after(&sync[mine % 2]);
   }
-  void arrive_and_drop() {
+  [[EMU_UNCHECKED]] void arrive_and_drop() {
     if (--expected > 0 && arrived == expected) arrived = 0, ++phase;
   }
 };
@@ -143,12 +191,18 @@ inline std::vector<char>* finished = nullptr;
 inline unsigned tid() { return thread_idx.x; }
 inline Barrier& warp() { return block->warps[tid() / 32]; }
 
-[[gnu::no_sanitize_address]] inline void fiber_entry() {
+// A block's start and end, as sync addresses: after the launch's writes, before its reads.
+inline char block_start, block_end;
+
+[[gnu::no_sanitize_address, EMU_UNCHECKED]] inline void fiber_entry() {
+  happens_after(&block_start);
   kernel_body();
   block->all.arrive_and_drop();
   warp().arrive_and_drop();
   (*finished)[tid()] = 1;
   ++progress;
+  happens_before(&block_end);
+  switching_to(nullptr);
   jump_to(scheduler);  // never returns: its stack is freed with the block
 }
 
@@ -161,6 +215,17 @@ inline bool reverse_order() {
   return reverse;
 }
 
+// At most how many blocks a launch runs (JAXFORGE_EMULATED_GRID; else all it asks for). The kernels'
+// grid-stride loops then take each block through several matrices, and through the syncs that keep
+// one matrix's writes from another's reads, which a grid of one block a matrix never reaches.
+inline unsigned grid_limit() {
+  static const unsigned limit = [] {
+    const char* blocks = std::getenv("JAXFORGE_EMULATED_GRID");
+    return blocks != nullptr ? std::max(1u, static_cast<unsigned>(std::strtoul(blocks, nullptr, 10))) : ~0u;
+  }();
+  return limit;
+}
+
 // Launches run one at a time (the state above is shared): XLA may call the handlers that make them
 // from several threads, one a device.
 inline std::mutex launching;
@@ -168,10 +233,14 @@ inline std::mutex launching;
 // Runs body() as grid blocks of `threads` threads (1-D launches, as the kernels make) with
 // `shared_bytes` of dynamic shared memory.
 template <typename Body>
-void launch(unsigned grid, unsigned threads, size_t shared_bytes, Body body) {
+[[EMU_UNCHECKED]] void launch(unsigned grid, unsigned threads, size_t shared_bytes, Body body) {
   constexpr size_t kStackBytes = 128 * 1024;
   const std::lock_guard<std::mutex> one_at_a_time(launching);
+  grid = std::min(grid, grid_limit());
   grid_dim = {grid, 1, 1};
+#if defined(__SANITIZE_THREAD__)
+  scheduler_tsan = __tsan_get_current_fiber();
+#endif
   block_dim = {threads, 1, 1};
   kernel_body = body;
   for (unsigned b = 0; b < grid; ++b) {
@@ -189,6 +258,7 @@ void launch(unsigned grid, unsigned threads, size_t shared_bytes, Body body) {
       fiber.start.uc_link = nullptr;
       makecontext(&fiber.start, fiber_entry, 0);
     }
+    happens_before(&block_start);
     for (unsigned left = threads; left > 0;) {
       const long before = progress;
       for (unsigned i = 0; i < threads; ++i) {
@@ -203,28 +273,30 @@ void launch(unsigned grid, unsigned threads, size_t shared_bytes, Body body) {
         std::abort();
       }
     }
+    happens_after(&block_end);
     block = nullptr, finished = nullptr;
   }
 }
 
+// A shuffle's value from `source_lane`; like a vote below, it orders no memory.
 template <typename T>
-T exchange(T value, unsigned source_lane) {
+[[EMU_UNCHECKED]] T exchange(T value, unsigned source_lane) {
   static_assert(sizeof(T) <= 8);
   std::memcpy(&block->slots[tid()], &value, sizeof(T));
-  warp().arrive_and_wait();
+  warp().arrive_and_wait(false);
   T out;
   std::memcpy(&out, &block->slots[tid() / 32 * 32 + source_lane], sizeof(T));
-  warp().arrive_and_wait();
+  warp().arrive_and_wait(false);
   return out;
 }
 
 // How many lanes of this thread's warp hold a true predicate.
-inline int votes(int predicate) {
+[[EMU_UNCHECKED]] inline int votes(int predicate) {
   block->slots[tid()] = predicate != 0;
-  warp().arrive_and_wait();
+  warp().arrive_and_wait(false);
   int count = 0;
   for (unsigned lane = 0; lane < 32; ++lane) count += static_cast<int>(block->slots[tid() / 32 * 32 + lane]);
-  warp().arrive_and_wait();
+  warp().arrive_and_wait(false);
   return count;
 }
 
@@ -291,8 +363,8 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, F, int th
 #define blockDim (::emu::block_dim)
 #define gridDim (::emu::grid_dim)
 
-inline void __syncthreads() { emu::block->all.arrive_and_wait(); }
-inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().arrive_and_wait(); }
+inline void __syncthreads() { emu::block->all.arrive_and_wait(true); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::warp().arrive_and_wait(true); }
 
 inline int __syncthreads_and(int predicate) {
   emu::block->vote[emu::tid()] = predicate != 0;
