@@ -114,6 +114,7 @@ def define_primitive(
     transpose: Callable | None = None,
     batch: Callable | None = None,
     dce: Callable | None = None,
+    known_outputs: Callable | None = None,
 ) -> Primitive:
     """Declares a multiple-results primitive with core-rank rules and leading batch dims.
 
@@ -123,6 +124,10 @@ def define_primitive(
     which moves the vmapped axis in front as one more batch dim. ``dce(used_outputs, **params) ->
     (params, kept)``: the params of a bind computing only the outputs ``kept`` marks (those used
     among them), for the dead-code elimination ``jax.jit`` runs before lowering.
+    ``known_outputs(operands, avals, **params)``, where some operands are unknown (None; ``avals``
+    are all operands'), as in ``jax.linear_transpose``: the outputs that do not depend on them,
+    computed from the known ones (None for the others; all None if none can be), so that what
+    follows them stays known and need not be linear.
     """
     if name in _REGISTRY:
         raise ValueError(f"primitive {name!r} is declared twice")
@@ -136,6 +141,8 @@ def define_primitive(
     batching.primitive_batchers[prim] = functools.partial(batch or _leading_batch_rule, prim)
     if dce is not None:
         pe.dce_rules[prim] = functools.partial(_dce_rule, dce)
+    if known_outputs is not None:
+        pe.custom_partial_eval_rules[prim] = functools.partial(_partial_eval_rule, known_outputs, prim)
     _REGISTRY[name] = PrimitiveSpec(
         primitive=prim,
         reference=reference,
@@ -541,6 +548,18 @@ def _dce_rule(fewer_outputs, used_outputs, eqn):
     params, kept = fewer_outputs(used_outputs, **eqn.params)
     outvars = [var for var, keep in zip(eqn.outvars, kept) if keep]
     return [True] * len(eqn.invars), eqn.replace(params=params, outvars=outvars)
+
+
+def _partial_eval_rule(known_outputs, prim, trace, *tracers, **params):
+    """Partial evaluation (known operands now, unknown ones staged): the primitive is staged for its
+    outputs, less those ``known_outputs`` computes from the known operands alone."""
+    known = [t.pval.is_known() for t in tracers]
+    staged = trace.default_process_primitive(prim, tracers, params)
+    if all(known):  # computed, nothing staged
+        return staged
+    operands = [t.pval.get_known() if is_known else None for t, is_known in zip(tracers, known)]
+    outs = known_outputs(operands, [t.aval for t in tracers], **params)
+    return [trace.new_const(out) if out is not None else s for s, out in zip(staged, outs)]
 
 
 def _impl_through_jit(prim: Primitive, *args, **params):

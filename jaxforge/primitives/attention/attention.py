@@ -493,6 +493,20 @@ def _fwd_transpose(cts, q, k, v, *consts, mods: Mods, scale: float, max_scores: 
     return [None, None, gv] + [None] * len(consts)
 
 
+def _fwd_known_outputs(operands, avals, *, mods: Mods, scale: float, max_scores: bool, first_keys: bool, implementation):
+    """Where ``v`` alone is unknown (``jax.linear_transpose`` in ``v``), the lse and the maxima, which
+    do not move with it, stay known: computed with zeros for ``v`` (the output is left to the staged
+    forward). Sinks and a mask's pieces, merged through the lse, then stay linear in ``v``."""
+    q, k, v, *consts = operands
+    if v is not None or any(x is None for x in (q, k, *consts)):
+        return [None] * (2 + max_scores + first_keys)
+    zeros_v = jnp.zeros(avals[2].shape, avals[2].dtype)
+    _, *rest = attention_fwd_p.bind(
+        q, k, zeros_v, *consts, mods=mods, scale=scale, max_scores=max_scores, first_keys=first_keys, implementation=implementation
+    )
+    return [None, *rest]
+
+
 def _fwd_fewer_outputs(used, *, max_scores: bool, first_keys: bool, **params):
     """A forward without the first keys, or the maxima, where none uses them (dead-code
     elimination: the JVP binds the first keys, which a gradient whose maxima are auxiliary never
@@ -769,6 +783,7 @@ attention_fwd_p = _core.define_primitive(
     example_params=dict(mods=Mods(), scale=0.5, max_scores=False, first_keys=False, implementation=Implementation()),
     batch=_batch_rule(3, 0),
     dce=_fwd_fewer_outputs,
+    known_outputs=_fwd_known_outputs,
     **_COMMON,
 )
 attention_tangent_p = _core.define_primitive(

@@ -586,6 +586,23 @@ def test_attention_transposes_in_v(impl):
         jax.linear_transpose(lambda q: jf.attention(q, k, v, implementation=impl), q)(g)
 
 
+@over_impls
+def test_attention_with_sinks_and_pieces_transposes_in_v(impl):
+    """Sinks and a mask's pieces are merged through the lse, which does not move with v: it stays
+    known where v alone is (``jax.linear_transpose``), so the merge stays linear in v."""
+    rng = np.random.default_rng(29)
+    q, k, v = qkv(rng, (B,), 13, 17, HQ, HKV, D, DV)
+    i, j = np.arange(13)[:, None], np.arange(17)[None]
+    visible = jnp.asarray((j < 2) | ((i + 4 >= j) & (i + 4 - j < 5)))  # sinks and a window: two pieces
+    cut = masks.block_mask(masks.from_array(visible), 13, 17, ranges=2)
+    assert len(cut.pieces()) == 2
+    sinks = jnp.asarray(rng.standard_normal(HQ))
+    g = jnp.asarray(rng.standard_normal((B, 13, HQ, DV)))
+    for kw in (dict(sinks=sinks), dict(mask=cut), dict(mask=cut, sinks=sinks)):
+        f = lambda v: jf.attention(q, k, v, implementation=impl, **kw)  # noqa: E731
+        assert_close(jax.linear_transpose(f, v)(g)[0], jax.vjp(f, v)[1](g)[0], **DTOL)
+
+
 def test_vmapped_sinks_match_a_loop():
     rng = np.random.default_rng(24)
     q, k, v = qkv(rng, (B,), 13, 13, HQ, HKV, D, DV)
