@@ -501,11 +501,13 @@ def test_values_alone_are_the_full_kernels_bits(run_kernel, kernel, dtype):
 RACE_CASES = {  # kernel: (dtype, shape, extra arguments), a batch that fills more than one block where one warp serves a matrix
     "qr_r": [(np.float32, (3, 20, 7), ()), (np.complex128, (2, 9, 5), ())],
     "qr_solve": [(np.float64, (3, 12, 5), (2, "1e-6")), (np.complex64, (2, 5, 8), (1, "1e-4"))],
-    "qr_solve_warp": [(np.float32, (9, 20, 6), (2, "1e-4"))],
-    "svd_jacobi": [(np.float32, (9, 12, 10), ()), (np.complex64, (3, 7, 12), ()), (np.float64, (3, 9, 6), ())],
+    "qr_solve_warp": [(np.float32, (9, 20, 6), (2, "1e-4")), (np.float32, (3, 100, 20), (3, "1e-4"))],  # 2, 4 row slots
+    "svd_jacobi": [
+        (np.float32, (9, 12, 10), ()), (np.complex64, (3, 7, 12), ()), (np.float64, (3, 9, 6), ()), (np.complex128, (3, 8, 5), ()),
+    ],
     "svd_jacobi_lanes": [(np.float32, (9, 12, 10), ())],
     "svd_jacobi_pairs": [(np.float32, (9, 10, 12), ())],
-    "svd_jacobi_block": [(np.float64, (3, 40, 12), ()), (np.complex64, (3, 12, 36), ())],
+    "svd_jacobi_block": [(np.float64, (3, 40, 12), ()), (np.complex64, (3, 12, 36), ()), (np.float32, (2, 140, 12), ())],
     "svd_jacobi_slots": [(np.float32, (3, 40, 36), ()), (np.float32, (1, 72, 66), ())],
     "svd_jacobi_values": [(np.float32, (9, 12, 10), ())],
     "svd_jacobi_block_values": [(np.float32, (3, 40, 12), ())],
