@@ -12,7 +12,7 @@ far from them) and boolean arrays as jax.nn takes them (some dims broadcast), so
 evaluated by ``block_mask`` as a whole (in one range or cut into pieces), the range pass taking
 all rows at once or a few at a time. The visible pairs are computed here from each mask's
 definition (not from the library's ``mask_mod``). ``first-order`` compares out, lse, the
-gradient and the jvp (half the seeds with ``return_max_scores``: the rows' largest scores too, in
+gradient, the jvp and ``jax.linear_transpose`` in v (half the seeds with ``return_max_scores``: the rows' largest scores too, in
 the loss and the jvp, and beside a jitted gradient as ``has_aux``; a third of the seeds a number
 for ``scale``, a third one traced where the call is; likewise ``softcap``); ``second-order`` adds a score
 mod (ALiBi, a captured relative-bias table or a per-head scale) and compares the gradient in the table too and a Hessian-vector product;
@@ -288,6 +288,9 @@ def _run_seed(seed: int, mode: str) -> None:
         _assert_close(t_out, t_out_d, 1e-8)
         for t, t_d in zip(t_rows, t_rows_d):  # lse's and the maxima's
             _assert_close(t, t_d, 1e-8, rows)
+        out_in_v = lambda f: lambda v: f(q, k, v, table)[0]  # noqa: E731  (linear: pieces merge through the lse)
+        cotangent = jnp.asarray(weights)
+        _assert_close(jax.linear_transpose(out_in_v(ours), v)(cotangent)[0], jax.vjp(out_in_v(dense), v)[1](cotangent)[0], 1e-8)
     else:
         hvps = [jax.jvp(jax.grad(_loss(f, weights), argnums=argnums), args, tangents)[1] for f in (ours, dense)]
         for a, e in zip(*hvps):
