@@ -238,11 +238,11 @@ template <typename Body>
   const std::lock_guard<std::mutex> one_at_a_time(launching);
   grid = std::min(grid, grid_limit());
   grid_dim = {grid, 1, 1};
+  block_dim = {threads, 1, 1};
+  kernel_body = body;
 #if defined(__SANITIZE_THREAD__)
   scheduler_tsan = __tsan_get_current_fiber();
 #endif
-  block_dim = {threads, 1, 1};
-  kernel_body = body;
   for (unsigned b = 0; b < grid; ++b) {
     shared_memory_for(shared_bytes);
     Block state(static_cast<int>(threads));

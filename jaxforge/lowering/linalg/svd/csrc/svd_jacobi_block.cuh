@@ -55,9 +55,9 @@ using AccOf = typename AccType<T>::type;  // V's element
 
 // The block's dynamic shared memory, in bytes from its start: V (C x C of AccOf<T>; none for the
 // values alone) first, for its alignment, then W (R x C of T), the C column norms, a reduction slot
-// a warp (both real) and perm (C ints: perm[r] = column holding the r-th largest norm). V and W are column-major with odd leading dims, as in the warp kernel: a column is
-// stride-1 across lanes, a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py
-// mirrors `bytes` (with V).
+// a warp (both real) and perm (C ints: perm[r] = column holding the r-th largest norm). V and W
+// are column-major with odd leading dims, as in the warp kernel: a column is stride-1 across lanes,
+// a row spreads over the banks. jaxforge/lowering/linalg/svd/config.py mirrors `bytes` (with V).
 struct BlockLayout {
   int ldw, ldv;
   int w_byte, s_byte, red_byte, perm_byte;
