@@ -163,7 +163,7 @@ def _jvp_of_tangents_like_primals(jvp: Callable, primals, tangents, **params):
 
     def like(primal, tangent):
         aval = jax.typeof(primal)
-        if type(tangent) is ad.Zero or not _explicitly_sharded(aval) or tangent.dtype == jax.dtypes.float0:
+        if type(tangent) is ad.Zero or not explicitly_sharded(aval) or tangent.dtype == jax.dtypes.float0:
             return tangent
         return tangent if jax.typeof(tangent).sharding == aval.sharding else jax.sharding.reshard(tangent, aval.sharding)
 
@@ -207,7 +207,7 @@ def register_lowering(
         # from constants mismatch their varying updates), so it traces on plain avals.
         ctx = ctx.replace(avals_in=[_untyped(a) for a in ctx.avals_in], avals_out=[_untyped(a) for a in ctx.avals_out])
         fn = functools.partial(impl, **params)
-        if any(_explicitly_sharded(aval) for aval in ctx.avals_in + ctx.avals_out):
+        if any(explicitly_sharded(aval) for aval in ctx.avals_in + ctx.avals_out):
             shared = shared_operands(len(args), **params) if shared_operands else [False] * len(args)
             fn = _per_shard(fn, ctx.avals_in, ctx.avals_out, shared, shards)
         else:
@@ -245,10 +245,10 @@ def mesh_axes(entry) -> tuple:
 
 
 def _per_shard(fn, avals_in, avals_out, shared, pass_shards: bool):
-    mesh = next(a.sharding.mesh for a in (*avals_in, *avals_out) if _explicitly_sharded(a))
+    mesh = next(a.sharding.mesh for a in (*avals_in, *avals_out) if explicitly_sharded(a))
     in_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_in, shared))
     used = tuple(sorted({ax for spec in in_specs for entry in spec for ax in mesh_axes(entry)}))
-    summed = [not _explicitly_sharded(a) for a in avals_out]
+    summed = [not explicitly_sharded(a) for a in avals_out]
     out_specs = tuple(PartitionSpec() if s else PartitionSpec(*_full_spec(a)) for a, s in zip(avals_out, summed))
     first = _full_spec(avals_in[0])
 
@@ -287,7 +287,7 @@ def gathered(x, axes=None):
     sharding (an all-gather); ``x`` itself where none does."""
     sharding = jax.typeof(x).sharding
     dropped = lambda a: axes is None or a in axes  # noqa: E731
-    if not _explicitly_sharded(jax.typeof(x)) or not any(dropped(a) for e in sharding.spec for a in mesh_axes(e)):
+    if not explicitly_sharded(jax.typeof(x)) or not any(dropped(a) for e in sharding.spec for a in mesh_axes(e)):
         return x
 
     def kept(entry):
@@ -297,7 +297,17 @@ def gathered(x, axes=None):
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec(*map(kept, sharding.spec))))
 
 
-def _explicitly_sharded(aval) -> bool:
+def under_automatic_axes(fn, like, *args):
+    """``fn(*args)``, sharded like ``like``; on an explicit mesh, under automatic axes. For the jax
+    operations whose sharding types refuse a batch split over explicit axes (a gather from a
+    replicated table at split indices; triangular_solve's derivative in its matrix), which XLA's
+    partitioner places without collectives."""
+    if not explicitly_sharded(jax.typeof(like)):
+        return fn(*args)
+    return jax.sharding.auto_axes(fn, out_sharding=jax.typeof(like).sharding)(*args)
+
+
+def explicitly_sharded(aval) -> bool:
     sharding = getattr(aval, "sharding", None)
     if sharding is None or not any(p is not None for p in sharding.spec):
         return False
@@ -355,6 +365,11 @@ def batch_sharded_avals(
 def instantiate_zeros(tangent):
     """A symbolic-zero tangent as an array of zeros; any other tangent unchanged."""
     return ad.instantiate_zeros(tangent)
+
+
+def zeros(aval):
+    """An array of zeros of ``aval``'s type, its sharding on an explicit mesh included."""
+    return ad.zeros_like_aval(aval)
 
 
 def zero_tangent(primal):

@@ -100,6 +100,57 @@ def test_attention_per_shard_with_global_batch_index(batch, implementation):
 _Impl = jf.functional.attention.Implementation
 
 
+def _inside_the_mesh_as_outside(batch, cases, split: int = 2):
+    """Each ``(fn, args)`` jitted inside ``jax.set_mesh`` (every value's type then carries its
+    sharding), its first ``split`` args split like the batch and the rest replicated, gives what it
+    gives outside, its results of the batch's size split like it."""
+    place = lambda i, x: jax.device_put(jnp.asarray(x), batch if i < split else NamedSharding(batch.mesh, P()))  # noqa: E731
+    with jax.set_mesh(batch.mesh):
+        got = [jax.jit(fn)(*(place(i, x) for i, x in enumerate(args))) for fn, args in cases]
+    for (fn, args), result in zip(cases, got):
+        for g, w in zip(jax.tree.leaves(result), jax.tree.leaves(jax.jit(fn)(*args))):
+            np.testing.assert_allclose(g, w, rtol=1e-10, atol=1e-11)
+            assert g.sharding.spec[0] == "batch" or g.shape[0] != len(args[0])
+
+
+def test_lstsq_derivatives_inside_a_set_explicit_mesh(batch):
+    """The zeros the rules make take their operand's sharding; triangular_solve's derivative in its
+    matrix, which jax's sharding types refuse on a split batch, runs under automatic axes. First
+    and second derivatives, one matrix rank-deficient."""
+    rng = np.random.default_rng(10)
+    a, b = rng.standard_normal((16, 6, 4)), rng.standard_normal((16, 6, 2))
+    a[3, :, 3] = a[3, :, 0]
+    solve = lambda a, b: jf.linalg.lstsq(a, b)[:2]  # noqa: E731
+    hvp = lambda a, b: jax.jvp(jax.grad(lambda a: jnp.sum(jnp.sin(solve(a, b)[0]))), (a,), (b[..., :1] * a,))[1]  # noqa: E731
+    _inside_the_mesh_as_outside(batch, [
+        (jax.grad(lambda a, b: sum(jnp.sum(x**2) for x in solve(a, b)), (0, 1)), (a, b)),
+        (lambda a, b: jax.jvp(solve, (a, b), (b[..., :1] * a, b))[1], (a, b)),
+        (hvp, (a, b)),
+    ])  # fmt: skip
+
+
+def test_attention_derivatives_inside_a_set_explicit_mesh(batch):
+    """The transpose in v makes its zeros for v split like v; the dense second-order rules and the
+    maxima's tangent (each row's key gathered) run under automatic axes, with a mask and a score mod
+    that read tables at the batch index (jax's vmap and gathers refuse index arrays split otherwise
+    than what they index)."""
+    rng = np.random.default_rng(11)
+    q, k, v, table = (rng.standard_normal(s) for s in ((8, 12, 2, 4),) * 3 + ((2, 8),))
+    sinks, lengths = jnp.asarray(rng.standard_normal(2)), jnp.asarray(rng.integers(1, 13, 8))
+
+    def attend(q, k, v, table, **kw):
+        mask = jf.masks.causal() & jf.masks.from_mask_mod(lambda b, h, i, j: j < lengths[b])
+        return jf.attention(q, k, v, mask=mask, score_mod=lambda s, b, h, i, j: s + table[h, b], sinks=sinks, **kw)
+
+    loss = lambda *args: jnp.sum(jnp.sin(attend(*args)))  # noqa: E731
+    largest = lambda *args: jnp.sum(jnp.sin(attend(*args, return_max_scores=True)[1]))  # noqa: E731
+    _inside_the_mesh_as_outside(batch, [
+        (lambda q, k, v, table: jax.linear_transpose(lambda v: attend(q, k, v, table), v)(q)[0], (q, k, v, table)),
+        (lambda *args: jax.jvp(jax.grad(loss, (0, 1, 2, 3)), args, args[::-1][1:] + args[3:])[1], (q, k, v, table)),
+        (jax.grad(largest, (0, 1, 3)), (q, k, v, table)),
+    ], split=3)  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "implementation",
     ["xla", _Impl("pallas_triton", 8, 8), _Impl("xla", pack_gqa=True), _Impl("pallas_triton", 8, 8, pack_gqa=True)],

@@ -199,7 +199,7 @@ def attention_reference(q, k, v, *consts, mods: Mods, scale: float, max_scores: 
     acc = accumulation_dtype(q.dtype)
     qf, kf, vf = _dense_heads(q, k, v)
     s = _dense_scores(qf, kf, consts, mods, scale)
-    allowed = _dense_mask(s.shape, consts, mods)
+    allowed = _dense_mask(s, consts, mods)
     if allowed is not None:
         s = jnp.where(allowed, s, -jnp.inf)
     row_max = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)  # initial: there may be no keys
@@ -240,13 +240,18 @@ def _dense_scores(qf, kf, consts, mods: Mods, scale: float, **where):
     """Modified scores ``(B, H, Sq, Skv)`` (no mask applied), in the accumulation dtype."""
     _, score_c = _split(consts, mods)
     raw = jnp.einsum("bqhd,bkhd->bhqk", qf, kf, precision="highest", preferred_element_type=accumulation_dtype(qf.dtype))
-    return mods.modify(raw * scale, *_dense_iotas(raw.shape, **where), score_c)
+    modify = lambda raw, score_c: mods.modify(raw * scale, *_dense_iotas(raw.shape, **where), score_c)  # noqa: E731
+    return _core.under_automatic_axes(modify, raw, raw, score_c)  # a score mod's gathers
 
 
-def _dense_mask(shape, consts, mods: Mods, **where):
-    """The mask of a ``shape`` score array (None: every key visible)."""
+def _dense_mask(scores, consts, mods: Mods, **where):
+    """The mask of a score array (None: every key visible)."""
     mask_c, _ = _split(consts, mods)
-    return mods.allowed(*_dense_iotas(shape, **where), mask_c)
+    if mods.mask is None:
+        return None
+    allowed = lambda mask_c: mods.allowed(*_dense_iotas(scores.shape, **where), mask_c)  # noqa: E731
+    return _core.under_automatic_axes(allowed, scores, mask_c)  # a mask's gathers
+
 
 
 def _tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
@@ -311,7 +316,7 @@ def tangent_at(q, k, v, out, lse, *operands, mods: Mods, scale: float, batch_ids
         return _dense_scores(qf, kf, [*mask_c, *with_floats(score_c, floats)], mods, scale, **where)
 
     s, ds = jax.jvp(scores, (qf, kf, float_consts(score_c)), (dqf, dkf, dscore))
-    allowed = _dense_mask(s.shape, consts, mods, **where)
+    allowed = _dense_mask(s, consts, mods, **where)
     visible = True if allowed is None else allowed
     lse_f = jnp.swapaxes(lse.reshape(math.prod(batch), sq, hq), 1, 2)[..., None].astype(acc)
     p = jnp.exp(jnp.where(visible, s, -jnp.inf) - jnp.where(jnp.isfinite(lse_f), lse_f, 0))
@@ -483,7 +488,7 @@ def _fwd_transpose(cts, q, k, v, *consts, mods: Mods, scale: float, max_scores: 
         raise NotImplementedError(f"attention: its output is linear in v, not in {' or '.join(nonlinear)}: it cannot be transposed in them")
     if _core.is_symbolic_zero(cts[0]):
         return [None] * (3 + len(consts))
-    zeros_v = jnp.zeros(v.aval.shape, v.aval.dtype)
+    zeros_v = _core.zeros(v.aval)
     zero_out, lse = attention_fwd_p.bind(q, k, zeros_v, *consts, mods=mods, scale=scale, max_scores=False, first_keys=False, implementation=implementation)
     _, score_c = _split(consts, mods)
     _, _, gv, *_ = attention_bwd_p.bind(
@@ -500,7 +505,7 @@ def _fwd_known_outputs(operands, avals, *, mods: Mods, scale: float, max_scores:
     q, k, v, *consts = operands
     if v is not None or any(x is None for x in (q, k, *consts)):
         return [None] * (2 + max_scores + first_keys)
-    zeros_v = jnp.zeros(avals[2].shape, avals[2].dtype)
+    zeros_v = _core.zeros(avals[2])
     _, *rest = attention_fwd_p.bind(
         q, k, zeros_v, *consts, mods=mods, scale=scale, max_scores=max_scores, first_keys=first_keys, implementation=implementation
     )
@@ -521,9 +526,14 @@ def _max_score_tangent(q, k, consts, top, first, dq, dk, dscore, *, mods: Mods, 
     """The tangent of each row's largest score: ``ds_{i, first_i}``, the score's tangent at the first
     key attaining it (one key a row: O(S·D), linear in ``dq``, ``dk`` and the float score consts'
     tangents); 0 where the row sees no key."""
-    *batch, sq, hq, _ = q.shape
     if 0 in (k.shape[-3], *top.shape):  # no key, or no row (symbolic dims compare, never bool())
         return jnp.zeros_like(top)
+    at = lambda *args: _max_score_tangent_at(*args, mods=mods, scale=scale)  # noqa: E731
+    return _core.under_automatic_axes(at, top, q, k, consts, top, first, dq, dk, dscore)  # its gathers
+
+
+def _max_score_tangent_at(q, k, consts, top, first, dq, dk, dscore, *, mods: Mods, scale: float):
+    *batch, sq, hq, _ = q.shape
     _, score_c = _split(consts, mods)
     bsz, group = math.prod(batch), hq // k.shape[-2]
     flat = lambda x: x.reshape(bsz, *x.shape[len(batch) :])  # noqa: E731
@@ -558,7 +568,7 @@ def _as_direction(cts, consts, mods: Mods, const_grads) -> list:
     _, score_c = _split(consts, mods)
     cts = iter(_core.instantiate_zeros(c) for c in cts)
     dq, dk, dv = next(cts), next(cts), next(cts)
-    d_score = [next(cts) if wanted else jnp.zeros(f.shape, f.dtype) for f, wanted in zip(float_consts(score_c), const_grads)]
+    d_score = [next(cts) if wanted else jnp.zeros_like(f) for f, wanted in zip(float_consts(score_c), const_grads)]
     return [dq, dk, dv, *d_score]
 
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
+
+from jaxforge.primitives import _core
 
 
 def mm(x, y):
@@ -32,9 +36,8 @@ def reciprocal(x, eps: float):
 
 def solve_triangular(r, y, *, adjoint: bool = False):
     """``R⁻¹ y``, or ``R⁻ᴴ y`` when ``adjoint``, for upper-triangular ``R``."""
-    return lax.linalg.triangular_solve(
-        r, y, left_side=True, lower=False, transpose_a=adjoint, conjugate_a=adjoint
-    )
+    solve = functools.partial(lax.linalg.triangular_solve, left_side=True, lower=False, transpose_a=adjoint, conjugate_a=adjoint)
+    return _core.under_automatic_axes(solve, y, r, y)  # its derivative in R masks R unsharded
 
 
 # Order up to which a triangular inverse is one solve against the identity. Above it the inverse

@@ -110,7 +110,7 @@ def residuals(a, b, x):
     """Column sums of ``|b - A x|²`` when ``m > n``; an empty ``(*batch, 0)`` array otherwise."""
     m, n = a.shape[-2:]
     if m <= n:
-        return jnp.zeros((*b.shape[:-2], 0), real_dtype(b.dtype))
+        return jnp.sum(jnp.abs(b[..., :0]), axis=-2)  # over no columns: b's batch, its sharding kept
     return jnp.sum(jnp.abs(b - mm(a, x)) ** 2, axis=-2)
 
 
@@ -176,7 +176,7 @@ def _tangents(a, b, x, rank, r, da, db):
     dr = jnp.where(full, _factor_tangent(a, r_safe, r_inv, da), 0)
     s_r, v_r = lax.cond(  # the SVD only for a batch holding a rank-deficient matrix
         all_full,
-        lambda: (jnp.zeros(r.shape[:-1], real_dtype(r.dtype)), jnp.zeros_like(r)),
+        lambda: (jnp.zeros_like(r[..., 0], real_dtype(r.dtype)), jnp.zeros_like(r)),
         lambda: _right_svd(after_on_cpu(r_tied, r_inv)),
     )
     dx = lax.cond(
@@ -191,7 +191,7 @@ def _tangents(a, b, x, rank, r, da, db):
         lambda: _singular_values_through_a(after_on_cpu(a, v_r), s, rank, da),
     )
     m, n = a.shape[-2:]
-    dres = _residual_tangent(a, b, x, da, db, dx) if m > n else jnp.zeros((*a.shape[:-2], 0), ds.dtype)
+    dres = _residual_tangent(a, b, x, da, db, dx) if m > n else jnp.zeros_like(ds[..., :0])
     return s, dx, dres, ds, dr
 
 
