@@ -116,7 +116,7 @@ def _inside_the_mesh_as_outside(batch, cases, split: int = 2):
 def test_lstsq_derivatives_inside_a_set_explicit_mesh(batch):
     """The zeros the rules make take their operand's sharding; triangular_solve's derivative in its
     matrix, which jax's sharding types refuse on a split batch, runs under automatic axes. First
-    and second derivatives, one matrix rank-deficient."""
+    and second derivatives and the transpose in b, one matrix rank-deficient."""
     rng = np.random.default_rng(10)
     a, b = rng.standard_normal((16, 6, 4)), rng.standard_normal((16, 6, 2))
     a[3, :, 3] = a[3, :, 0]
@@ -126,6 +126,7 @@ def test_lstsq_derivatives_inside_a_set_explicit_mesh(batch):
         (jax.grad(lambda a, b: sum(jnp.sum(x**2) for x in solve(a, b)), (0, 1)), (a, b)),
         (lambda a, b: jax.jvp(solve, (a, b), (b[..., :1] * a, b))[1], (a, b)),
         (hvp, (a, b)),
+        (lambda a, b: jax.linear_transpose(lambda b: solve(a, b)[0], b)(solve(a, b)[0])[0], (a, b)),
     ])  # fmt: skip
 
 

@@ -41,7 +41,8 @@ svd's). The residuals follow
 :math:`d\lVert r\rVert^2 = 2\operatorname{Re}\sum \bar r\,(db - dA\,x - A\,dx)` and the singular
 values :math:`ds = \operatorname{Re}\operatorname{diag}(U^H dA\, V)`. The JVP names what it reads of
 the forward, ``(x, rank, r)`` (``RESIDUAL_NAMES``), so that a ``jax.checkpoint`` policy may keep
-them (``jaxforge.transforms.remat``) and a rematerialised backward does not solve again.
+them (``jaxforge.transforms.remat``) and a rematerialised backward does not solve again. ``x`` is
+linear in ``b``: it transposes there (``jax.linear_transpose``) to :math:`A^{+H} g = (A^H)^+ g`.
 
 Where things live:
     API        jaxforge/functional/linalg.py :: lstsq
@@ -305,6 +306,30 @@ def _truncated_pinv_jvp(primals, tangents):
     return p, pinv_tangent(a, p, tangents[0]) + 0 * tangents[1][..., :1, None].astype(p.dtype)
 
 
+def _transpose(cts, a, b, *, rcond: float):
+    """``x = A⁺b`` is linear in ``b`` (the residuals are quadratic in it; the rank, ``s`` and ``R``
+    do not move with it), so where ``b`` alone is a linear input (``jax.linear_transpose`` in ``b``)
+    its cotangent is ``A⁺ᴴ g_x = (Aᴴ)⁺ g_x``: a least-squares solve with ``Aᴴ``, whose singular
+    values, so the cut-off, are ``A``'s."""
+    if _core.is_linear_input(a):
+        raise NotImplementedError("lstsq: its solution is linear in b, not in a: it cannot be transposed in a")
+    if not _core.is_symbolic_zero(cts[1]):
+        raise NotImplementedError("lstsq: its residuals are quadratic in b, not linear: they cannot be transposed")
+    if _core.is_symbolic_zero(cts[0]):
+        return [None, None]
+    return [None, lstsq_p.bind(ct(a), cts[0], rcond=rcond)[0]]
+
+
+def _known_outputs(operands, avals, *, rcond: float):
+    """Where ``b`` alone is unknown (``jax.linear_transpose`` in ``b``), the rank, ``s`` and ``R``,
+    which do not read it, stay known: computed with no right-hand side."""
+    a, b = operands
+    if a is None or b is not None:
+        return [None] * 5
+    no_columns = _core.zeros(avals[1].update(shape=(*avals[1].shape[:-1], 0)))
+    return [None, None, *lstsq_p.bind(a, no_columns, rcond=rcond)[2:]]
+
+
 def _example_args():
     rng = np.random.default_rng(0)
     return rng.standard_normal((2, 6, 3)), rng.standard_normal((2, 6, 2))
@@ -314,6 +339,8 @@ lstsq_p = _core.define_primitive(
     "jaxforge_lstsq",
     abstract_eval=_abstract_eval,
     jvp=_jvp,
+    transpose=_transpose,
+    known_outputs=_known_outputs,
     reference=lstsq_reference,
     example_args=_example_args,
     example_params=dict(rcond=default_rcond(np.float64, 6, 3)),

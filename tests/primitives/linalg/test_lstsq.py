@@ -300,6 +300,24 @@ def test_rank_deficient_gradient_is_finite_and_matches_pinv(m, n, rank):
     np.testing.assert_allclose(np.sum(ga * da) + np.sum(gb * db), numeric, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.complex128])
+@pytest.mark.parametrize("m,n", [(6, 4), (4, 6), (5, 5), (0, 3)])
+def test_transposes_in_b_to_the_pseudo_inverse_adjoint(m, n, dtype):
+    """The solution is linear in b: ``jax.linear_transpose`` in b gives ``A⁺ᴴ g`` (one matrix
+    rank-deficient); in a, or through the residuals, it is a clear error."""
+    rng = np.random.default_rng(29)
+    a = np.concatenate([random(rng, (1, m, n), dtype), rank_deficient(rng, (1,), m, n, min(m, n) // 2, dtype)])
+    b, g = random(rng, (2, m, 3), dtype), random(rng, (2, n, 3), dtype)
+    for rhs, cotangent in ((b, g), (b[..., 0], g[..., 0])):
+        got = jax.jit(jax.linear_transpose(lambda b: solution(a, b), rhs))(cotangent)[0]
+        want = np.einsum("...nm,...n->...m" if rhs.ndim == 2 else "...nm,...nk->...mk", np.linalg.pinv(a).conj(), cotangent)
+        np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="linear in b, not in a"):
+        jax.linear_transpose(lambda a: solution(a, b), a)(g)
+    with pytest.raises(NotImplementedError, match="residuals are quadratic in b"):
+        jax.linear_transpose(lambda b: jf.linalg.lstsq(a, b).residuals, b)(np.ones((2, 3 if m > n else 0)))
+
+
 @pytest.mark.parametrize("m,n", [(8, 5), (5, 8), (6, 6)])
 def test_both_branches_give_a_full_rank_matrix_the_same_gradient(m, n):
     """Alone, a full-rank matrix takes the seminormal rule on the forward's R; batched with a
