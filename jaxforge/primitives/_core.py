@@ -137,7 +137,7 @@ def define_primitive(
     prim.def_impl(functools.partial(_impl_through_jit, prim))
     ad.primitive_jvps[prim] = functools.partial(_jvp_of_tangents_like_primals, jvp)
     if transpose is not None:
-        ad.primitive_transposes[prim] = transpose
+        ad.primitive_transposes[prim] = functools.partial(_transpose_of_cotangents_like_outputs, transpose, prim)
     batching.primitive_batchers[prim] = functools.partial(batch or _leading_batch_rule, prim)
     if dce is not None:
         pe.dce_rules[prim] = functools.partial(_dce_rule, dce)
@@ -161,13 +161,23 @@ def _jvp_of_tangents_like_primals(jvp: Callable, primals, tangents, **params):
     kernels take both in the primal's blocks."""
     primals = [jnp.asarray(p) if isinstance(p, (bool, int, float, complex)) else p for p in primals]
 
-    def like(primal, tangent):
-        aval = jax.typeof(primal)
-        if type(tangent) is ad.Zero or not explicitly_sharded(aval) or tangent.dtype == jax.dtypes.float0:
-            return tangent
-        return tangent if jax.typeof(tangent).sharding == aval.sharding else jax.sharding.reshard(tangent, aval.sharding)
+    return jvp(primals, [_placed_like(jax.typeof(p), t) for p, t in zip(primals, tangents)], **params)
 
-    return jvp(primals, [like(p, t) for p, t in zip(primals, tangents)], **params)
+
+def _transpose_of_cotangents_like_outputs(transpose: Callable, prim: Primitive, cts, *operands, **params):
+    """``transpose`` with each cotangent placed like its output under explicit sharding (a
+    replicated cotangent handed to ``jax.vjp`` of a batch-sharded output, as for tangents above)."""
+    avals = [x.aval if is_linear_input(x) else jax.typeof(x) for x in operands]
+    outputs, _ = prim.abstract_eval(*avals, **params)
+    return transpose([_placed_like(aval, ct) for aval, ct in zip(outputs, cts)], *operands, **params)
+
+
+def _placed_like(aval, x):
+    """``x`` (a tangent or cotangent of a value of type ``aval``) resharded as ``aval`` is, where that
+    is explicitly sharded; symbolic zeros and float0 unchanged."""
+    if type(x) is ad.Zero or not explicitly_sharded(aval) or x.dtype == jax.dtypes.float0:
+        return x
+    return x if jax.typeof(x).sharding == aval.sharding else jax.sharding.reshard(x, aval.sharding)
 
 
 def registered_primitives() -> dict[str, PrimitiveSpec]:

@@ -131,13 +131,15 @@ def test_lstsq_derivatives_inside_a_set_explicit_mesh(batch):
 
 
 def test_attention_derivatives_inside_a_set_explicit_mesh(batch):
-    """The transpose in v makes its zeros for v split like v; the dense second-order rules and the
+    """The transpose rules place a cotangent like its output, and the transpose in v makes its zeros
+    for v split like v; the dense second-order rules and the
     maxima's tangent (each row's key gathered) run under automatic axes, with a mask and a score mod
     that read tables at the batch index (jax's vmap and gathers refuse index arrays split otherwise
     than what they index)."""
     rng = np.random.default_rng(11)
     q, k, v, table = (rng.standard_normal(s) for s in ((8, 12, 2, 4),) * 3 + ((2, 8),))
     sinks, lengths = jnp.asarray(rng.standard_normal(2)), jnp.asarray(rng.integers(1, 13, 8))
+    cotangent = rng.standard_normal(q.shape)  # replicated: the transpose rules place it like the output
 
     def attend(q, k, v, table, **kw):
         mask = jf.masks.causal() & jf.masks.from_mask_mod(lambda b, h, i, j: j < lengths[b])
@@ -149,7 +151,11 @@ def test_attention_derivatives_inside_a_set_explicit_mesh(batch):
         (lambda q, k, v, table: jax.linear_transpose(lambda v: attend(q, k, v, table), v)(q)[0], (q, k, v, table)),
         (lambda *args: jax.jvp(jax.grad(loss, (0, 1, 2, 3)), args, args[::-1][1:] + args[3:])[1], (q, k, v, table)),
         (jax.grad(largest, (0, 1, 3)), (q, k, v, table)),
+        (lambda q, k, v, table: jax.vjp(lambda q: attend(q, k, v, table), q)[1](jnp.asarray(cotangent)), (q, k, v, table)),
     ], split=3)  # fmt: skip
+    with jax.set_mesh(batch.mesh):  # each row's key gathered along the keys alone: k is not
+        placed = [jax.device_put(jnp.asarray(x), batch) for x in (q, k, v)]
+        assert "all-gather" not in collectives(compiled(jax.grad(largest, (0, 1)), *placed, table))
 
 
 @pytest.mark.parametrize(

@@ -539,7 +539,11 @@ def _max_score_tangent_at(q, k, consts, top, first, dq, dk, dscore, *, mods: Mod
     flat = lambda x: x.reshape(bsz, *x.shape[len(batch) :])  # noqa: E731
     b, i, h = (jax.lax.broadcasted_iota(jnp.int32, (bsz, sq, hq), axis) for axis in range(3))
     j = flat(first)
-    at_first = lambda x: flat(x)[b, j, h // group]  # noqa: E731  (B, Sq, Hq, D): each row's key
+    by_group = j.reshape(bsz, sq, hq // group, group, 1)  # query head h reads kv head h // group
+
+    def at_first(x):  # (B, Sq, Hq, D): each row's key, gathered along the keys alone (batch-parallel)
+        return jnp.take_along_axis(flat(x)[:, :, :, None], by_group, axis=1).reshape(bsz, sq, hq, x.shape[-1])
+
     dot = lambda a, c: jnp.einsum("bqhd,bqhd->bqh", a, c, precision="highest", preferred_element_type=accumulation_dtype(q.dtype))  # noqa: E731
     raw = dot(flat(q), at_first(k)) * scale
     draw = (dot(flat(dq), at_first(k)) + dot(flat(q), at_first(dk))) * scale
