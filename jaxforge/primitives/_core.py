@@ -318,6 +318,7 @@ def under_automatic_axes(fn, like, *args):
 
 
 def explicitly_sharded(aval) -> bool:
+    """Whether ``aval``'s type splits some dim over an explicit mesh axis."""
     sharding = getattr(aval, "sharding", None)
     if sharding is None or not any(p is not None for p in sharding.spec):
         return False

@@ -253,7 +253,6 @@ def _dense_mask(scores, consts, mods: Mods, **where):
     return _core.under_automatic_axes(allowed, scores, mask_c)  # a mask's gathers
 
 
-
 def _tangent_reference(q, k, v, out, lse, *operands, mods: Mods, scale: float, implementation=None):
     del out, lse
     consts, tangents = _split_tangent_operands(operands, mods)
