@@ -20,8 +20,8 @@ mod (ALiBi, a captured relative-bias table or a per-head scale) and compares the
 q split along its sequence (k and v too, or whole, or over "data") or k and v alone (the batch or the heads split over "data" or
 neither; now and then an ALiBi-like bias on q_idx, b and h, or a relative-bias table passed into
 jit; now and then no sequence split, the batch or the heads alone), and compares out, lse and the
-gradient (the table's too; half the seeds the rows' largest scores too; without a sequence split,
-``jax.linear_transpose`` in v against the dense vjp, its cotangent replicated). ``context-parallel`` runs
+gradient (the table's too; half the seeds the rows' largest scores too) and ``jax.linear_transpose``
+in v against the dense vjp, its cotangent replicated. ``context-parallel`` runs
 ``jf.parallel.ring_attention`` or ``all_gather_attention`` inside ``jf.shard`` over 2 or 4 devices,
 in contiguous chunks or the head–tail layout, under such a mask or none, causal or not, now and
 then with a score mod, softcap and sinks, and compares out and the gradient (the table's too;
@@ -348,14 +348,11 @@ def _run_sharded_seed(seed: int) -> None:
         split = [jax.device_put(x, spec) for x, spec in zip((q, k, v, table), (*specs, P()))]
         results = jax.jit(ours)(*split)
         grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2, 3)))(*split)
-        in_v = None
-        if q_seq is None and kv_seq is None:  # a sequence split's merge of the key shards does not transpose (yet)
-            in_v = jax.jit(lambda q, k, v, table: jax.linear_transpose(lambda v: ours(q, k, v, table)[0], v)(weights)[0])(*split)
+        in_v = jax.jit(lambda q, k, v, table: jax.linear_transpose(lambda v: ours(q, k, v, table)[0], v)(weights)[0])(*split)
     _assert_attention_close(results, dense(q, k, v, table))
     for a, e in zip(grads, jax.grad(_loss(dense, weights), argnums=(0, 1, 2, 3))(q, k, v, table)):
         _assert_close(a, e, 1e-8)
-    if in_v is not None:
-        _assert_close(in_v, jax.vjp(lambda v: dense(q, k, v, table)[0], v)[1](jnp.asarray(weights))[0], 1e-8)
+    _assert_close(in_v, jax.vjp(lambda v: dense(q, k, v, table)[0], v)[1](jnp.asarray(weights))[0], 1e-8)
 
 
 def _run_context_parallel_seed(seed: int) -> None:

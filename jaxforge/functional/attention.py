@@ -197,7 +197,8 @@ def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, *
     mask and ``score_mod`` read global positions, batch and head indices (``_attend``'s
     ``where``); the mask's arrays and those ``score_mod`` closes over go in whole, as operands (a
     shard_map's code cannot close over arrays of an explicit mesh)."""
-    mesh, seq = jax.typeof(q).sharding.mesh, q.ndim - 3
+    mesh = next(m for m in (jax.typeof(x).sharding.mesh for x in (q, k, v)) if m.axis_names)  # q may be unplaced
+    seq = q.ndim - 3
     entries = tuple(jax.typeof(q).sharding.spec) + (None,) * (q.ndim - len(jax.typeof(q).sharding.spec))
     size = lambda entry: math.prod(mesh.shape[a] for a in _core.mesh_axes(entry))  # noqa: E731  shards along it
     shards, kv_shards = size(entries[seq]), size(kv_axes)
@@ -253,16 +254,17 @@ def _over_sequence_shards(q_axes, kv_axes, q, k, v, mask, score_mod, *, sinks, *
 
 def _merged_over(axes, out, lse):
     """:func:`_merged` of the parts of the devices along mesh ``axes`` (attentions of the same
-    queries over their keys): one pmax of the rows' lse (for range only: it cancels) and one psum of
-    the weighted outputs beside their weights."""
+    queries over their keys): one pmax of the rows' lse (for range only: it cancels), a psum of the
+    weighted outputs and one of their weights (apart, so that the total stays known where v alone
+    is not, as in ``jax.linear_transpose``: XLA's all-reduce combiner joins the two)."""
     top = lax.pmax(lax.stop_gradient(lse), axes)
     top = jnp.where(jnp.isfinite(top), top, 0)
     weights = jnp.exp(lse - top)  # a part that sees nothing: 0
-    summed = lax.psum(jnp.concatenate([out.astype(weights.dtype) * weights[..., None], weights[..., None]], axis=-1), axes)
-    total = summed[..., -1]
+    summed = lax.psum(out.astype(weights.dtype) * weights[..., None], axes)
+    total = lax.psum(weights, axes)
     seen = total > 0
     safe = jnp.where(seen, total, 1)
-    merged = summed[..., :-1] / safe[..., None]
+    merged = summed / safe[..., None]
     return merged.astype(out.dtype), jnp.where(seen, top + jnp.log(safe), -jnp.inf)
 
 

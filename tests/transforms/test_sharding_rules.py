@@ -158,6 +158,19 @@ def test_attention_derivatives_inside_a_set_explicit_mesh(batch):
         assert "all-gather" not in collectives(compiled(jax.grad(largest, (0, 1)), *placed, table))
 
 
+def test_attention_transposes_in_v_with_its_keys_split_along_the_sequence(batch):
+    """The key shards' parts merge through their lse, which stays known where v alone is not (its
+    total is a psum apart from the weighted outputs'): ``jax.linear_transpose`` in v holds."""
+    rng = np.random.default_rng(12)
+    q, k, v, g = (rng.standard_normal(s) for s in ((2, 8, 2, 4), (2, 16, 2, 4), (2, 16, 2, 4), (2, 8, 2, 4)))
+    attend = lambda q, k, v: jf.attention(q, k, v, mask=jf.masks.causal(), sinks=jnp.asarray([0.5, -1.0]))  # noqa: E731
+    in_v = lambda q, k, v: jax.linear_transpose(lambda v: attend(q, k, v), v)(jnp.asarray(g))[0]  # noqa: E731
+    keys = NamedSharding(batch.mesh, P(None, "batch"))
+    with jax.set_mesh(batch.mesh):
+        got = jax.jit(in_v)(q, jax.device_put(k, keys), jax.device_put(v, keys))
+    np.testing.assert_allclose(got, jax.vjp(lambda v: attend(q, k, v), v)[1](g)[0], rtol=1e-10, atol=1e-11)
+
+
 @pytest.mark.parametrize(
     "implementation",
     ["xla", _Impl("pallas_triton", 8, 8), _Impl("xla", pack_gqa=True), _Impl("pallas_triton", 8, 8, pack_gqa=True)],
