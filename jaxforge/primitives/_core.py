@@ -166,8 +166,11 @@ def _jvp_of_tangents_like_primals(jvp: Callable, primals, tangents, **params):
 
 def _transpose_of_cotangents_like_outputs(transpose: Callable, prim: Primitive, cts, *operands, **params):
     """``transpose`` with each cotangent placed like its output under explicit sharding (a
-    replicated cotangent handed to ``jax.vjp`` of a batch-sharded output, as for tangents above)."""
+    replicated cotangent handed to ``jax.vjp`` of a batch-sharded output, as for tangents above).
+    The outputs' types are worked out only where an operand is split: theirs follow the operands'."""
     avals = [x.aval if is_linear_input(x) else jax.typeof(x) for x in operands]
+    if not any(explicitly_sharded(aval) for aval in avals):
+        return transpose(cts, *operands, **params)
     outputs, _ = prim.abstract_eval(*avals, **params)
     return transpose([_placed_like(aval, ct) for aval, ct in zip(outputs, cts)], *operands, **params)
 

@@ -132,10 +132,9 @@ def test_lstsq_derivatives_inside_a_set_explicit_mesh(batch):
 
 def test_attention_derivatives_inside_a_set_explicit_mesh(batch):
     """The transpose rules place a cotangent like its output, and the transpose in v makes its zeros
-    for v split like v; the dense second-order rules and the
-    maxima's tangent (each row's key gathered) run under automatic axes, with a mask and a score mod
-    that read tables at the batch index (jax's vmap and gathers refuse index arrays split otherwise
-    than what they index)."""
+    for v split like v; the dense second-order rules and the maxima's tangent (each row's key
+    gathered) run under automatic axes, with a mask and a score mod that read tables at the batch
+    index (jax's vmap and gathers refuse index arrays split otherwise than what they index)."""
     rng = np.random.default_rng(11)
     q, k, v, table = (rng.standard_normal(s) for s in ((8, 12, 2, 4),) * 3 + ((2, 8),))
     sinks, lengths = jnp.asarray(rng.standard_normal(2)), jnp.asarray(rng.integers(1, 13, 8))
