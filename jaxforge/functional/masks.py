@@ -468,7 +468,7 @@ class _FromFunction(Mask):
 
     def hoisted(self):
         fn, consts = _traced_mask_mod(self.fn, "mask: `mask_mod`")
-        return _Hoisted(fn, tuple(consts))
+        return _Hoisted(fn, tuple(consts), _shown(self.fn))
 
     def __repr__(self):
         return f"from_mask_mod({_shown(self.fn)})"
@@ -479,18 +479,30 @@ def _traced_mask_mod(mask_mod, name: str):
     return _core.trace_function(mask_mod, *[jax.ShapeDtypeStruct((), jnp.int32)] * 4, name=name)
 
 
+def _returns_a_bool(fn: _core.StaticFunction) -> bool:
+    return len(fn.out_avals) == 1 and fn.out_avals[0].shape == () and fn.out_avals[0].dtype == np.bool_
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Hoisted(Mask):
-    """A plain ``mask_mod`` traced, the arrays it closed over its leaves (:meth:`Mask.hoisted`)."""
+    """A plain ``mask_mod`` traced, the arrays it closed over its leaves (:meth:`Mask.hoisted`,
+    :func:`from_mask_mod`)."""
 
     fn: _core.StaticFunction
     consts: tuple
+    name: str  # the function's, for repr
 
     def mask_mod(self, b, h, q_idx, kv_idx):
-        return self.fn(b, h, q_idx, kv_idx, *self.consts)[0]
+        # Traced at int32 scalars; indices of another integer type, or arrays (a picture, a check
+        # in numpy), are cast and mapped over, as the function written for scalars would take them.
+        idx = jnp.broadcast_arrays(*(jnp.asarray(i).astype(jnp.int32) for i in (b, h, q_idx, kv_idx)))
+        fn = lambda *i: self.fn(*i, *self.consts)[0]  # noqa: E731
+        for _ in range(idx[0].ndim):
+            fn = jax.vmap(fn)
+        return fn(*idx)
 
     def __repr__(self):
-        return f"from_mask_mod(<traced, {len(self.consts)} arrays>)"
+        return f"from_mask_mod({self.name})"
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -546,9 +558,9 @@ class _Evaluated(Mask):
     parts: tuple = ()  # block masks of its pieces (``ranges`` > 1), each within one range of keys a query
 
     def __repr__(self):
-        inner = self.mask.fn if isinstance(self.mask, _FromFunction) else self.mask
+        inner = {_FromFunction: lambda m: _shown(m.fn), _Hoisted: lambda m: m.name}.get(type(self.mask), repr)(self.mask)
         ranges = f", ranges={len(self.parts)}" if self.parts else ""
-        return f"block_mask({_shown(inner)}, {self.q_len}, {self.kv_len}{ranges})"
+        return f"block_mask({inner}, {self.q_len}, {self.kv_len}{ranges})"
 
     def mask_mod(self, b, h, q_idx, kv_idx):
         return self.mask.mask_mod(b, h, q_idx, kv_idx)
@@ -909,10 +921,24 @@ def _document_ranges(q_seg, kv_seg) -> tuple:
 
 
 def from_mask_mod(mask_mod: Callable) -> Mask:
-    """Wraps a plain ``mask_mod(b, h, q_idx, kv_idx) -> bool`` so it combines with other masks."""
+    """Wraps a plain ``mask_mod(b, h, q_idx, kv_idx) -> bool`` so it combines with other masks.
+
+    Built outside ``jit``, the arrays the function closes over are the mask's leaves: a mask built
+    afresh for each batch (its document ids closed over) and handed to a jitted step as an argument
+    reuses one compilation, its arrays traced, not baked in (and arrays that span processes may
+    enter jit only so). Functions compare by their program.
+    """
     if not callable(mask_mod):
         raise TypeError(f"from_mask_mod: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
-    return _FromFunction(mask_mod)
+    try:
+        fn, consts = _traced_mask_mod(mask_mod, "mask: `mask_mod`")
+    except Exception:  # the call that uses the mask traces it again and names the error there
+        return _FromFunction(mask_mod)
+    if not _returns_a_bool(fn) or any(isinstance(c, jax.core.Tracer) for c in consts):
+        # A wrong result is refused where the mask is used; under a trace, the function as written
+        # (shard_map's casts to varying kept).
+        return _FromFunction(mask_mod)
+    return _Hoisted(fn, tuple(jnp.asarray(c) for c in consts), _shown(mask_mod))
 
 
 def shifted(mask, q_offset=0, kv_offset=0, *, q_len: int | None = None, kv_len: int | None = None) -> Mask:
@@ -1033,9 +1059,8 @@ def block_mask(
     q_len, kv_len = (static_int("block_mask", name, n, minimum=0) for name, n in (("q_len", q_len), ("kv_len", kv_len)))
     pieces = static_int("block_mask", "ranges", ranges, minimum=1)
     fn, consts = _traced_mask_mod(mask.mask_mod, "block_mask: `mask_mod`")
-    outs = fn.out_avals
-    if len(outs) != 1 or outs[0].shape != () or outs[0].dtype != np.bool_:
-        got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in outs)
+    if not _returns_a_bool(fn):
+        got = ", ".join(f"{o.dtype}{list(o.shape)}" for o in fn.out_avals)
         raise TypeError(f"block_mask: `mask_mod` must return a boolean scalar for scalar (b, h, q_idx, kv_idx) indices, got {got}")
     reads_b, reads_h = fn.reads(0), fn.reads(1)
     if reads_b and batch_shape is None:

@@ -279,6 +279,31 @@ def test_a_mask_without_arrays_is_a_static_argument_that_compiles_once(backend_c
     assert not backend_compiles
 
 
+@pytest.mark.parametrize("build", ["from_mask_mod", "block_mask", "block_mask_ranges", "combined"])
+def test_a_mask_of_a_function_closing_over_each_batchs_ids_compiles_once(build, backend_compiles):
+    """A mask built afresh for each batch from a function that closes over the batch's ids (as
+    FlexAttention users build a block mask per batch), handed to a jitted step as an argument:
+    the ids are its leaves, traced, so the step compiles once and masks by each batch's ids."""
+    builders = {
+        "from_mask_mod": lambda fn: jf.masks.from_mask_mod(fn),
+        "block_mask": lambda fn: jf.masks.block_mask(fn, SQ, SQ, batch_shape=(B,)),
+        "block_mask_ranges": lambda fn: jf.masks.block_mask(fn, SQ, SQ, batch_shape=(B,), ranges=2),
+        "combined": lambda fn: jf.masks.causal() & fn,
+    }
+    step = jax.jit(lambda q, mask: jf.attention(q, q, q, mask=mask))
+    q = jnp.asarray(rng.normal(size=(B, SQ, 2, 4)))
+    for i in range(3):
+        ids = jnp.asarray(np.sort(rng.integers(0, 3, (B, SQ)), axis=1))
+        mask = builders[build](lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx])
+        assert any(leaf is ids or np.array_equal(leaf, ids) for leaf in jax.tree.leaves(mask))
+        if i == 1:
+            backend_compiles.clear()
+        want = jf.attention(q, q, q, mask=jf.masks.document(ids) & (jf.masks.causal() if build == "combined" else jf.masks.full()))
+        np.testing.assert_allclose(step(q, mask), want, rtol=1e-12, atol=1e-12)
+        if i == 2:
+            assert "jit(<lambda>)" not in backend_compiles, backend_compiles
+
+
 @pytest.mark.parametrize("name", ["document&causal", "~document|window", "causal"])
 @pytest.mark.parametrize("block", [1, 4, 5])
 def test_a_picture_counts_each_blocks_visible_pairs(name, block):

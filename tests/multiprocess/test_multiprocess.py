@@ -1,4 +1,4 @@
-"""jf.shard and jf.collectives across processes: 2 localhost processes × 2 CPU devices, gloo.
+"""jf.shard, jf.collectives and jf.attention across processes: 2 localhost processes × 2 CPU devices, gloo.
 
 Each test starts ``python -m tests.multiprocess.worker`` twice (see worker.py), joined by
 ``jax.distributed.initialize`` on a free localhost port, and always kills what it started.
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxforge as jf
 from tests.multiprocess import worker
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -156,20 +157,34 @@ def test_single_process_step_matches_dense(layout):
     _assert_same(worker.train_step(jax.devices()[:4], layout), _dense_step(), f"single process, {layout}")
 
 
+def test_single_process_attention_step_matches_one_device():
+    """The attention step's reference: its batch split over 4 of this process's devices, its block
+    mask of a function against the library's ``document & causal`` on one device."""
+    q, k, v, ids = (jnp.asarray(x) for x in worker.make_attention_inputs())
+
+    def loss(q, k, v):
+        return jnp.sum(jnp.sin(jf.attention(q, k, v, mask=jf.masks.document(ids) & jf.masks.causal())))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = {"attention/loss": np.asarray(value), **{f"attention/d{n}": np.asarray(g) for n, g in zip("qkv", grads)}}
+    _assert_same(worker.attention_step(jax.devices()[:4]), want, "single process, attention")
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(TRAIN_TIMEOUT_S + 60)
 def test_two_processes_match_single_process(tmp_path):
     with Workers(tmp_path, "train") as workers:
         # The reference, in this process (4 of its 8 devices), while the workers run.
         want = {layout: worker.train_step(jax.devices()[:4], layout) for layout in worker.LAYOUTS}
+        want["attention"] = {key.split("/", 1)[1]: v for key, v in worker.attention_step(jax.devices()[:4]).items()}
         workers.wait_all(TRAIN_TIMEOUT_S)
     for i, path in enumerate(workers.npz):
         assert path.exists(), f"worker {i} wrote no {path.name}\n{workers.report()}"
         with np.load(path) as data:
             results = {key: data[key] for key in data.files}
-        for layout in worker.LAYOUTS:
-            got = {key.split("/", 1)[1]: v for key, v in results.items() if key.startswith(layout + "/")}
-            _assert_same(got, want[layout], f"worker {i} of {NUM_PROCESSES}, {layout}")
+        for part in want:
+            got = {key.split("/", 1)[1]: v for key, v in results.items() if key.startswith(part + "/")}
+            _assert_same(got, want[part], f"worker {i} of {NUM_PROCESSES}, {part}")
 
 
 @pytest.mark.slow

@@ -13,6 +13,9 @@ Each process gets 2 CPU devices, float64 and gloo CPU collectives, and joins the
   devices, once with "data" across the processes (tensor parallelism inside a process) and once
   with "model" across them; the loss and the gradients, gathered to every host, go to ``--out``
   (.npz, keys ``<layout>/loss`` and ``<layout>/<param>``).
+  Then a gradient of attention over a batch split across the 4 devices, masked by a block mask
+  built outside ``jit`` from a function that closes over the global document ids
+  (:func:`attention_step`; keys ``attention/...``).
 * ``hang``: one all-reduce over jf.shard's default mesh (all devices of all processes), then
   process 0 prints ``WAITING_MARKER`` and enters a second one, which needs process 1; process 1
   prints ``PEER_IDLE_MARKER`` and sleeps until the test kills it.
@@ -141,6 +144,45 @@ def train_step(devices, layout):
     return {k: np.asarray(v) for k, v in out.items()}
 
 
+ATTENTION_SHAPE = (4, 32, 2, 8)  # batch, tokens, heads, head dim
+
+
+def make_attention_inputs():
+    """Deterministic q, k, v and packed documents' ids (the same in every process)."""
+    rng = np.random.default_rng(99)
+    batch, tokens, heads, dim = ATTENTION_SHAPE
+    q, k, v = (rng.normal(size=ATTENTION_SHAPE) for _ in range(3))
+    return q, k, v, np.sort(rng.integers(0, 3, (batch, tokens)), axis=1)
+
+
+def attention_step(devices):
+    """Loss and gradients (in q, k, v) of causal attention within packed documents, the batch split
+    over ``devices`` (4, of every process), as host numpy arrays. The mask is FlexAttention's block
+    mask per batch: built outside ``jit`` from a function closing over the global ids, then an
+    argument of the jitted step (``jit`` refuses to close over arrays that span processes)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import multihost_utils
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    import jaxforge as jf
+
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    mesh = jax.sharding.Mesh(np.asarray(devices, dtype=object), ("batch",))
+    q, k, v, ids = (_put(x, NamedSharding(mesh, PartitionSpec("batch"))) for x in make_attention_inputs())
+    tokens = ATTENTION_SHAPE[1]
+    mask = jf.masks.block_mask(lambda b, h, i, j: (ids[b, i] == ids[b, j]) & (j <= i), tokens, tokens, batch_shape=ATTENTION_SHAPE[:1])
+
+    def loss(q, k, v, mask):
+        return jnp.sum(jnp.sin(jf.attention(q, k, v, mask=mask)))
+
+    value, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, mask)
+    out = {"attention/loss": value, **{f"attention/d{name}": g for name, g in zip("qkv", grads)}}
+    if jax.process_count() > 1:
+        out = multihost_utils.process_allgather(out, tiled=True)
+    return {key: np.asarray(x) for key, x in out.items()}
+
+
 def _configure_and_initialize(args):
     import inspect
 
@@ -204,6 +246,7 @@ def main(argv=None):
         for layout in LAYOUTS:
             for name, value in train_step(jax.devices(), layout).items():
                 results[f"{layout}/{name}"] = value
+        results.update(attention_step(jax.devices()))
         if args.out:
             np.savez(args.out, **results)
         jax.distributed.shutdown()
