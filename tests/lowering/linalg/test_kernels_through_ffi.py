@@ -23,7 +23,7 @@ from jaxforge.lowering.linalg.svd import cuda as svd_cuda
 from jaxforge.primitives import _core
 from tests.cuda_emulation import COMPILER, HARNESS, build_handlers, register_handlers
 from tests.linalg_checks import check_svd
-from tests.linalg_inputs import random
+from tests.linalg_inputs import random, with_singular_values
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no host C++ compiler (g++)")
 
@@ -184,6 +184,29 @@ def test_lstsqs_cuda_lowering_through_each_kernel_gives_the_default_lowerings_re
         np.testing.assert_array_equal(rank, rank_want)
         for value, expected in ((x, x_want), (residuals, residuals_want), (s, s_want)):
             np.testing.assert_allclose(value, expected, rtol=tol, atol=tol * np.nanmax(np.abs(expected)))  # NaN where expected
+
+
+@pytest.mark.parametrize("route", LSTSQ_ROUTES)
+@pytest.mark.parametrize("shape", [(10, 4), (4, 10)], ids=["tall", "wide"])
+def test_lstsqs_cuda_lowering_solves_each_matrix_as_alone_beside_one_that_fails_the_certificate(gpu_machine, monkeypatch, route, shape):
+    """A batch holding a rank-deficient matrix runs the tighter rungs or the SVD where the kernel's
+    certificate fails; the matrices it certified keep the kernel's solutions, so each gets what it
+    gets alone (an ill-conditioned one, κ = 1e6, differed by about κ·eps when the whole batch took
+    the other route's solutions)."""
+    from jaxforge.lowering.linalg.lstsq import config
+
+    for name, value in LSTSQ_ROUTES[route][1].items():
+        monkeypatch.setattr(config, name, value)
+    rng = np.random.default_rng(8)
+    m, n = shape
+    a = np.stack([with_singular_values(rng, (), m, n, np.geomspace(1, 1e-6, min(m, n)), np.float64), random(rng, (m, n), np.float64)])
+    a[1] = random(rng, (m, 2), np.float64) @ random(rng, (2, n), np.float64)
+    b = random(rng, (2, m, 3), np.float64)
+    rcond = 100 * np.finfo(np.float64).eps
+    with jax.enable_x64(True):
+        cuda = jax.jit(lambda a, b: lstsq_cuda.lstsq_cuda(a, b, rcond=rcond)[0])
+        together, alone = cuda(a, b), cuda(a[:1], b[:1])
+    np.testing.assert_allclose(together[0], alone[0], rtol=1e-14, atol=1e-14 * np.abs(alone[0]).max())
 
 
 def test_svds_cuda_lowering_through_the_values_twin_and_after_a_qr(gpu_machine):

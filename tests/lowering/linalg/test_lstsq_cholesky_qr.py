@@ -103,6 +103,22 @@ def test_singular_ill_conditioned_or_nan_input_takes_the_fallback():
     assert np.isfinite(r).all()  # the real fallback: Householder's R, whose rank lstsq then reads
 
 
+def test_each_matrix_keeps_its_own_factor_beside_one_that_falls_back():
+    """The fallback runs for the batch where some matrix needs it, but only those matrices take its
+    factors: the others' are CholeskyQR2's, as alone (else a NaN in one matrix would change every
+    other's solution, by up to κ·eps)."""
+    rng = np.random.default_rng(3)
+    a = random(rng, (3, 300, 80), np.float32)
+    a[1, 7] = np.nan
+    b = random(rng, (3, 300, 2), np.float32)
+    r, c = jax.jit(cholesky_qr2(sentinel))(a, b)
+    assert np.isnan(r[1]).all() and np.isnan(c[1]).all()
+    for i in (0, 2):
+        r_alone, c_alone = jax.jit(cholesky_qr2(sentinel))(a[i], b[i])
+        np.testing.assert_allclose(r[i], r_alone, rtol=1e-6, atol=1e-6 * np.abs(r_alone).max())
+        np.testing.assert_allclose(c[i], c_alone, rtol=1e-6, atol=1e-6 * np.abs(c_alone).max())
+
+
 @pytest.mark.parametrize("x64", [True, False])
 def test_the_cuda_lowering_picks_cholesky_qr_for_large_tall_float32(monkeypatch, x64):
     # Lowered for cuda on this CPU machine: the Grams and solves appear in float64, also where the

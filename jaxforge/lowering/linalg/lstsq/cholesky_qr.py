@@ -11,7 +11,8 @@ at the end (Yamamoto et al., 2015, with the float64 Gram of issue 3).
 
 Where a Cholesky breaks down (NaN: numerically singular), or R₁'s diagonal spans more than
 ``MAX_DIAGONAL_RATIO`` (too ill-conditioned for float32 data), a ``lax.cond`` decided on device
-runs ``fallback`` (Householder) for the whole batch instead.
+also runs ``fallback`` (Householder), whose factors those matrices take; the others keep
+CholeskyQR2's, so that each matrix's factors are those it gets alone.
 """
 
 from __future__ import annotations
@@ -49,13 +50,14 @@ def cholesky_qr2_thin(fallback):
 
 
 def _cholesky_qr2(x, finish, fallback):
-    """``finish(Q, R)`` of the double-width CholeskyQR2 of ``x`` where ``R₁`` passes the checks above
-    (decided on device), ``fallback()`` elsewhere."""
+    """``finish(Q, R)`` of the double-width CholeskyQR2 of ``x`` for the matrices whose ``R₁`` passes
+    the checks above, ``fallback()``'s for the others (decided on device: the fallback runs only
+    where some matrix needs it)."""
     with jax.enable_x64(True):
         x64 = x.astype(_wide(x.dtype))
         r1 = _cholesky_r(x64)
         diagonal = jnp.abs(jnp.diagonal(r1, axis1=-2, axis2=-1))
-        usable = jnp.all(jnp.isfinite(r1)) & jnp.all(
+        usable = jnp.all(jnp.isfinite(r1), axis=(-2, -1)) & (
             jnp.max(diagonal, axis=-1) <= MAX_DIAGONAL_RATIO * jnp.min(diagonal, axis=-1)
         )
 
@@ -64,7 +66,10 @@ def _cholesky_qr2(x, finish, fallback):
             r2 = _cholesky_r(q1)
             return finish(_right_solve(q1, r2), mm(r2, r1))
 
-        return lax.cond(usable, cholesky, fallback)
+        def mixed():
+            return jax.tree.map(lambda c, f: jnp.where(usable[..., None, None], c, f), cholesky(), fallback())
+
+        return lax.cond(jnp.all(usable), cholesky, mixed)
 
 
 def _wide(dtype):

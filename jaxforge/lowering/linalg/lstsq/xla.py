@@ -80,11 +80,12 @@ def lstsq_xla(a, b, *, rcond: float, factor=augmented_qr(), fused=None, fused_ru
         rank, x = _rank_and_solution(r, *solvers, rcond=rcond, rungs=_rungs(k, rcond))
     else:
         r, x_fused, certified, factor = fused(a, b, rcond)
-        rank, x = lax.cond(
-            jnp.all(certified),
-            lambda: (jnp.full(batch, k, jnp.int32), x_fused),
-            lambda: _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=_rungs(k, rcond, past=fused_rung)),
-        )
+
+        def uncertified():  # the matrices the kernel certified keep its solution: each its own, as alone
+            rank, x = _rank_and_solution(*_factored(a, b, factor), rcond=rcond, rungs=_rungs(k, rcond, past=fused_rung))
+            return rank, jnp.where(certified[..., None, None], x_fused, x)
+
+        rank, x = lax.cond(jnp.all(certified), lambda: (jnp.full(batch, k, jnp.int32), x_fused), uncertified)
     s = lax.linalg.svd(after(r, x), compute_uv=False)
     bad_a = nonfinite_matrices(r)  # a NaN or Inf in A reaches R; reading R keeps s out of x's way
     x = poison(bad_a | nonfinite_matrices(x), x)
