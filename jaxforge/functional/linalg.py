@@ -77,7 +77,10 @@ def svdvals(a):
 
     Returns:
       ``s``, ``(..., min(m, n))``. Its derivative ``ds_i = Re(u_iᴴ dA v_i)`` is finite at repeated
-      values.
+      values, and exact there for symmetric functions of ``s`` (sums, norms). Second derivatives
+      at repeated values are not: they depend on the loss's curvature along the tie, which no
+      linear rule of ``s`` alone can see (NaN, as jnp's). The nuclear norm's are finite there as
+      ``jnp.trace(polar(a)[1])`` (square or tall ``a`` of full rank).
     """
     return svd_p.bind(_matrix("svdvals", a), full_matrices=False, compute_uv=False, grad_eps=0.0)[0]
 
