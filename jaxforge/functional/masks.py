@@ -143,19 +143,21 @@ class Mask:
         return self.mask_mod(b, h, q_idx, kv_idx)
 
     def __eq__(self, other):
-        """Masks without arrays are equal when built alike (``causal() == causal()``), so that one
-        given to ``jax.jit`` as a static argument compiles once, not at each new mask; a mask with
-        arrays (pass it as an argument: they are traced) only to itself."""
+        """Masks built alike of the same arrays (the same objects: a function's closed-over table;
+        most masks hold none) are equal (``causal() == causal()``), so that one given to ``jax.jit``
+        as a static argument compiles once, not at each new mask built alike; give a mask of new
+        arrays (segment ids, and the ranges a mask derives from them) as an argument instead: they
+        are traced."""
         if self is other:
             return True
         if not isinstance(other, Mask):
             return NotImplemented
         (mine, my_tree), (theirs, their_tree) = jax.tree.flatten(self), jax.tree.flatten(other)
-        return not mine and not theirs and my_tree == their_tree
+        return my_tree == their_tree and all(x is y for x, y in zip(mine, theirs))
 
     def __hash__(self):
         leaves, tree = jax.tree.flatten(self)
-        return id(self) if leaves else hash(tree)
+        return hash((tree, *map(id, leaves)))
 
     def __and__(self, other) -> Mask:
         return _And(self, as_mask(other))

@@ -263,14 +263,19 @@ def test_a_mask_passes_into_jit_as_an_argument(name):
 
 def test_a_mask_without_arrays_is_a_static_argument_that_compiles_once(backend_compiles):
     """``jit(..., static_argnames="mask")`` given a new ``causal() & sliding_window(8)`` at each
-    step: masks built alike are equal and hash alike, so the second call compiles nothing."""
+    step: masks built alike are equal and hash alike (those of functions closing over arrays when
+    the arrays are the same), so the second call compiles nothing."""
     M = jf.masks
     assert M.causal() & M.sliding_window(8) == M.causal() & M.sliding_window(8)
     assert hash(M.chunked(4) | ~M.prefix_lm(2)) == hash(M.chunked(4) | ~M.prefix_lm(2))
     for other in (M.causal() & M.sliding_window(9), M.sliding_window(8) & M.causal(), M.causal(1)):
         assert M.causal() & M.sliding_window(8) != other
+    table = jnp.arange(8) % 2 == 0  # functions closing over the same array: built alike, equal
+    with_table = lambda table: M.causal() & (lambda b, h, i, j: table[j])  # noqa: E731
+    assert with_table(table) == with_table(table) and hash(with_table(table)) == hash(with_table(table))
+    assert with_table(table) != with_table(table + False)  # new arrays (pass them as an argument)
     ids = jnp.zeros((2, 8), jnp.int32)
-    assert M.document(ids) != M.document(ids)  # arrays: only itself (pass it as an argument)
+    assert M.document(ids) != M.document(ids)  # its id ranges are arrays of its own
     q = jnp.asarray(rng.normal(size=(2, 8, 2, 4)))
     attend = jax.jit(lambda q, mask: jf.attention(q, q, q, mask=mask), static_argnames="mask")
     first = attend(q, mask=M.causal() & M.sliding_window(3))
