@@ -49,6 +49,7 @@ from jaxforge.primitives.attention.mods import (
     PrefixSpan,
     RangeSpan,
     Span,
+    at_indices,
     count_below,
     fits_int32,
     segment_ranges,
@@ -470,10 +471,14 @@ class _FromFunction(Mask):
 
     def hoisted(self):
         fn, consts = _traced_mask_mod(self.fn, "mask: `mask_mod`")
-        return _Hoisted(fn, tuple(consts), _shown(self.fn))
+        return _Hoisted(fn, tuple(jnp.asarray(c) for c in consts), self.name)
+
+    @property
+    def name(self) -> str:
+        return _shown(self.fn)
 
     def __repr__(self):
-        return f"from_mask_mod({_shown(self.fn)})"
+        return f"from_mask_mod({self.name})"
 
 
 def _traced_mask_mod(mask_mod, name: str):
@@ -494,14 +499,8 @@ class _Hoisted(Mask):
     consts: tuple
     name: str  # the function's, for repr
 
-    def mask_mod(self, b, h, q_idx, kv_idx):
-        # Traced at int32 scalars; indices of another integer type, or arrays (a picture, a check
-        # in numpy), are cast and mapped over, as the function written for scalars would take them.
-        idx = jnp.broadcast_arrays(*(jnp.asarray(i).astype(jnp.int32) for i in (b, h, q_idx, kv_idx)))
-        fn = lambda *i: self.fn(*i, *self.consts)[0]  # noqa: E731
-        for _ in range(idx[0].ndim):
-            fn = jax.vmap(fn)
-        return fn(*idx)
+    def mask_mod(self, b, h, q_idx, kv_idx):  # any integer indices, arrays too (a picture, a numpy check)
+        return at_indices(self.fn, b, h, q_idx, kv_idx, *self.consts)
 
     def __repr__(self):
         return f"from_mask_mod({self.name})"
@@ -560,7 +559,7 @@ class _Evaluated(Mask):
     parts: tuple = ()  # block masks of its pieces (``ranges`` > 1), each within one range of keys a query
 
     def __repr__(self):
-        inner = {_FromFunction: lambda m: _shown(m.fn), _Hoisted: lambda m: m.name}.get(type(self.mask), repr)(self.mask)
+        inner = self.mask.name if isinstance(self.mask, (_FromFunction, _Hoisted)) else repr(self.mask)
         ranges = f", ranges={len(self.parts)}" if self.parts else ""
         return f"block_mask({inner}, {self.q_len}, {self.kv_len}{ranges})"
 
@@ -932,15 +931,16 @@ def from_mask_mod(mask_mod: Callable) -> Mask:
     """
     if not callable(mask_mod):
         raise TypeError(f"from_mask_mod: expected a callable mask_mod(b, h, q_idx, kv_idx), got {type(mask_mod).__name__}")
+    plain = _FromFunction(mask_mod)
     try:
-        fn, consts = _traced_mask_mod(mask_mod, "mask: `mask_mod`")
+        hoisted = plain.hoisted()
     except Exception:  # the call that uses the mask traces it again and names the error there
-        return _FromFunction(mask_mod)
-    if not _returns_a_bool(fn) or any(isinstance(c, jax.core.Tracer) for c in consts):
+        return plain
+    if not _returns_a_bool(hoisted.fn) or any(isinstance(c, jax.core.Tracer) for c in hoisted.consts):
         # A wrong result is refused where the mask is used; under a trace, the function as written
         # (shard_map's casts to varying kept).
-        return _FromFunction(mask_mod)
-    return _Hoisted(fn, tuple(jnp.asarray(c) for c in consts), _shown(mask_mod))
+        return plain
+    return hoisted
 
 
 def shifted(mask, q_offset=0, kv_offset=0, *, q_len: int | None = None, kv_len: int | None = None) -> Mask:

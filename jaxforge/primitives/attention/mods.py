@@ -566,6 +566,12 @@ def _indices(*idx):
     return [jnp.asarray(i, jnp.int32) for i in idx]
 
 
+def at_indices(fn: StaticFunction, b, h, q_idx, kv_idx, *consts):
+    """``fn(b, h, q_idx, kv_idx, *consts)[0]`` of a function traced at int32 scalars, at indices of
+    any integer type, broadcast arrays included (one element at a time): read as the plain function."""
+    return _elementwise(lambda *idx: fn(*idx, *consts)[0], *_indices(b, h, q_idx, kv_idx))
+
+
 def _apply(fn: StaticFunction, *args):
     """``fn(*args)[0]``; a kernel's consts held as refs are read at points (points.evaluate)."""
     return evaluate(fn, *args) if reads_refs(args) else fn(*args)[0]
